@@ -1,0 +1,61 @@
+# krafla: `make` builds the engine for this CPU; `make test` runs everything; `make serve` serves.
+PYTHON ?= python3
+VENV ?= .venv
+BUILD ?= build
+HAVE_AVX2 := $(shell grep -q avx2 /proc/cpuinfo 2>/dev/null && grep -q fma /proc/cpuinfo && grep -q f16c /proc/cpuinfo && echo yes)
+ISA ?= $(if $(HAVE_AVX2),avx2,generic)
+
+CC ?= gcc
+CFLAGS_COMMON := -std=c11 -O2 -fPIC -Wall -Wextra -Wno-unused-parameter -D_GNU_SOURCE -Iengine_c/include -pthread
+CFLAGS_generic := $(CFLAGS_COMMON)
+CFLAGS_avx2 := $(CFLAGS_COMMON) -mavx2 -mfma -mf16c -DKR_HAVE_AVX2=1
+CFLAGS_avx512 := $(CFLAGS_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -DKR_HAVE_AVX512=1
+
+SOURCES := $(wildcard engine_c/src/*.c)
+HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*.h)
+OBJECTS := $(patsubst engine_c/src/%.c,$(BUILD)/$(ISA)/obj/%.o,$(SOURCES))
+LIBRARY := $(BUILD)/$(ISA)/libkrafla.so
+
+.PHONY: all lib test test-reference serve venv clean print-library
+
+all: lib
+lib: $(LIBRARY)
+
+$(BUILD)/$(ISA)/obj/%.o: engine_c/src/%.c $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_$(ISA)) -c $< -o $@
+
+$(LIBRARY): $(OBJECTS)
+	$(CC) -shared -pthread -o $@ $(OBJECTS) -lm
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: lib venv
+	KRAFLA_ISA=$(ISA) $(VENV)/bin/python -m pytest -q tests --ignore=tests/reference
+
+# The heavy independent check: numpy reference against Hugging Face transformers.
+$(VENV)-reference/.installed: setup.py tests/reference/requirements.txt
+	$(PYTHON) -m venv $(VENV)-reference
+	$(VENV)-reference/bin/pip install -q --upgrade pip
+	$(VENV)-reference/bin/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(VENV)-reference/bin/pip install -q -r tests/reference/requirements.txt
+	touch $@
+
+test-reference: lib $(VENV)-reference/.installed
+	KRAFLA_ISA=$(ISA) KRAFLA_REFERENCE=1 $(VENV)-reference/bin/python -m pytest -q tests/reference
+
+serve: lib venv
+	$(VENV)/bin/krafla pull smollm2-135m
+	KRAFLA_ISA=$(ISA) $(VENV)/bin/twistd -n krafla
+
+clean:
+	rm -rf $(BUILD)
+
+print-library:
+	@echo $(LIBRARY)

@@ -1,0 +1,389 @@
+// file.c: open, validate and mmap a krafla container (.mlb / .mlt).
+//
+// The whole file is mapped read-only; the header, the metadata table and the tensor table are
+// parsed with a bounds-checked cursor, and every tensor's extent is checked against the file
+// before anything else may look at it. After kr_file_open succeeds, every pointer handed out
+// lies inside the mapping.
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HEADER_SIZE 40
+
+typedef struct {
+    char *key;
+    int32_t kind;
+    int64_t int_value;
+    double float_value;
+    char *str_value;        // NUL-terminated copy for KR_META_STR
+    uint32_t count;         // string length or array count
+    const uint8_t *array;   // KR_META_INTS / KR_META_FLOATS: raw little-endian values
+} meta_entry;
+
+struct kr_file {
+    char magic[8];
+    const uint8_t *map;
+    uint64_t size;
+    uint64_t data_offset;
+    int32_t n_meta;
+    int32_t n_tensors;
+    meta_entry *meta;
+    kr_tensor_info *tensors;
+    char path[256];
+};
+
+typedef struct {
+    const uint8_t *base;
+    uint64_t pos, end;
+} cursor;
+
+static const struct { const char *name; uint32_t block, block_bytes; } TYPES[KR_TYPE_COUNT] = {
+    [KR_F32] = {"f32", 1, 4},   [KR_F16] = {"f16", 1, 2}, [KR_BF16] = {"bf16", 1, 2},
+    [KR_Q8_0] = {"q8_0", 32, 34}, [KR_Q4_0] = {"q4_0", 32, 18}, [KR_I32] = {"i32", 1, 4},
+    [KR_U8] = {"u8", 1, 1},
+};
+
+uint64_t kr_type_size(int32_t type, uint64_t n_elements) {
+    if (type < 0 || type >= KR_TYPE_COUNT || n_elements % TYPES[type].block) return 0;
+    uint64_t bytes;
+    if (kr_mul_overflows(n_elements / TYPES[type].block, TYPES[type].block_bytes, &bytes)) return 0;
+    return bytes;
+}
+
+const char *kr_type_name(int32_t type) {
+    return type >= 0 && type < KR_TYPE_COUNT ? TYPES[type].name : "unknown";
+}
+
+static bool take(cursor *c, void *out, uint64_t n) {
+    if (n > c->end - c->pos) return false;
+    memcpy(out, c->base + c->pos, n);
+    c->pos += n;
+    return true;
+}
+
+// A length-prefixed (u16) name, copied and NUL-terminated. Names may not contain NUL.
+static char *take_name(cursor *c, kr_file *f, const char *what, kr_error *err) {
+    uint16_t length;
+    if (!take(c, &length, 2)) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: truncated in the %s table", f->path, what);
+        return NULL;
+    }
+    if (length == 0 || length > KR_MAX_NAME || length > c->end - c->pos) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %s name of %u bytes is empty, too long or runs past the end",
+                f->path, what, length);
+        return NULL;
+    }
+    if (memchr(c->base + c->pos, 0, length)) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %s name contains a NUL byte", f->path, what);
+        return NULL;
+    }
+    char *name = malloc(length + 1u);
+    if (!name) {
+        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", f->path);
+        return NULL;
+    }
+    take(c, name, length);
+    name[length] = '\0';
+    return name;
+}
+
+static int parse_meta(kr_file *f, cursor *c, kr_error *err) {
+    for (int32_t i = 0; i < f->n_meta; i++) {
+        meta_entry *m = &f->meta[i];
+        if (!(m->key = take_name(c, f, "metadata", err))) return err ? err->status : KR_ERR_FORMAT;
+        uint8_t kind;
+        if (!take(c, &kind, 1)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+        m->kind = kind;
+        switch (kind) {
+        case KR_META_INT:
+            if (!take(c, &m->int_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+            m->float_value = (double)m->int_value;
+            break;
+        case KR_META_FLOAT:
+            if (!take(c, &m->float_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+            m->int_value = (int64_t)m->float_value;
+            break;
+        case KR_META_STR:
+            if (!take(c, &m->count, 4) || m->count > c->end - c->pos)
+                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: string runs past the end", f->path, m->key);
+            if (!(m->str_value = malloc((size_t)m->count + 1)))
+                return kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", f->path);
+            take(c, m->str_value, m->count);
+            m->str_value[m->count] = '\0';
+            break;
+        case KR_META_INTS:
+        case KR_META_FLOATS:
+            if (!take(c, &m->count, 4) || (uint64_t)m->count * 8 > c->end - c->pos)
+                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: array of %u runs past the end", f->path,
+                               m->key, m->count);
+            m->array = c->base + c->pos;
+            c->pos += (uint64_t)m->count * 8;
+            break;
+        default:
+            return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: unknown kind %u", f->path, m->key, kind);
+        }
+    }
+    return KR_OK;
+}
+
+static int parse_tensors(kr_file *f, cursor *c, kr_error *err) {
+    for (int32_t i = 0; i < f->n_tensors; i++) {
+        kr_tensor_info *t = &f->tensors[i];
+        char *name = take_name(c, f, "tensor", err);
+        if (!name) return err ? err->status : KR_ERR_FORMAT;
+        t->name = name;
+        uint32_t type, n_dims;
+        if (!take(c, &type, 4) || !take(c, &n_dims, 4))
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
+        if (type >= KR_TYPE_COUNT) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: unknown type %u", f->path, name, type);
+        if (n_dims < 1 || n_dims > KR_MAX_DIMS)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %u dimensions (1 to %d allowed)", f->path, name, n_dims,
+                           KR_MAX_DIMS);
+        t->type = (int32_t)type;
+        t->n_dims = (int32_t)n_dims;
+        uint64_t count = 1;
+        for (uint32_t d = 0; d < n_dims; d++) {
+            if (!take(c, &t->dims[d], 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
+            if (t->dims[d] == 0 || t->dims[d] > (1ull << 40) || kr_mul_overflows(count, t->dims[d], &count))
+                return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: dimension %u is %llu", f->path, name, d,
+                               (unsigned long long)t->dims[d]);
+        }
+        if (t->dims[n_dims - 1] % TYPES[type].block)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: last dimension %llu is not a multiple of %s's block of %u",
+                           f->path, name, (unsigned long long)t->dims[n_dims - 1], TYPES[type].name, TYPES[type].block);
+        t->n_elements = count;
+        t->n_bytes = kr_type_size(t->type, count);
+        uint64_t offset, start, end;
+        if (!take(c, &offset, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
+        if (t->n_bytes == 0 || offset % KR_ALIGNMENT || kr_add_overflows(f->data_offset, offset, &start) ||
+            kr_add_overflows(start, t->n_bytes, &end) || end > f->size)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %llu bytes at data offset %llu lie outside the file",
+                           f->path, name, (unsigned long long)t->n_bytes, (unsigned long long)offset);
+        t->data = f->map + start;
+    }
+    return KR_OK;
+}
+
+kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
+    if (!path) {
+        kr_fail(err, KR_ERR_ARGUMENT, "no file path given");
+        return NULL;
+    }
+    kr_file *f = calloc(1, sizeof *f);
+    if (!f) {
+        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", path);
+        return NULL;
+    }
+    snprintf(f->path, sizeof f->path, "%s", path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        kr_fail(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        goto fail_fd;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        kr_fail(err, KR_ERR_IO, "%s: not a regular file", path);
+        goto fail_fd;
+    }
+    if ((uint64_t)st.st_size < HEADER_SIZE) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %lld bytes is too short for a krafla file", path, (long long)st.st_size);
+        goto fail_fd;
+    }
+    f->size = (uint64_t)st.st_size;
+    void *map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    fd = -1;
+    if (map == MAP_FAILED) {
+        kr_fail(err, KR_ERR_IO, "%s: cannot map: %s", path, strerror(errno));
+        goto fail;
+    }
+    f->map = map;
+
+    cursor c = {f->map, 0, f->size};
+    uint32_t version = 0, n_meta = 0, n_tensors = 0, reserved = 0;  // reserved: written as 0, ignored
+    uint64_t file_size = 0;
+    take(&c, f->magic, 8);
+    take(&c, &version, 4);
+    take(&c, &n_meta, 4);
+    take(&c, &n_tensors, 4);
+    take(&c, &reserved, 4);
+    (void)reserved;
+    take(&c, &f->data_offset, 8);
+    take(&c, &file_size, 8);
+    if (memcmp(f->magic, KR_MODEL_MAGIC, 8) && memcmp(f->magic, KR_TOKENIZER_MAGIC, 8)) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: not a krafla file (bad magic)", path);
+        goto fail;
+    }
+    if (magic && memcmp(f->magic, magic, 8)) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: expected a %s file", path,
+                memcmp(magic, KR_MODEL_MAGIC, 8) ? "tokenizer (.mlt)" : "model (.mlb)");
+        goto fail;
+    }
+    if (version != KR_FILE_VERSION) {
+        kr_fail(err, KR_ERR_UNSUPPORTED, "%s: file version %u, this krafla reads version %d", path, version,
+                KR_FILE_VERSION);
+        goto fail;
+    }
+    if (file_size != f->size) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: header says %llu bytes, file has %llu (truncated or padded)", path,
+                (unsigned long long)file_size, (unsigned long long)f->size);
+        goto fail;
+    }
+    if (n_meta > KR_MAX_ENTRIES || n_tensors > KR_MAX_ENTRIES) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %u metadata entries and %u tensors exceed the limit of %u", path, n_meta,
+                n_tensors, KR_MAX_ENTRIES);
+        goto fail;
+    }
+    if (f->data_offset % KR_ALIGNMENT || f->data_offset > f->size || f->data_offset < HEADER_SIZE) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: data offset %llu is misaligned or outside the file", path,
+                (unsigned long long)f->data_offset);
+        goto fail;
+    }
+    f->n_meta = (int32_t)n_meta;
+    f->n_tensors = (int32_t)n_tensors;
+    f->meta = calloc(n_meta ? n_meta : 1, sizeof *f->meta);
+    f->tensors = calloc(n_tensors ? n_tensors : 1, sizeof *f->tensors);
+    if (!f->meta || !f->tensors) {
+        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory for %u entries", path, n_meta + n_tensors);
+        goto fail;
+    }
+    c.end = f->data_offset;  // the tables must end before the data
+    if (parse_meta(f, &c, err) != KR_OK || parse_tensors(f, &c, err) != KR_OK) goto fail;
+    kr_ok(err);
+    return f;
+
+fail_fd:
+    if (fd >= 0) close(fd);
+fail:
+    kr_file_close(f);
+    return NULL;
+}
+
+void kr_file_close(kr_file *f) {
+    if (!f) return;
+    if (f->meta)
+        for (int32_t i = 0; i < f->n_meta; i++) {
+            free(f->meta[i].key);
+            free(f->meta[i].str_value);
+        }
+    if (f->tensors)
+        for (int32_t i = 0; i < f->n_tensors; i++) free((void *)f->tensors[i].name);
+    free(f->meta);
+    free(f->tensors);
+    if (f->map) munmap((void *)f->map, f->size);
+    free(f);
+}
+
+const char *kr_file_magic(const kr_file *f) { return f->magic; }
+uint64_t kr_file_size(const kr_file *f) { return f->size; }
+int32_t kr_file_n_meta(const kr_file *f) { return f->n_meta; }
+int32_t kr_file_n_tensors(const kr_file *f) { return f->n_tensors; }
+
+int kr_file_meta(const kr_file *f, int32_t index, const char **key, int32_t *kind, int64_t *int_value,
+                 double *float_value, const char **str_value, uint32_t *count, kr_error *err) {
+    if (!f || index < 0 || index >= f->n_meta)
+        return kr_fail(err, KR_ERR_ARGUMENT, "metadata index %d out of range", index);
+    const meta_entry *m = &f->meta[index];
+    if (key) *key = m->key;
+    if (kind) *kind = m->kind;
+    if (int_value) *int_value = m->int_value;
+    if (float_value) *float_value = m->float_value;
+    if (str_value) *str_value = m->str_value;
+    if (count) *count = m->count;
+    kr_ok(err);
+    return KR_OK;
+}
+
+int64_t kr_file_meta_int_at(const kr_file *f, int32_t index, uint32_t element) {
+    if (!f || index < 0 || index >= f->n_meta) return 0;
+    const meta_entry *m = &f->meta[index];
+    if (!m->array || element >= m->count) return 0;
+    if (m->kind == KR_META_FLOATS) return (int64_t)kr_file_meta_float_at(f, index, element);
+    int64_t v;
+    memcpy(&v, m->array + 8ull * element, 8);
+    return v;
+}
+
+double kr_file_meta_float_at(const kr_file *f, int32_t index, uint32_t element) {
+    if (!f || index < 0 || index >= f->n_meta) return 0;
+    const meta_entry *m = &f->meta[index];
+    if (!m->array || element >= m->count) return 0;
+    if (m->kind == KR_META_INTS) return (double)kr_file_meta_int_at(f, index, element);
+    double v;
+    memcpy(&v, m->array + 8ull * element, 8);
+    return v;
+}
+
+int32_t kr_file_find_meta(const kr_file *f, const char *key) {
+    if (!f || !key) return -1;
+    for (int32_t i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta[i].key, key)) return i;
+    return -1;
+}
+
+int kr_file_get_int(const kr_file *f, const char *key, int64_t fallback, int64_t *out, kr_error *err) {
+    int32_t i = kr_file_find_meta(f, key);
+    if (i < 0) {
+        *out = fallback;
+    } else if (f->meta[i].kind == KR_META_INT) {
+        *out = f->meta[i].int_value;
+    } else {
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be an integer", f->path, key);
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_file_get_float(const kr_file *f, const char *key, double fallback, double *out, kr_error *err) {
+    int32_t i = kr_file_find_meta(f, key);
+    if (i < 0) {
+        *out = fallback;
+    } else if (f->meta[i].kind == KR_META_FLOAT || f->meta[i].kind == KR_META_INT) {
+        *out = f->meta[i].float_value;
+    } else {
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be a number", f->path, key);
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_file_get_str(const kr_file *f, const char *key, const char *fallback, const char **out, kr_error *err) {
+    int32_t i = kr_file_find_meta(f, key);
+    if (i < 0) {
+        *out = fallback;
+    } else if (f->meta[i].kind == KR_META_STR) {
+        *out = f->meta[i].str_value;
+    } else {
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be a string", f->path, key);
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_file_tensor(const kr_file *f, int32_t index, kr_tensor_info *info, kr_error *err) {
+    if (!f || !info || index < 0 || index >= f->n_tensors)
+        return kr_fail(err, KR_ERR_ARGUMENT, "tensor index %d out of range", index);
+    *info = f->tensors[index];
+    kr_ok(err);
+    return KR_OK;
+}
+
+int32_t kr_file_find_tensor_index(const kr_file *f, const char *name) {
+    if (!f || !name) return -1;
+    for (int32_t i = 0; i < f->n_tensors; i++)
+        if (!strcmp(f->tensors[i].name, name)) return i;
+    return -1;
+}
+
+int kr_file_find_tensor(const kr_file *f, const char *name, kr_tensor_info *info, kr_error *err) {
+    int32_t i = kr_file_find_tensor_index(f, name);
+    if (i < 0) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s is missing", f ? f->path : "?", name ? name : "?");
+    return kr_file_tensor(f, i, info, err);
+}

@@ -1,0 +1,3 @@
+"""krafla: an OpenAI-compatible server for language models on your own CPU."""
+
+__version__ = "0.7.0"

