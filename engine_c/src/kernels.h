@@ -1,0 +1,77 @@
+// kernels.h: the numeric kernels forward.c calls. Internal to the library.
+//
+// Each kernel has a plain-C reference twin in quant_ref.c (suffix _ref) and an AVX2 version in
+// kernels_avx2.c (suffix _avx2). The unsuffixed name is the dispatch: the AVX2 version in an
+// ISA=avx2 build, the reference in ISA=generic.
+//
+// Reproducibility contract: the value computed for one (token, output row) pair depends only on
+// that token's activations and that row's weights, never on how many tokens are in the batch,
+// which rows a thread was given, or how the loops are tiled. So the reduction order over the
+// columns (K) is fixed per kernel and per ISA.
+#ifndef KRAFLA_KERNELS_H
+#define KRAFLA_KERNELS_H
+
+#include <assert.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#define KR_QK 32  // weights per q8_0 / q4_0 block
+
+typedef uint16_t kr_f16;
+
+typedef struct {
+    kr_f16 d;              // scale
+    int8_t q[KR_QK];       // weight = d * q
+} kr_block_q8_0;
+
+typedef struct {
+    kr_f16 d;              // scale
+    uint8_t q[KR_QK / 2];  // byte j: weight j (low nibble), weight j+16 (high nibble); w = d*(n-8)
+} kr_block_q4_0;
+
+static_assert(sizeof(kr_block_q8_0) == 2 + 32, "q8_0 block size");
+static_assert(sizeof(kr_block_q4_0) == 2 + 16, "q4_0 block size");
+
+// f16 <-> f32, IEEE round-to-nearest-even (bit-exact with F16C and numpy).
+float kr_f16_to_f32(kr_f16 h);
+kr_f16 kr_f32_to_f16(float f);
+float kr_bf16_to_f32(uint16_t h);
+
+// Quantize n floats (n a multiple of 32) to q8_0 exactly as ggml's quantize_row_q8_0_ref:
+// d = amax/127, q = round(x/d).
+void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n);
+void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n);
+void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n);
+
+// One row of any weight type to floats (embedding lookup, tests).
+void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
+
+// Prepared activations: what a matmul against weights of `weight_type` reads. For q8_0 and q4_0
+// weights each token's row is quantized to q8_0; for f32, f16 and bf16 weights the f32 rows are
+// used as they are. kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
+size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
+// Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
+void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
+                            int64_t token_begin, int64_t token_end);
+
+// out[t * out_stride + r] = sum_k W[r, k] * x[t, k] for t in [0, n_tokens), r in [row_begin, row_end).
+// W is (rows x cols) of weight_type in file layout; `prepared` comes from kr_prepare_activations.
+void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                   float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                    float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+               float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+
+// Small vector kernels for attention and norms (fixed reduction order as above).
+float kr_dot_f32_ref(const float *a, const float *b, int64_t n);
+float kr_dot_f32_avx2(const float *a, const float *b, int64_t n);
+float kr_dot_f32(const float *a, const float *b, int64_t n);
+float kr_dot_f16_f32_ref(const kr_f16 *a, const float *b, int64_t n);
+float kr_dot_f16_f32_avx2(const kr_f16 *a, const float *b, int64_t n);
+float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n);
+// y += a * x
+void kr_axpy_f32(float a, const float *x, float *y, int64_t n);
+void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n);
+
+#endif
