@@ -180,9 +180,11 @@ class _Cursor:
         return values
 
     def text(self, length, what):
-        if length > MAX_NAME:
-            raise FormatError(f"{self.path}: {what} of {length} bytes is over {MAX_NAME}")
+        if not 1 <= length <= MAX_NAME:
+            raise FormatError(f"{self.path}: {what} of {length} bytes (1 to {MAX_NAME} allowed)")
         (data,) = self.take(f"{length}s")
+        if b"\0" in data:
+            raise FormatError(f"{self.path}: {what} contains a NUL byte")
         try:
             return data.decode()
         except UnicodeDecodeError:
@@ -234,6 +236,8 @@ def parse(buf, path="<buffer>", magic=None):
             value = list(cursor.take(f"<{count}{'q' if kind == META_INTS else 'd'}"))
         else:
             raise FormatError(f"{path}: metadata {key}: unknown kind {kind}")
+        if key in container.metadata:
+            raise FormatError(f"{path}: metadata key {key} appears twice")
         container.metadata[key] = value
     for _ in range(n_tensors):
         (name_len,) = cursor.take("<H")
@@ -254,6 +258,8 @@ def parse(buf, path="<buffer>", magic=None):
             raise FormatError(f"{path}: tensor {name}: {e}") from None
         if offset % ALIGNMENT or data_offset + offset + nbytes > file_size:
             raise FormatError(f"{path}: tensor {name}: {nbytes} bytes at offset {offset} run past the end")
+        if name in container.tensors:
+            raise FormatError(f"{path}: tensor {name} appears twice")
         start = data_offset + offset
         data = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
         container.tensors[name] = Tensor(name, tensor_type, tuple(shape), data, offset)

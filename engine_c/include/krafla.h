@@ -88,6 +88,9 @@ int kr_file_meta(const kr_file *file, int32_t index, const char **key, int32_t *
                  uint32_t *str_length_or_count, kr_error *err);
 int64_t kr_file_meta_int_at(const kr_file *file, int32_t index, uint32_t element);
 double kr_file_meta_float_at(const kr_file *file, int32_t index, uint32_t element);
+// Copy all `count` values of an ints/floats entry (as int64_t or double, the entry's kind) to
+// `out`; `count` must equal the entry's count. KR_ERR_ARGUMENT for a bad index, kind or count.
+int kr_file_meta_array(const kr_file *file, int32_t index, void *out, uint32_t count, kr_error *err);
 // Index of a metadata key, or -1.
 int32_t kr_file_find_meta(const kr_file *file, const char *key);
 // Typed lookups with a default for a missing key; a present key of the wrong kind is an error.

@@ -68,7 +68,77 @@ static bool take(cursor *c, void *out, uint64_t n) {
     return true;
 }
 
-// A length-prefixed (u16) name, copied and NUL-terminated. Names may not contain NUL.
+// True when s[0..n) is well-formed UTF-8 (no overlong forms, surrogates or code points past
+// U+10FFFF), the same rule Python's strict decoder applies, so both readers accept the same names.
+static bool valid_utf8(const uint8_t *s, uint64_t n) {
+    uint64_t i = 0;
+    while (i < n) {
+        uint8_t b = s[i];
+        uint32_t extra, min;
+        if (b < 0x80) { i++; continue; }
+        if ((b & 0xE0) == 0xC0) { extra = 1; min = 0x80; }
+        else if ((b & 0xF0) == 0xE0) { extra = 2; min = 0x800; }
+        else if ((b & 0xF8) == 0xF0) { extra = 3; min = 0x10000; }
+        else return false;
+        if (extra > n - i - 1) return false;
+        uint32_t code = b & (0x3Fu >> extra);
+        for (uint32_t k = 1; k <= extra; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return false;
+            code = code << 6 | (s[i + k] & 0x3Fu);
+        }
+        if (code < min || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF)) return false;
+        i += extra + 1;
+    }
+    return true;
+}
+
+// The index of the first name that repeats an earlier one, or -1. An open-addressing hash set,
+// so a hostile file with 2^20 entries costs milliseconds rather than a quadratic scan.
+static int64_t first_duplicate(const char *const *names, size_t stride, int32_t n, kr_error *err, bool *failed) {
+    *failed = false;
+    if (n < 2) return -1;
+    size_t slots = 4;
+    while (slots < 2 * (size_t)n) slots *= 2;
+    int32_t *table = malloc(slots * sizeof *table);
+    if (!table) {
+        *failed = true;
+        kr_fail(err, KR_ERR_MEMORY, "out of memory checking %d names", n);
+        return -1;
+    }
+    memset(table, 0xFF, slots * sizeof *table);  // -1: empty
+    int64_t found = -1;
+    for (int32_t i = 0; i < n && found < 0; i++) {
+        const char *name = *(const char *const *)((const char *)names + (size_t)i * stride);
+        uint64_t hash = 1469598103934665603ull;  // FNV-1a
+        for (const char *p = name; *p; p++) hash = (hash ^ (uint8_t)*p) * 1099511628211ull;
+        size_t slot = hash & (slots - 1);
+        for (;;) {
+            int32_t other = table[slot];
+            if (other < 0) {
+                table[slot] = i;
+                break;
+            }
+            if (!strcmp(*(const char *const *)((const char *)names + (size_t)other * stride), name)) {
+                found = i;
+                break;
+            }
+            slot = (slot + 1) & (slots - 1);
+        }
+    }
+    free(table);
+    return found;
+}
+
+// A double as int64 without the undefined behaviour of casting NaN or an out-of-range value:
+// NaN gives 0, anything else saturates.
+static int64_t saturate_int64(double v) {
+    if (v != v) return 0;
+    if (v >= 9223372036854775807.0) return INT64_MAX;
+    if (v <= -9223372036854775808.0) return INT64_MIN;
+    return (int64_t)v;
+}
+
+// A length-prefixed (u16) name, copied and NUL-terminated. Names are UTF-8 without NUL.
 static char *take_name(cursor *c, kr_file *f, const char *what, kr_error *err) {
     uint16_t length;
     if (!take(c, &length, 2)) {
@@ -82,6 +152,10 @@ static char *take_name(cursor *c, kr_file *f, const char *what, kr_error *err) {
     }
     if (memchr(c->base + c->pos, 0, length)) {
         kr_fail(err, KR_ERR_FORMAT, "%s: %s name contains a NUL byte", f->path, what);
+        return NULL;
+    }
+    if (!valid_utf8(c->base + c->pos, length)) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %s name is not UTF-8", f->path, what);
         return NULL;
     }
     char *name = malloc(length + 1u);
@@ -108,7 +182,7 @@ static int parse_meta(kr_file *f, cursor *c, kr_error *err) {
             break;
         case KR_META_FLOAT:
             if (!take(c, &m->float_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
-            m->int_value = (int64_t)m->float_value;
+            m->int_value = saturate_int64(m->float_value);
             break;
         case KR_META_STR:
             if (!take(c, &m->count, 4) || m->count > c->end - c->pos)
@@ -246,6 +320,13 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
                 (unsigned long long)f->data_offset);
         goto fail;
     }
+    // Before allocating for the counts, check the tables could hold them: a metadata entry
+    // takes at least 8 bytes (an empty string) and a tensor entry at least 27 (1 dimension).
+    if ((uint64_t)n_meta * 8 + (uint64_t)n_tensors * 27 > f->data_offset - HEADER_SIZE) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %u metadata entries and %u tensors cannot fit in the %llu bytes before the data",
+                path, n_meta, n_tensors, (unsigned long long)(f->data_offset - HEADER_SIZE));
+        goto fail;
+    }
     f->n_meta = (int32_t)n_meta;
     f->n_tensors = (int32_t)n_tensors;
     f->meta = calloc(n_meta ? n_meta : 1, sizeof *f->meta);
@@ -256,6 +337,19 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     }
     c.end = f->data_offset;  // the tables must end before the data
     if (parse_meta(f, &c, err) != KR_OK || parse_tensors(f, &c, err) != KR_OK) goto fail;
+    bool failed;
+    int64_t dup = first_duplicate((const char *const *)&f->meta[0].key, sizeof *f->meta, f->n_meta, err, &failed);
+    if (failed) goto fail;
+    if (dup >= 0) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: metadata key %s appears twice", path, f->meta[dup].key);
+        goto fail;
+    }
+    dup = first_duplicate(&f->tensors[0].name, sizeof *f->tensors, f->n_tensors, err, &failed);
+    if (failed) goto fail;
+    if (dup >= 0) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s appears twice", path, f->tensors[dup].name);
+        goto fail;
+    }
     kr_ok(err);
     return f;
 
@@ -281,10 +375,10 @@ void kr_file_close(kr_file *f) {
     free(f);
 }
 
-const char *kr_file_magic(const kr_file *f) { return f->magic; }
-uint64_t kr_file_size(const kr_file *f) { return f->size; }
-int32_t kr_file_n_meta(const kr_file *f) { return f->n_meta; }
-int32_t kr_file_n_tensors(const kr_file *f) { return f->n_tensors; }
+const char *kr_file_magic(const kr_file *f) { return f ? f->magic : "\0\0\0\0\0\0\0\0"; }
+uint64_t kr_file_size(const kr_file *f) { return f ? f->size : 0; }
+int32_t kr_file_n_meta(const kr_file *f) { return f ? f->n_meta : 0; }
+int32_t kr_file_n_tensors(const kr_file *f) { return f ? f->n_tensors : 0; }
 
 int kr_file_meta(const kr_file *f, int32_t index, const char **key, int32_t *kind, int64_t *int_value,
                  double *float_value, const char **str_value, uint32_t *count, kr_error *err) {
@@ -305,7 +399,7 @@ int64_t kr_file_meta_int_at(const kr_file *f, int32_t index, uint32_t element) {
     if (!f || index < 0 || index >= f->n_meta) return 0;
     const meta_entry *m = &f->meta[index];
     if (!m->array || element >= m->count) return 0;
-    if (m->kind == KR_META_FLOATS) return (int64_t)kr_file_meta_float_at(f, index, element);
+    if (m->kind == KR_META_FLOATS) return saturate_int64(kr_file_meta_float_at(f, index, element));
     int64_t v;
     memcpy(&v, m->array + 8ull * element, 8);
     return v;
@@ -319,6 +413,19 @@ double kr_file_meta_float_at(const kr_file *f, int32_t index, uint32_t element) 
     double v;
     memcpy(&v, m->array + 8ull * element, 8);
     return v;
+}
+
+int kr_file_meta_array(const kr_file *f, int32_t index, void *out, uint32_t count, kr_error *err) {
+    if (!f || index < 0 || index >= f->n_meta)
+        return kr_fail(err, KR_ERR_ARGUMENT, "metadata index %d out of range", index);
+    const meta_entry *m = &f->meta[index];
+    if (!m->array) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s is not an array", m->key);
+    if (count != m->count)
+        return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s has %u values, not %u", m->key, m->count, count);
+    if (count && !out) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s: no output buffer", m->key);
+    if (count) memcpy(out, m->array, (size_t)count * 8);
+    kr_ok(err);
+    return KR_OK;
 }
 
 int32_t kr_file_find_meta(const kr_file *f, const char *key) {
