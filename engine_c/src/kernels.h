@@ -32,10 +32,26 @@ typedef struct {
 static_assert(sizeof(kr_block_q8_0) == 2 + 32, "q8_0 block size");
 static_assert(sizeof(kr_block_q4_0) == 2 + 16, "q4_0 block size");
 
-// f16 <-> f32, IEEE round-to-nearest-even (bit-exact with F16C and numpy).
+// f16 <-> f32, IEEE round-to-nearest-even (bit-exact with F16C and numpy; NaNs come out quiet,
+// payload kept, as F16C does).
 float kr_f16_to_f32(kr_f16 h);
 kr_f16 kr_f32_to_f16(float f);
+float kr_f16_to_f32_ref(kr_f16 h);
+kr_f16 kr_f32_to_f16_ref(float f);
 float kr_bf16_to_f32(uint16_t h);
+// Whole rows (KV cache f16 writes and reads).
+void kr_f16_to_f32_row(const kr_f16 *x, float *y, int64_t n);
+void kr_f32_to_f16_row(const float *x, kr_f16 *y, int64_t n);
+void kr_f16_to_f32_row_ref(const kr_f16 *x, float *y, int64_t n);
+void kr_f32_to_f16_row_ref(const float *x, kr_f16 *y, int64_t n);
+void kr_f16_to_f32_row_avx2(const kr_f16 *x, float *y, int64_t n);
+void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n);
+
+// The weight types kr_matmul and kr_dequantize_row handle (f32, f16, bf16, q8_0, q4_0): check a
+// tensor's type with this where it enters; the kernels themselves do not check.
+int kr_kernel_type_supported(int32_t type);
+// Bytes of one weight row of `cols` (cols a multiple of 32 for q8_0/q4_0), 0 for other types.
+size_t kr_weight_row_bytes(int32_t type, int64_t cols);
 
 // Quantize n floats (n a multiple of 32) to q8_0 exactly as ggml's quantize_row_q8_0_ref:
 // d = amax/127, q = round(x/d).
@@ -50,9 +66,14 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
 // weights each token's row is quantized to q8_0; for f32, f16 and bf16 weights the f32 rows are
 // used as they are. kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
+size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token's share
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end);
+// The same with a chosen q8_0 quantizer (tests run the reference and the AVX2 one separately).
+void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
+                                 int64_t token_begin, int64_t token_end,
+                                 void (*quantize)(const float *, kr_block_q8_0 *, int64_t));
 
 // out[t * out_stride + r] = sum_k W[r, k] * x[t, k] for t in [0, n_tokens), r in [row_begin, row_end).
 // W is (rows x cols) of weight_type in file layout; `prepared` comes from kr_prepare_activations.
@@ -70,8 +91,20 @@ float kr_dot_f32(const float *a, const float *b, int64_t n);
 float kr_dot_f16_f32_ref(const kr_f16 *a, const float *b, int64_t n);
 float kr_dot_f16_f32_avx2(const kr_f16 *a, const float *b, int64_t n);
 float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n);
-// y += a * x
+// y += a * x, one fmaf per element
 void kr_axpy_f32(float a, const float *x, float *y, int64_t n);
 void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n);
+void kr_axpy_f32_ref(float a, const float *x, float *y, int64_t n);
+void kr_axpy_f16_f32_ref(float a, const kr_f16 *x, float *y, int64_t n);
+void kr_axpy_f32_avx2(float a, const float *x, float *y, int64_t n);
+void kr_axpy_f16_f32_avx2(float a, const kr_f16 *x, float *y, int64_t n);
+
+// The pieces of the fixed reduction order (quant_ref.c explains it): the horizontal sum of 8
+// lanes, and the exact integer sums of one block pair, 4 products per lane.
+float kr_lanes_sum(const float lanes[8]);
+void kr_block_lanes_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
+void kr_block_lanes_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
+void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
+void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
 
 #endif

@@ -1,0 +1,309 @@
+// quant_ref.c: the plain-C reference for every kernel in kernels.h (suffix _ref).
+//
+// These are the definition of what each kernel computes, down to the order of the float
+// operations: the AVX2 versions in kernels_avx2.c follow the same order, so the two agree bit for
+// bit (tests/test_kernels.py checks that), and a generic build gives the same logits as an avx2 one.
+//
+// The reduction order over K, shared by every dot product here (see kr_lanes_sum):
+//   - 8 lanes: lane l accumulates, with one fused multiply-add per step, the terms whose index
+//     (element for float types, group of 4 elements for q8_0/q4_0 blocks) is l modulo 8;
+//   - the lanes are added as ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), the order an AVX2
+//     horizontal sum (high half + low half, then movehl, then the last pair) produces;
+//   - a float tail (n not a multiple of 8) is then added element by element with fmaf.
+// For q8_0 x q8_0 and q4_0 x q8_0 each lane of a block holds the exact integer sum of 4 products;
+// lane += (d_weight * d_activation) * (float)integer_sum, one fmaf per lane per block.
+#include "kernels.h"
+#include "krafla.h"
+
+#include <math.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// f16 / bf16 conversions (IEEE binary16, round to nearest even; NaNs are quieted like F16C does)
+
+static inline uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+float kr_f16_to_f32_ref(kr_f16 h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    if (exponent == 0x1f) {
+        // inf, or NaN with the quiet bit set and the payload kept
+        return bits_float(sign | 0x7f800000u | (mantissa ? (0x400000u | (mantissa << 13)) : 0));
+    }
+    if (exponent == 0) {
+        if (mantissa == 0) return bits_float(sign);
+        // subnormal: mantissa * 2^-24, normalised into a float
+        exponent = 113;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        return bits_float(sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13));
+    }
+    return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+kr_f16 kr_f32_to_f16_ref(float f) {
+    uint32_t x = float_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t magnitude = x & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (kr_f16)(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
+    if (magnitude >= 0x477ff000u) return (kr_f16)(sign | 0x7c00u);  // >= 65520 rounds to inf
+    uint32_t exponent = magnitude >> 23;
+    if (exponent < 113) {
+        // result is subnormal (or rounds up to the smallest normal): round(value * 2^24)
+        if (exponent < 102) return (kr_f16)sign;  // below 2^-25: rounds to zero
+        uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126 - exponent;  // 14..24
+        uint32_t q = mantissa >> shift;
+        uint32_t rest = mantissa & ((1u << shift) - 1);
+        uint32_t half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (q & 1))) q++;
+        return (kr_f16)(sign | q);
+    }
+    // normal: rebias the exponent, round the 13 dropped mantissa bits (a carry may bump the
+    // exponent, which is the right result)
+    uint32_t value = ((exponent - 112) << 10) | ((magnitude >> 13) & 0x3ffu);
+    uint32_t rest = magnitude & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (value & 1))) value++;
+    return (kr_f16)(sign | value);
+}
+
+float kr_bf16_to_f32(uint16_t h) { return bits_float((uint32_t)h << 16); }
+
+void kr_f16_to_f32_row_ref(const kr_f16 *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = kr_f16_to_f32_ref(x[i]);
+}
+
+void kr_f32_to_f16_row_ref(const float *x, kr_f16 *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = kr_f32_to_f16_ref(x[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8_0 quantization (ggml's quantize_row_q8_0_ref)
+
+void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n) {
+    int64_t n_blocks = n / KR_QK;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const float *xb = x + b * KR_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < KR_QK; j++) {
+            float v = fabsf(xb[j]);
+            amax = amax > v ? amax : v;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = kr_f32_to_f16_ref(d);
+        for (int j = 0; j < KR_QK; j++) y[b].q[j] = (int8_t)roundf(xb[j] * id);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization
+
+void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
+    switch (type) {
+    case KR_F32:
+        memcpy(out, row, (size_t)n * sizeof(float));
+        break;
+    case KR_F16:
+        kr_f16_to_f32_row(row, out, n);
+        break;
+    case KR_BF16: {
+        const uint16_t *h = row;
+        for (int64_t i = 0; i < n; i++) out[i] = kr_bf16_to_f32(h[i]);
+        break;
+    }
+    case KR_Q8_0: {
+        const kr_block_q8_0 *blocks = row;
+        for (int64_t b = 0; b < n / KR_QK; b++) {
+            const float d = kr_f16_to_f32(blocks[b].d);
+            for (int j = 0; j < KR_QK; j++) out[b * KR_QK + j] = d * (float)blocks[b].q[j];
+        }
+        break;
+    }
+    case KR_Q4_0: {
+        const kr_block_q4_0 *blocks = row;
+        for (int64_t b = 0; b < n / KR_QK; b++) {
+            const float d = kr_f16_to_f32(blocks[b].d);
+            for (int j = 0; j < KR_QK / 2; j++) {
+                out[b * KR_QK + j] = d * (float)((blocks[b].q[j] & 0x0f) - 8);
+                out[b * KR_QK + j + KR_QK / 2] = d * (float)((blocks[b].q[j] >> 4) - 8);
+            }
+        }
+        break;
+    }
+    default:
+        // kr_kernel_type_supported() is checked where a tensor's type enters; nothing to do here
+        break;
+    }
+}
+
+int kr_kernel_type_supported(int32_t type) {
+    return type == KR_F32 || type == KR_F16 || type == KR_BF16 || type == KR_Q8_0 || type == KR_Q4_0;
+}
+
+size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
+    switch (type) {
+    case KR_F32: return (size_t)cols * 4;
+    case KR_F16:
+    case KR_BF16: return (size_t)cols * 2;
+    case KR_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
+    case KR_Q4_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q4_0);
+    default: return 0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prepared activations
+
+static int activations_are_q8(int32_t weight_type) { return weight_type == KR_Q8_0 || weight_type == KR_Q4_0; }
+
+size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
+    return activations_are_q8(weight_type) ? (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0) : (size_t)cols * sizeof(float);
+}
+
+size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) {
+    return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
+}
+
+void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
+                                 int64_t token_begin, int64_t token_end,
+                                 void (*quantize)(const float *, kr_block_q8_0 *, int64_t)) {
+    const size_t row_bytes = kr_activation_row_bytes(weight_type, cols);
+    for (int64_t t = token_begin; t < token_end; t++) {
+        char *dst = (char *)prepared + (size_t)t * row_bytes;
+        if (activations_are_q8(weight_type)) {
+            quantize(x + t * cols, (kr_block_q8_0 *)dst, cols);
+        } else {
+            memcpy(dst, x + t * cols, row_bytes);
+        }
+    }
+}
+
+void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
+                            int64_t token_begin, int64_t token_end) {
+    kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, kr_quantize_row_q8_0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products in the shared reduction order
+
+float kr_lanes_sum(const float lanes[8]) {
+    const float s0 = lanes[0] + lanes[4], s1 = lanes[1] + lanes[5];
+    const float s2 = lanes[2] + lanes[6], s3 = lanes[3] + lanes[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+// Integer sums of one block pair, 4 products per lane: lanes[l] = sum_{j=4l}^{4l+3} w_j * a_j.
+void kr_block_lanes_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
+    for (int l = 0; l < 8; l++) {
+        int32_t s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; j++) s += (int32_t)w->q[j] * (int32_t)a->q[j];
+        lanes[l] = s;
+    }
+}
+
+void kr_block_lanes_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
+    for (int l = 0; l < 8; l++) {
+        int32_t s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; j++) {
+            const int weight = j < 16 ? (w->q[j] & 0x0f) - 8 : (w->q[j - 16] >> 4) - 8;
+            s += weight * (int32_t)a->q[j];
+        }
+        lanes[l] = s;
+    }
+}
+
+static float dot_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int64_t n_blocks) {
+    float lanes[8] = {0};
+    int32_t sums[8];
+    for (int64_t b = 0; b < n_blocks; b++) {
+        kr_block_lanes_q8_0_ref(&w[b], &a[b], sums);
+        const float d = kr_f16_to_f32_ref(w[b].d) * kr_f16_to_f32_ref(a[b].d);
+        for (int l = 0; l < 8; l++) lanes[l] = fmaf(d, (float)sums[l], lanes[l]);
+    }
+    return kr_lanes_sum(lanes);
+}
+
+static float dot_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int64_t n_blocks) {
+    float lanes[8] = {0};
+    int32_t sums[8];
+    for (int64_t b = 0; b < n_blocks; b++) {
+        kr_block_lanes_q4_0_ref(&w[b], &a[b], sums);
+        const float d = kr_f16_to_f32_ref(w[b].d) * kr_f16_to_f32_ref(a[b].d);
+        for (int l = 0; l < 8; l++) lanes[l] = fmaf(d, (float)sums[l], lanes[l]);
+    }
+    return kr_lanes_sum(lanes);
+}
+
+float kr_dot_f32_ref(const float *a, const float *b, int64_t n) {
+    float lanes[8] = {0};
+    const int64_t n8 = n - n % 8;
+    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(a[k], b[k], lanes[k % 8]);
+    float sum = kr_lanes_sum(lanes);
+    for (int64_t k = n8; k < n; k++) sum = fmaf(a[k], b[k], sum);
+    return sum;
+}
+
+float kr_dot_f16_f32_ref(const kr_f16 *a, const float *b, int64_t n) {
+    float lanes[8] = {0};
+    const int64_t n8 = n - n % 8;
+    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(kr_f16_to_f32_ref(a[k]), b[k], lanes[k % 8]);
+    float sum = kr_lanes_sum(lanes);
+    for (int64_t k = n8; k < n; k++) sum = fmaf(kr_f16_to_f32_ref(a[k]), b[k], sum);
+    return sum;
+}
+
+static float dot_bf16_f32_ref(const uint16_t *a, const float *b, int64_t n) {
+    float lanes[8] = {0};
+    const int64_t n8 = n - n % 8;
+    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(kr_bf16_to_f32(a[k]), b[k], lanes[k % 8]);
+    float sum = kr_lanes_sum(lanes);
+    for (int64_t k = n8; k < n; k++) sum = fmaf(kr_bf16_to_f32(a[k]), b[k], sum);
+    return sum;
+}
+
+void kr_axpy_f32_ref(float a, const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+void kr_axpy_f16_f32_ref(float a, const kr_f16 *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, kr_f16_to_f32_ref(x[i]), y[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matmul: one dot product per (token, row), in the order above
+
+void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                   float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const size_t w_row_bytes = kr_weight_row_bytes(weight_type, cols);
+    const size_t a_row_bytes = kr_activation_row_bytes(weight_type, cols);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const void *a = (const char *)prepared + (size_t)t * a_row_bytes;
+        for (int64_t r = row_begin; r < row_end; r++) {
+            const void *wr = (const char *)w + (size_t)r * w_row_bytes;
+            float value = 0.0f;
+            switch (weight_type) {
+            case KR_F32: value = kr_dot_f32_ref(wr, a, cols); break;
+            case KR_F16: value = kr_dot_f16_f32_ref(wr, a, cols); break;
+            case KR_BF16: value = dot_bf16_f32_ref(wr, a, cols); break;
+            case KR_Q8_0: value = dot_q8_0_ref(wr, a, cols / KR_QK); break;
+            case KR_Q4_0: value = dot_q4_0_ref(wr, a, cols / KR_QK); break;
+            default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
+            }
+            out[t * out_stride + r] = value;
+        }
+    }
+}
