@@ -1,0 +1,227 @@
+"""Tiny random-weight models in the .mlb format, for tests of every architecture.
+
+`write_tiny_model(path, arch, seed=..., weight_type=..., **shape)` writes a model with exactly
+the metadata keys and tensor names docs/formats.md lists for llama, qwen2 and gemma3, with
+weights drawn from a seeded generator and scaled so activations stay near unit size through
+the layers (matrices N(0, 1/fan_in), norm weights near 1, small biases). Matrices are stored in
+`weight_type`; norms and biases are f32, as the converter writes them. With q4_0, the output
+head (or the tied embedding) is q8_0, as `krafla convert --type q4_0` does.
+"""
+
+import math
+
+import numpy as np
+
+from krafla_twisted import formats
+
+ARCHS = ("llama", "qwen2", "gemma3")
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+QUANTIZED = ("q8_0", "q4_0")
+
+# Shapes small enough that a numpy forward pass takes milliseconds, yet with GQA, an odd vocab
+# and (gemma3) a head width that differs from dim / n_heads.
+DEFAULT_SHAPES = {
+    "llama": dict(n_vocab=67, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, max_seq=128),
+    "qwen2": dict(n_vocab=71, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq=128),
+    "gemma3": dict(n_vocab=73, dim=64, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
+}
+
+# Hyperparameters each architecture's real models use; any can be overridden by keyword.
+DEFAULT_HYPERPARAMETERS = {
+    "llama": dict(norm_eps=1e-5, rope_theta=10000.0, rope_style="norm", activation="silu", tied_embeddings=0),
+    "qwen2": dict(norm_eps=1e-6, rope_theta=1000000.0, rope_style="neox", activation="silu", tied_embeddings=1),
+    "gemma3": dict(norm_eps=1e-6, rope_theta=1000000.0, rope_theta_local=10000.0, rope_style="neox",
+                   activation="gelu_tanh", tied_embeddings=1, sliding_window=6, sliding_window_pattern=2),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Quantization: ggml's reference quantizers (quantize_row_q8_0_ref / _q4_0_ref) in numpy.
+
+def _round_half_away(values):
+    """C's roundf: halves go away from zero (numpy's round goes to even)."""
+    values = values.astype(np.float64)
+    return np.sign(values) * np.floor(np.abs(values) + 0.5)
+
+
+def quantize_q8_0(weights):
+    """(..., k) float32 with k % 32 == 0 -> raw q8_0 bytes, rows concatenated."""
+    blocks = np.asarray(weights, dtype=np.float32).reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    d = amax / np.float32(127)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = _round_half_away(blocks * inverse[:, None]).astype(np.int8)
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:] = q.view(np.uint8)
+    return out.reshape(-1)
+
+
+def quantize_q4_0(weights):
+    """(..., k) float32 with k % 32 == 0 -> raw q4_0 bytes, rows concatenated."""
+    blocks = np.asarray(weights, dtype=np.float32).reshape(-1, 32)
+    # The signed value of largest magnitude, the first one on ties, as ggml picks it.
+    peak = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+    d = peak / np.float32(-8)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    # (int8_t)(x * id + 8.5f): the argument is at least 0.5, so truncation is floor.
+    nibbles = np.minimum(15, np.floor(blocks * inverse[:, None] + np.float32(8.5))).astype(np.uint8)
+    out = np.empty((len(blocks), 18), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:] = nibbles[:, :16] | (nibbles[:, 16:] << 4)
+    return out.reshape(-1)
+
+
+def to_bf16(weights):
+    """float32 -> raw bf16 bytes, rounding to nearest even (finite inputs)."""
+    bits = np.asarray(weights, dtype=np.float32).reshape(-1).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16).view(np.uint8)
+
+
+def encode(weights, type_name):
+    """float32 weights -> (formats.TensorType, data for Container.add) in `type_name`."""
+    tensor_type = formats.TENSOR_TYPES_BY_NAME[type_name]
+    weights = np.asarray(weights, dtype=np.float32)
+    if type_name in ("f32", "f16"):
+        return tensor_type, weights
+    if type_name == "bf16":
+        return tensor_type, to_bf16(weights)
+    if type_name == "q8_0":
+        return tensor_type, quantize_q8_0(weights)
+    if type_name == "q4_0":
+        return tensor_type, quantize_q4_0(weights)
+    raise ValueError(f"cannot store weights as {type_name}")
+
+
+# ------------------------------------------------------------------------------------------
+# Models
+
+def _check_shape(arch, weight_type, shape):
+    for key, value in shape.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"tiny {arch}: {key} must be a positive integer, got {value!r}")
+    if shape["n_heads"] % shape["n_kv_heads"]:
+        raise ValueError(f"tiny {arch}: n_heads {shape['n_heads']} is not a multiple of n_kv_heads {shape['n_kv_heads']}")
+    if shape["head_dim"] % 2:
+        raise ValueError(f"tiny {arch}: head_dim {shape['head_dim']} must be even for RoPE")
+    if weight_type in QUANTIZED:
+        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
+                  "ffn_dim": shape["ffn_dim"]}
+        for key, value in inputs.items():
+            if value % 32:
+                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 32 for {weight_type}")
+
+
+def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
+    """The formats.Container of a tiny model (see write_tiny_model)."""
+    if arch not in ARCHS:
+        raise ValueError(f"tiny models are {', '.join(ARCHS)}, not {arch!r}")
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight_type is one of {', '.join(WEIGHT_TYPES)}, not {weight_type!r}")
+    shape = dict(DEFAULT_SHAPES[arch])
+    shape.update({k: overrides.pop(k) for k in list(overrides) if k in shape})
+    _check_shape(arch, weight_type, shape)
+    hyper = dict(DEFAULT_HYPERPARAMETERS[arch])
+    hyper.update(overrides)
+    output_type = hyper.pop("output_type", "q8_0" if weight_type == "q4_0" else weight_type)
+    pattern = hyper.pop("sliding_window_pattern", 0)
+    rng = np.random.default_rng(seed)
+
+    n_vocab, dim, n_layers = shape["n_vocab"], shape["dim"], shape["n_layers"]
+    n_heads, n_kv_heads, head_dim, ffn_dim = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"], shape["ffn_dim"]
+    sliding_window = hyper.pop("sliding_window", 0)
+    # gemma3: layer i is full attention when (i + 1) is a multiple of the pattern, else sliding.
+    layer_types = hyper.pop("layer_types", None)
+    if layer_types is None:
+        layer_types = [0 if not pattern or (i + 1) % pattern == 0 else 1 for i in range(n_layers)]
+    if len(layer_types) != n_layers:
+        raise ValueError(f"tiny {arch}: {len(layer_types)} layer_types for {n_layers} layers")
+    tied = int(hyper.pop("tied_embeddings"))
+    rope_theta = float(hyper.pop("rope_theta"))
+
+    metadata = {
+        "arch": arch,
+        "name": hyper.pop("name", f"tiny-{arch}-{weight_type}-seed{seed}"),
+        "n_vocab": n_vocab, "dim": dim, "n_layers": n_layers,
+        "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+        "ffn_dim": ffn_dim, "max_seq": shape["max_seq"],
+        "norm_eps": float(hyper.pop("norm_eps")),
+        "rope_theta": rope_theta,
+        "rope_theta_local": float(hyper.pop("rope_theta_local", rope_theta)),
+        "rope_scale": float(hyper.pop("rope_scale", 1.0)),
+        "rope_style": hyper.pop("rope_style"),
+        "rope_dims": int(hyper.pop("rope_dims", head_dim)),
+        "activation": hyper.pop("activation"),
+        "tied_embeddings": tied,
+        "embedding_scale": float(hyper.pop("embedding_scale", math.sqrt(dim) if arch == "gemma3" else 1.0)),
+        "attn_scale": float(hyper.pop("attn_scale", 1.0 / math.sqrt(head_dim))),
+        "sliding_window": int(sliding_window),
+        "layer_types": [int(t) for t in layer_types],
+        "attn_softcap": float(hyper.pop("attn_softcap", 0.0)),
+        "final_softcap": float(hyper.pop("final_softcap", 0.0)),
+    }
+    if hyper:
+        raise ValueError(f"tiny {arch}: unknown settings {sorted(hyper)}")
+
+    container = formats.Container(formats.MODEL_MAGIC, metadata)
+
+    def matrix(name, rows, cols, type_name=weight_type):
+        weights = rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(math.sqrt(cols))
+        container.add(name, *_encoded(weights, type_name, (rows, cols)))
+
+    def vector(name, size, center, spread):
+        values = (center + spread * rng.standard_normal(size)).astype(np.float32)
+        container.add(name, formats.F32, (size,), values)
+
+    # Embedding rows N(0, 1/dim), like any matrix with `dim` inputs: tied logits then have unit
+    # spread, and gemma3's embedding_scale (√dim) brings its rows to unit RMS.
+    embedding = rng.standard_normal((n_vocab, dim), dtype=np.float32) / np.float32(math.sqrt(dim))
+    container.add("token_embd.weight", *_encoded(embedding, output_type if tied else weight_type, (n_vocab, dim)))
+    vector("output_norm.weight", dim, 1.0, 0.1)
+    if not tied:
+        matrix("output.weight", n_vocab, dim, output_type)
+    q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+    for layer in range(n_layers):
+        prefix = f"blk.{layer}."
+        vector(prefix + "attn_norm.weight", dim, 1.0, 0.1)
+        matrix(prefix + "attn_q.weight", q_rows, dim)
+        matrix(prefix + "attn_k.weight", kv_rows, dim)
+        matrix(prefix + "attn_v.weight", kv_rows, dim)
+        if arch == "qwen2":
+            vector(prefix + "attn_q.bias", q_rows, 0.0, 0.1)
+            vector(prefix + "attn_k.bias", kv_rows, 0.0, 0.1)
+            vector(prefix + "attn_v.bias", kv_rows, 0.0, 0.1)
+        if arch == "gemma3":
+            vector(prefix + "attn_q_norm.weight", head_dim, 1.0, 0.1)
+            vector(prefix + "attn_k_norm.weight", head_dim, 1.0, 0.1)
+        matrix(prefix + "attn_output.weight", dim, q_rows)
+        if arch == "gemma3":
+            vector(prefix + "post_attention_norm.weight", dim, 1.0, 0.1)
+        vector(prefix + "ffn_norm.weight", dim, 1.0, 0.1)
+        matrix(prefix + "ffn_gate.weight", ffn_dim, dim)
+        matrix(prefix + "ffn_up.weight", ffn_dim, dim)
+        matrix(prefix + "ffn_down.weight", dim, ffn_dim)
+        if arch == "gemma3":
+            vector(prefix + "post_ffw_norm.weight", dim, 1.0, 0.1)
+    return container
+
+
+def _encoded(weights, type_name, shape):
+    tensor_type, data = encode(weights, type_name)
+    return tensor_type, shape, data
+
+
+def write_tiny_model(path, arch, *, seed, weight_type="f32", **overrides):
+    """Write a tiny random `arch` model (llama, qwen2, gemma3) to `path`; returns its Container.
+
+    Shape keywords (n_vocab, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq)
+    default to DEFAULT_SHAPES[arch]. Any metadata key of docs/formats.md can be overridden
+    (rope_theta=..., tied_embeddings=0, layer_types=[...], ...), plus `output_type` (the type of
+    the output head or tied embedding) and, for gemma3, `sliding_window_pattern` (every Nth
+    layer is full attention, the rest sliding; 0 makes all layers full). The same arguments
+    always give the same file.
+    """
+    container = tiny_model_container(arch, seed=seed, weight_type=weight_type, **overrides)
+    formats.write(path, container)
+    return container
