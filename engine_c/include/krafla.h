@@ -108,6 +108,93 @@ int32_t kr_file_find_tensor_index(const kr_file *file, const char *name);
 uint64_t kr_type_size(int32_t type, uint64_t n_elements);
 const char *kr_type_name(int32_t type);
 
+// ---------------------------------------------------------------------------------------------
+// --- Model and session (model.c, forward.c, threads.c; owner: engine)
+//
+// A kr_model maps a .mlb file, validates every hyperparameter and binds every tensor (type and
+// shape checked), and owns a pool of n_threads threads (the caller plus n_threads - 1 workers).
+// A kr_session owns a KV cache of n_ctx positions and the scratch for n_batch tokens per step.
+// A model may have several sessions, but only one may be inside kr_session_eval at a time (a
+// second concurrent call fails with KR_ERR_STATE); free every session before closing its model.
+
+typedef struct kr_model kr_model;
+typedef struct kr_session kr_session;
+
+typedef enum { KR_ROPE_NORM = 0, KR_ROPE_NEOX = 1 } kr_rope_style;
+typedef enum { KR_ACT_SILU = 0, KR_ACT_GELU_TANH = 1 } kr_activation;
+
+typedef struct {
+    char arch[16];               // "llama", "qwen2", "gemma3"
+    char name[128];              // metadata `name`, "" if absent
+    int32_t n_vocab, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq;
+    int32_t rope_dims, rope_style, activation, tied_embeddings, sliding_window;
+    int32_t n_sliding_layers;    // layers with layer_types[i] == 1
+    int32_t weight_type;         // kr_type of blk.0.attn_q.weight (for display)
+    int32_t output_type;         // kr_type of the output head
+    int32_t n_threads;
+    float norm_eps, rope_theta, rope_theta_local, rope_scale, embedding_scale, attn_scale;
+    float attn_softcap, final_softcap;
+    uint64_t n_params;           // elements in all tensors
+    uint64_t n_bytes;            // bytes of all tensors
+} kr_model_info;
+
+// Open `path` (a .mlb) with a pool of n_threads (1..256). NULL and err filled on any problem:
+// a missing or malformed key, an unsupported architecture, a tensor of the wrong type or shape.
+kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err);
+void kr_model_close(kr_model *model);
+int kr_model_get_info(const kr_model *model, kr_model_info *info, kr_error *err);
+// The container the model was read from (metadata access through kr_file_*); owned by the model.
+const kr_file *kr_model_file(const kr_model *model);
+
+// n_ctx: positions in the KV cache (0 = the model's max_seq, at most 4096); kv_type KR_F32 or
+// KR_F16; n_batch: tokens per forward step (1..65536, clamped to n_ctx).
+kr_session *kr_session_new(kr_model *model, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
+void kr_session_free(kr_session *session);
+// Run tokens[0..n) at positions n_tokens.. in steps of n_batch; write the last token's logits
+// (n_vocab floats) to logits_out unless it is NULL. Token ids outside [0, n_vocab) are
+// KR_ERR_ARGUMENT and tokens past n_ctx are KR_ERR_CONTEXT, both checked before any work, so a
+// failed call leaves the session unchanged.
+int kr_session_eval(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
+// Forget every position from n_tokens on (0 <= n_tokens <= kr_session_n_tokens).
+int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
+int32_t kr_session_n_tokens(const kr_session *session);
+int32_t kr_session_n_ctx(const kr_session *session);
+int32_t kr_session_n_batch(const kr_session *session);
+int32_t kr_session_kv_type(const kr_session *session);
+// --- end Model and session
+
+// ---------------------------------------------------------------------------------------------
+// --- Sampler (sampler.c; owner: generate)
+//
+// Repeat penalty over the last repeat_last_n history tokens (a positive logit is divided by the
+// penalty, a negative one multiplied; each distinct id once), then greedy when temperature is 0,
+// top_k is 1 or top_p is 0 (ties to the lowest id), else softmax(logits / temperature) -> top-k
+// -> top-p -> one draw from a xoshiro256** stream seeded with `seed`. Deterministic: the result
+// depends only on the arguments and on how many draws this sampler made before.
+
+typedef struct kr_sampler kr_sampler;
+
+typedef struct {
+    float temperature;     // >= 0; 0 = greedy
+    float top_p;           // 0..1; 1 = off
+    int32_t top_k;         // >= 0; 0 = off
+    float repeat_penalty;  // > 0; 1 = off
+    int32_t repeat_last_n; // >= 0, or -1 for the whole history; 0 = off
+    uint64_t seed;
+} kr_sampler_params;
+
+// A sampler over n_vocab tokens; NULL and err filled for a bad parameter (named in the message).
+kr_sampler *kr_sampler_new(const kr_sampler_params *params, int32_t n_vocab, kr_error *err);
+void kr_sampler_free(kr_sampler *sampler);
+// Choose the next token from logits[0..n_logits) (n_logits must be n_vocab) given the history
+// (prompt and reply so far, oldest first; only its tail is used). NaN or +inf logits, all -inf,
+// or history ids outside the vocabulary are KR_ERR_ARGUMENT. The caller's logits are not changed.
+int kr_sampler_sample(kr_sampler *sampler, const float *logits, int32_t n_logits, const int32_t *history,
+                      int32_t n_history, int32_t *token_out, kr_error *err);
+// Restart the random stream as if the sampler were new with this seed.
+int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
+// --- end Sampler
+
 #ifdef __cplusplus
 }
 #endif

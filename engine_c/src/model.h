@@ -1,0 +1,63 @@
+// model.h: the loaded model and the thread pool, shared by model.c, forward.c and threads.c.
+// Internal to the library (owner: engine).
+#ifndef KRAFLA_MODEL_H
+#define KRAFLA_MODEL_H
+
+#include "internal.h"
+
+#include <stdatomic.h>
+
+// --- Thread pool (threads.c)
+
+typedef struct kr_pool kr_pool;
+// One job: called once on every thread of the pool with its index in [0, n_threads).
+typedef void (*kr_pool_fn)(void *job, int thread_index, int n_threads);
+
+kr_pool *kr_pool_new(int n_threads, kr_error *err);
+// Run fn on all threads (the caller is thread 0) and return when every thread has finished.
+void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job);
+int kr_pool_size(const kr_pool *pool);
+void kr_pool_free(kr_pool *pool);
+
+// [begin, end) of `total` items for one thread; chunk boundaries are multiples of `align`.
+void kr_split(int64_t total, int64_t align, int thread_index, int n_threads, int64_t *begin, int64_t *end);
+
+// --- Model (model.c)
+
+typedef struct {
+    int32_t type;        // kr_type of the weights
+    const void *data;    // (rows, cols) in file layout
+    int64_t rows, cols;
+    uint64_t row_bytes;
+} kr_matrix;
+
+typedef struct {
+    int32_t sliding;                  // 1: sliding-window attention layer
+    const float *attn_norm;           // (dim,)
+    kr_matrix wq;                     // (n_heads * head_dim, dim)
+    kr_matrix wk, wv;                 // (n_kv_heads * head_dim, dim)
+    const float *bq, *bk, *bv;        // biases of q, k, v (qwen2) or NULL
+    const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm (gemma3) or NULL
+    kr_matrix wo;                     // (dim, n_heads * head_dim)
+    const float *post_attn_norm;      // (dim,) gemma3 or NULL
+    const float *ffn_norm;            // (dim,)
+    kr_matrix gate, up;               // (ffn_dim, dim)
+    kr_matrix down;                   // (dim, ffn_dim)
+    const float *post_ffw_norm;       // (dim,) gemma3 or NULL
+} kr_layer;
+
+struct kr_model {
+    kr_file *file;
+    kr_model_info info;
+    int32_t q_dim, kv_dim;            // n_heads * head_dim, n_kv_heads * head_dim
+    kr_matrix token_embd;             // (n_vocab, dim)
+    kr_matrix output;                 // (n_vocab, dim), token_embd when tied
+    const float *output_norm;         // (dim,)
+    kr_layer *layers;                 // (n_layers,)
+    float *inv_freq_full;             // (rope_dims / 2,) RoPE frequencies / rope_scale
+    float *inv_freq_local;            // (rope_dims / 2,) for sliding-window layers
+    kr_pool *pool;
+    atomic_int busy;                  // 1 while a session of this model is evaluating
+};
+
+#endif
