@@ -1,0 +1,313 @@
+"""The Resource tree: /v1/chat/completions, /v1/completions, /v1/models[/ID], /health, and the
+same paths without /v1.
+
+Every resource here runs in the I/O thread. The engine is reached only through the EngineWorker.
+"""
+
+import json
+import time
+import uuid
+from urllib.parse import unquote
+
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from krafla_twisted import __version__
+from krafla_twisted.api.errors import APIError, InvalidRequest, MethodNotAllowed, NotFound, ServerError
+from krafla_twisted.api.schema import parse_chat_request, parse_completion_request, parse_json_body
+from krafla_twisted.api.sse import EventStream
+from krafla_twisted.api.worker import Job
+
+log = Logger(namespace="krafla.api")
+
+
+class API:
+    """What the resources share: the served model (`backend`), the worker, the access policy, a clock."""
+
+    def __init__(self, backend, worker, access, clock):
+        self.backend = backend
+        self.worker = worker
+        self.access = access
+        self.clock = clock
+        self.created = int(clock.seconds())
+
+    def model_object(self):
+        return {"id": self.backend.model_id, "object": "model", "created": self.created, "owned_by": "krafla"}
+
+
+def json_response(request, payload, status=200):
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(payload, ensure_ascii=False).encode("utf-8")
+
+
+def error_response(request, error):
+    for name, value in error.headers:
+        request.setHeader(name, value)
+    return json_response(request, error.body(), error.status)
+
+
+def _path(request):
+    return request.path.decode("ascii", "replace")
+
+
+class APIResource(Resource):
+    """Base of every node: CORS, preflight, the body limit, the API key, then method dispatch.
+
+    Subclasses list their methods in `methods` and implement `render_<METHOD>`; an APIError raised
+    there becomes its OpenAI-shaped response.
+    """
+
+    methods = ()
+    needs_key = True
+
+    def __init__(self, api):
+        super().__init__()
+        self.api = api
+
+    def render(self, request):
+        access = self.api.access
+        access.add_cors_headers(request)
+        if request.method == b"OPTIONS":
+            return access.preflight(request)
+        try:
+            if request.body_error is not None:
+                raise request.body_error
+            if self.needs_key:
+                access.check_key(request)
+            return self.dispatch(request)
+        except APIError as error:
+            return error_response(request, error)
+
+    def dispatch(self, request):
+        method = request.method.decode("ascii", "replace")
+        if method == "HEAD" and "GET" in self.methods:
+            method = "GET"
+        if method not in self.methods:
+            raise MethodNotAllowed(method, _path(request), self.methods)
+        return getattr(self, f"render_{method}")(request)
+
+    def getChild(self, path, request):
+        return NotFoundResource(self.api)
+
+
+class NotFoundResource(APIResource):
+    """Any path that is not an endpoint: 404 (after the key check, so it reveals nothing)."""
+
+    isLeaf = True
+
+    def dispatch(self, request):
+        raise NotFound(f"Invalid URL ({request.method.decode('ascii', 'replace')} {_path(request)})")
+
+
+class Endpoint(APIResource):
+    """A leaf: a trailing slash is accepted, deeper paths are 404."""
+
+    isLeaf = True
+
+    def dispatch(self, request):
+        if request.postpath not in ([], [b""]):
+            return NotFoundResource.dispatch(self, request)
+        return super().dispatch(request)
+
+
+class Health(Endpoint):
+    methods = ("GET",)
+    needs_key = False
+
+    def render_GET(self, request):
+        return json_response(request, {"status": "ok"})
+
+
+class Models(APIResource):
+    methods = ("GET",)
+
+    def render_GET(self, request):
+        return json_response(request, {"object": "list", "data": [self.api.model_object()]})
+
+    def getChild(self, path, request):
+        if path == b"":
+            return self
+        return Model(self.api, "/".join(unquote(part.decode("utf-8", "replace")) for part in [path, *request.postpath]))
+
+
+class Model(APIResource):
+    methods = ("GET",)
+    isLeaf = True
+
+    def __init__(self, api, model_id):
+        super().__init__(api)
+        self.model_id = model_id
+
+    def render_GET(self, request):
+        if self.model_id != self.api.backend.model_id:
+            raise NotFound(f"The model '{self.model_id}' does not exist", param="model", code="model_not_found")
+        return json_response(request, self.api.model_object())
+
+
+class Completions(Endpoint):
+    """POST a completion request; the reply is one JSON object, or server-sent events with stream."""
+
+    methods = ("POST",)
+
+    def __init__(self, api, kind):
+        super().__init__(api)
+        self.kind = kind
+
+    def render_POST(self, request):
+        body = parse_json_body(request.content.read())
+        backend = self.api.backend
+        if self.kind == "chat":
+            if not backend.has_chat:
+                raise InvalidRequest(
+                    "This server has no chat template, so it answers only /v1/completions; start it with --chat TEMPLATE",
+                    code="chat_not_available",
+                )
+            completion = parse_chat_request(body)
+        else:
+            completion = parse_completion_request(body, backend.n_vocab)
+        Reply(self.api, request, completion).start()
+        return NOT_DONE_YET
+
+
+class Group(APIResource):
+    """A path segment that is not an endpoint itself (/v1, /chat): 404 when asked directly."""
+
+    dispatch = NotFoundResource.dispatch
+
+
+def build_root(api):
+    """The Resource tree for `api`: /v1/... and the same paths without /v1."""
+
+    def fill(node):
+        chat = Group(api)
+        chat.putChild(b"completions", Completions(api, "chat"))
+        node.putChild(b"chat", chat)
+        node.putChild(b"completions", Completions(api, "text"))
+        node.putChild(b"models", Models(api))
+        node.putChild(b"health", Health(api))
+        return node
+
+    root = fill(Group(api))
+    root.putChild(b"v1", fill(Group(api)))
+    return root
+
+
+class Reply:
+    """One completion request in flight, from queueing to the last byte. I/O thread, except where noted."""
+
+    def __init__(self, api, request, completion):
+        self.api = api
+        self.request = request
+        self.completion = completion
+        self.chat = completion.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(api.clock.seconds())
+        self.gone = False
+        self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
+        self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None)
+        self.started = time.monotonic()
+
+    def start(self):
+        self.request.notifyFinish().addErrback(self._client_gone)
+        self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
+
+    def _client_gone(self, _=None):
+        self.gone = True
+        self.job.cancel()
+
+    def _text_from_worker(self, text):
+        # Runs in the worker thread: hand the piece to the reactor, touch nothing here.
+        self.api.worker.call_in_reactor(self._piece, text)
+
+    def _piece(self, text):
+        if self.gone or not text:
+            return
+        self._ensure_stream_started()
+        self.stream.send(self._chunk(text, None))
+
+    def _ensure_stream_started(self):
+        if not self.stream.started and self.chat:
+            self.stream.send(self._chunk(None, None, role=True))
+        self.stream.start()
+
+    def _chunk(self, text, finish_reason, role=False):
+        if self.chat:
+            delta = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            kind = "text_completion"
+        chunk = self._envelope(kind)
+        chunk["choices"] = [choice]
+        if self.completion.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _envelope(self, kind):
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.api.backend.model_id,
+            "system_fingerprint": f"krafla-{__version__}",
+        }
+
+    @staticmethod
+    def _usage(result):
+        return {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        }
+
+    def _finished(self, result):
+        if result is not None:
+            self.request.completion_stats = result
+        if self.gone or result is None or result.finish_reason == "cancelled":
+            return
+        if self.stream is not None:
+            self._ensure_stream_started()
+            self.stream.send(self._chunk(None, result.finish_reason))
+            if self.completion.include_usage:
+                usage = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+                usage["choices"] = []
+                usage["usage"] = self._usage(result)
+                self.stream.send(usage)
+            self.stream.end()
+            return
+        reply = self._envelope("chat.completion" if self.chat else "text_completion")
+        if self.chat:
+            message = {"role": "assistant", "content": result.text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        reply["choices"] = [choice]
+        reply["usage"] = self._usage(result)
+        self._write_whole(json_response(self.request, reply))
+
+    def _failed(self, failure):
+        if self.gone:
+            return
+        error = failure.value
+        if not isinstance(error, APIError):
+            log.failure("generation failed for {path}", failure, path=_path(self.request))
+            error = ServerError(f"generation failed: {error}")
+        if self.stream is not None and self.stream.started:
+            # The head is sent: the error can only travel as an event, then the stream ends.
+            self.stream.send(error.body())
+            self.stream.end()
+            return
+        self._write_whole(error_response(self.request, error))
+
+    def _write_whole(self, body):
+        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
+        self.request.write(body)
+        self.request.finish()

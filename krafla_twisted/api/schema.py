@@ -1,0 +1,335 @@
+"""Request bodies: parse, check every field the server reads, refuse what it cannot do.
+
+Each check raises InvalidRequest (400) naming the field in `param`, so no body can reach the
+engine with a value of the wrong type or range. Fields the server does not use (frequency_penalty,
+user, ...) are ignored, as the original says.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from krafla_twisted.api.errors import InvalidRequest, Unsupported
+
+MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Sampling fields a request set; None means the server's default (its -T, -p, ... options)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One validated request: `kind` is "chat" (messages) or "text" (prompt_text or prompt_tokens)."""
+
+    kind: str
+    messages: tuple = ()
+    prompt_text: str | None = None
+    prompt_tokens: tuple | None = None
+    max_tokens: int | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    stop: tuple = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json_body(body):
+    """The request body as a JSON object, or InvalidRequest."""
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object")
+    try:
+        value = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"The request body must be a JSON object, not {_json_type(value)}")
+    return value
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_type(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _integer(body, name, low, high=None):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 64.0 is an integer in JSON
+    if not _is_int(value):
+        raise InvalidRequest(f"'{name}' must be an integer, not {_json_type(value)}", param=name)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise InvalidRequest(f"'{name}' must be {bound}; got {value}", param=name)
+    return value
+
+
+def _number(body, name, low, high=None, *, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise InvalidRequest(f"'{name}' must be a number, not {_json_type(value)}", param=name)
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high):
+        lower = f"above {low}" if low_open else f"at least {low}"
+        bound = f"{lower} and at most {high}" if high is not None else lower
+        raise InvalidRequest(f"'{name}' must be {bound}; got {value}", param=name)
+    return float(value)
+
+
+def _boolean(body, name):
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be a boolean, not {_json_type(value)}", param=name)
+    return value
+
+
+def _sampling(body):
+    penalty_name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
+    seed = _integer(body, "seed", -(2**63), UINT64_MAX)
+    return SamplingOverrides(
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, INT32_MAX),
+        repeat_penalty=_number(body, penalty_name, 0.0, low_open=True),
+        repeat_last_n=_integer(body, "repeat_last_n", 0, INT32_MAX),
+        seed=None if seed is None else seed & UINT64_MAX,
+    )
+
+
+def _max_tokens(body):
+    # max_completion_tokens is the newer name; when both are set it wins, as in OpenAI's API.
+    newer = _integer(body, "max_completion_tokens", 1)
+    older = _integer(body, "max_tokens", 1)
+    return newer if newer is not None else older
+
+
+def _stop(body):
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'stop' must be a string or an array of strings, not {_json_type(value)}", param="stop")
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings; got {len(value)}", param="stop")
+    for item in value:
+        if not isinstance(item, str):
+            raise InvalidRequest(f"each 'stop' entry must be a string, not {_json_type(item)}", param="stop")
+        if not item:
+            raise InvalidRequest("'stop' strings must not be empty", param="stop")
+    return tuple(value)
+
+
+def _stream(body):
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise InvalidRequest(f"'stream_options' must be an object, not {_json_type(options)}", param="stream_options")
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InvalidRequest(
+            f"'stream_options.include_usage' must be a boolean, not {_json_type(include_usage)}",
+            param="stream_options.include_usage",
+        )
+    return stream, bool(include_usage)
+
+
+def _common_checks(body):
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"'model' must be a string, not {_json_type(model)}", param="model")
+    n = _integer(body, "n", 1)
+    if n is not None and n != 1:
+        raise Unsupported(f"'n' must be 1: this server makes one reply per request; got {n}", param="n")
+
+
+def parse_chat_request(body):
+    """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field)."""
+    _common_checks(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequest(f"'logprobs' must be a boolean, not {_json_type(logprobs)}", param="logprobs")
+    if logprobs:
+        raise Unsupported("This server does not return log probabilities ('logprobs')", param="logprobs")
+    top_logprobs = _integer(body, "top_logprobs", 0, 20)
+    if top_logprobs:
+        raise Unsupported("This server does not return log probabilities ('top_logprobs')", param="top_logprobs")
+    for name in ("tools", "functions"):
+        tools = body.get(name)
+        if tools is None:
+            continue
+        if not isinstance(tools, list):
+            raise InvalidRequest(f"'{name}' must be an array, not {_json_type(tools)}", param=name)
+        if tools:
+            raise Unsupported(f"This server does not call tools; '{name}' must be empty", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise InvalidRequest(
+                f"'response_format' must be an object, not {_json_type(response_format)}", param="response_format"
+            )
+        if response_format.get("type") != "text":
+            raise Unsupported(
+                f"This server only writes plain text; 'response_format.type' must be \"text\", "
+                f"not {json.dumps(response_format.get('type'))}",
+                param="response_format",
+            )
+    stream, include_usage = _stream(body)
+    return CompletionRequest(
+        kind="chat",
+        messages=_messages(body),
+        max_tokens=_max_tokens(body),
+        sampling=_sampling(body),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _messages(body):
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("'messages' is required", param="messages")
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"'messages' must be an array, not {_json_type(messages)}", param="messages")
+    if not messages:
+        raise InvalidRequest("'messages' must hold at least one message", param="messages")
+    result = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"'{where}' must be an object, not {_json_type(message)}", param=where)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequest(f"'{where}.role' must be a string, not {_json_type(role)}", param=f"{where}.role")
+        if role in ("tool", "function"):
+            raise Unsupported(f"This server does not call tools; '{where}.role' cannot be {role!r}", param=f"{where}.role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}", param=f"{where}.role"
+            )
+        if message.get("tool_calls"):
+            raise Unsupported(f"This server does not call tools; '{where}.tool_calls' must be empty", param=f"{where}.tool_calls")
+        result.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+    return tuple(result)
+
+
+def _content(content, where):
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or an array of text parts, not {_json_type(content)}", param=where)
+    texts = []
+    for index, part in enumerate(content):
+        part_where = f"{where}[{index}]"
+        if not isinstance(part, dict):
+            raise InvalidRequest(f"'{part_where}' must be an object, not {_json_type(part)}", param=part_where)
+        kind = part.get("type")
+        if kind != "text":
+            if isinstance(kind, str):
+                raise Unsupported(f"This server reads only text; '{part_where}.type' cannot be {kind!r}", param=part_where)
+            raise InvalidRequest(f"'{part_where}.type' must be \"text\"", param=part_where)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'{part_where}.text' must be a string, not {_json_type(text)}", param=part_where)
+        texts.append(text)
+    # Parts are pieces of one message; they are joined as written, with nothing added between them.
+    return "".join(texts)
+
+
+def parse_completion_request(body, n_vocab):
+    """A validated text completion request; token ids are checked against the vocabulary size."""
+    _common_checks(body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidRequest(f"'echo' must be a boolean, not {_json_type(echo)}", param="echo")
+    if echo:
+        raise Unsupported("This server does not echo the prompt ('echo')", param="echo")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest(f"'suffix' must be a string, not {_json_type(suffix)}", param="suffix")
+    if suffix:
+        raise Unsupported("This server does not insert text ('suffix')", param="suffix")
+    best_of = _integer(body, "best_of", 1)
+    if best_of is not None and best_of > 1:
+        raise Unsupported(f"'best_of' must be 1: this server makes one reply per request; got {best_of}", param="best_of")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (_is_int(logprobs) or isinstance(logprobs, bool)):
+        raise InvalidRequest(f"'logprobs' must be an integer, not {_json_type(logprobs)}", param="logprobs")
+    if logprobs:
+        raise Unsupported("This server does not return log probabilities ('logprobs')", param="logprobs")
+    prompt_text, prompt_tokens = _prompt(body.get("prompt"), n_vocab)
+    stream, include_usage = _stream(body)
+    return CompletionRequest(
+        kind="text",
+        prompt_text=prompt_text,
+        prompt_tokens=prompt_tokens,
+        max_tokens=_max_tokens(body),
+        sampling=_sampling(body),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _prompt(prompt, n_vocab):
+    if prompt is None:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, list):
+        raise InvalidRequest(f"'prompt' must be a string or an array of token ids, not {_json_type(prompt)}", param="prompt")
+    if not prompt:
+        raise InvalidRequest("'prompt' must not be an empty array", param="prompt")
+    if any(isinstance(item, (str, list)) for item in prompt):
+        raise InvalidRequest("'prompt' holds one prompt per request: a string or one array of token ids", param="prompt")
+    for index, token in enumerate(prompt):
+        if not _is_int(token):
+            raise InvalidRequest(f"'prompt[{index}]' must be a token id (an integer), not {_json_type(token)}", param="prompt")
+        if not 0 <= token < n_vocab:
+            raise InvalidRequest(f"'prompt[{index}]' is {token}, not a token id (0 to {n_vocab - 1})", param="prompt")
+    return None, tuple(prompt)

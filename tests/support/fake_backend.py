@@ -1,0 +1,171 @@
+"""Test doubles for the HTTP layer's in-memory tests: a scripted backend and a synchronous one-thread pool.
+
+Never imported by product code. The real backend (krafla_twisted.api.backend) is tested against the
+real model in tests/test_server_*.py.
+"""
+
+from dataclasses import dataclass
+
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+
+from krafla_twisted.api.errors import ContextTooLong
+
+
+@dataclass
+class FakeResult:
+    """The fields of krafla_twisted.generate.GenerationResult the HTTP layer reads."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    prompt_seconds: float = 0.5
+    generation_seconds: float = 0.25
+
+
+class FakeBackend:
+    """Replies with `pieces`, one per "token"; `after_piece(index)` runs after each one is handed over.
+
+    The prompt length is a word count (plus one per message), so tests can overflow `n_ctx`.
+    """
+
+    model_id = "fake-model"
+    n_vocab = 1000
+    n_ctx = 64
+    has_chat = True
+
+    def __init__(self, pieces=("Hello", ",", " wor", "ld", "!"), finish_reason="stop", cached_tokens=0):
+        self.pieces = tuple(pieces)
+        self.finish_reason = finish_reason
+        self.cached_tokens = cached_tokens
+        self.calls = []
+        self.after_piece = lambda index: None
+        self.error = None
+
+    def prompt_length(self, completion):
+        if completion.kind == "chat":
+            return sum(len(m["content"].split()) + 1 for m in completion.messages)
+        if completion.prompt_tokens is not None:
+            return len(completion.prompt_tokens)
+        return len(completion.prompt_text.split()) + 1
+
+    def complete(self, completion, on_text, cancelled):
+        self.calls.append(completion)
+        if self.error is not None:
+            raise self.error
+        prompt_tokens = self.prompt_length(completion)
+        if prompt_tokens >= self.n_ctx:
+            param = "messages" if completion.kind == "chat" else "prompt"
+            raise ContextTooLong(f"the prompt is {prompt_tokens} tokens; the context holds {self.n_ctx}", param=param)
+        text, finish_reason = [], self.finish_reason
+        for index, piece in enumerate(self.pieces):
+            if cancelled():
+                finish_reason = "cancelled"
+                break
+            if completion.max_tokens is not None and index >= completion.max_tokens:
+                finish_reason = "length"
+                break
+            text.append(piece)
+            if on_text is not None:
+                on_text(piece)
+            self.after_piece(index)
+        return FakeResult("".join(text), finish_reason, prompt_tokens, len(text), self.cached_tokens)
+
+
+class SynchronousPool:
+    """A ThreadPool stand-in: work waits in a FIFO until the test calls run_next() or run_all()."""
+
+    def __init__(self):
+        self.pending = []
+        self.started = False
+        self.stopped = False
+
+    def start(self):
+        self.started = True
+
+    def stop(self):
+        self.stopped = True
+
+    def callInThreadWithCallback(self, on_result, function, *args, **kwargs):
+        self.pending.append((on_result, function, args, kwargs))
+
+    def run_next(self):
+        on_result, function, args, kwargs = self.pending.pop(0)
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            on_result(False, Failure())
+        else:
+            on_result(True, result)
+
+    def run_all(self):
+        while self.pending:
+            self.run_next()
+
+
+class ThreadlessReactor(MemoryReactorClock):
+    """MemoryReactorClock whose callFromThread runs at once: the "worker" is the test's own thread."""
+
+    def callFromThread(self, function, *args, **kwargs):
+        function(*args, **kwargs)
+
+
+class APIHarness:
+    """The Resource tree over a FakeBackend, driven in memory through StubTreq and our own APISite.
+
+    StubTreq builds a plain Site; we put the server's APISite in its place so the in-memory requests
+    meet the same Request class (body limits, Connection: close, log line) as real ones.
+    """
+
+    def __init__(self, backend=None, *, api_key=None, cors_origins=()):
+        from treq.testing import StubTreq
+
+        from krafla_twisted.api.access import Access
+        from krafla_twisted.api.resources import API, build_root
+        from krafla_twisted.api.site import APISite
+        from krafla_twisted.api.worker import EngineWorker
+
+        self.backend = backend if backend is not None else FakeBackend()
+        self.reactor = ThreadlessReactor()
+        self.pool = SynchronousPool()
+        self.worker = EngineWorker(self.reactor, self.backend, self.pool)
+        self.api = API(self.backend, self.worker, Access(api_key, cors_origins), self.reactor)
+        self.root = build_root(self.api)
+        self.stub = StubTreq(self.root)
+        agent = self.stub._agent
+        agent._serverFactory = APISite(self.root, reactor=agent._memoryReactor)
+
+    def send(self, method, path, body=None, headers=None, run=True):
+        """Start a request; returns its Deferred (the response), with the worker run unless run=False."""
+        if isinstance(body, (dict, list)):
+            import json
+
+            body = json.dumps(body)
+        all_headers = {"Content-Type": "application/json"}
+        all_headers.update(headers or {})
+        d = self.stub.request(method, "http://127.0.0.1" + path, data=body, headers=all_headers)
+        self.stub.flush()
+        if run:
+            self.pool.run_all()
+            self.stub.flush()
+        return d
+
+    def fetch(self, method, path, body=None, headers=None):
+        """(response, body bytes) of a request run to its end."""
+        response = fired(self.send(method, path, body, headers))
+        content = self.stub.content(response)
+        self.stub.flush()
+        return response, fired(content)
+
+
+def fired(deferred):
+    """The result of a Deferred that must already have fired (its failure is raised)."""
+    results = []
+    deferred.addBoth(results.append)
+    assert results, "the Deferred has not fired"
+    result = results[0]
+    if isinstance(result, Failure):
+        result.raiseException()
+    return result
