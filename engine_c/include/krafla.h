@@ -195,6 +195,39 @@ int kr_sampler_sample(kr_sampler *sampler, const float *logits, int32_t n_logits
 int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
 // --- end Sampler
 
+// ---------------------------------------------------------------------------------------------
+// --- Kernels (tests) (kernels.c; owner: kernels)
+// Entry points that run one numeric kernel of engine_c/src/kernels.h on caller buffers, so tests
+// can compare the reference and the AVX2 version of each kernel inside one library. `impl` picks
+// which: KR_KERNEL_DISPATCH (what the engine calls), KR_KERNEL_REFERENCE (quant_ref.c) or
+// KR_KERNEL_AVX2 (kernels_avx2.c; KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and
+// type is checked; a bad one is KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0,
+// KR_Q4_0; q8_0/q4_0 rows are whole blocks of 32.
+
+#define KR_KERNEL_DISPATCH 0
+#define KR_KERNEL_REFERENCE 1
+#define KR_KERNEL_AVX2 2
+
+// Conversions of n values: f16 -> f32 and f32 -> f16 (round to nearest even).
+int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_error *err);
+int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_error *err);
+// n floats (a multiple of 32) -> n/32 q8_0 blocks of 34 bytes.
+int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
+// One row of n weights of `type` -> n floats.
+int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
+// The exact integer sums of n_blocks block pairs, 8 per block (lane l: products 4l..4l+3), for a
+// q8_0 or q4_0 weight row against q8_0 activation blocks with quants in [-127, 127].
+int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
+                        int64_t n_blocks, int32_t *lanes, kr_error *err);
+// W (rows, cols) of weight_type @ x (n_tokens, cols) f32 -> out (n_tokens, rows): prepares the
+// activations with impl's quantizer, then kr_matmul over rows [row_begin, row_end) only.
+int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
+                   int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err);
+// dot(a, b) for a of KR_F32 or KR_F16 and b f32; and y += alpha * x for x of KR_F32 or KR_F16.
+int kr_test_dot(int impl, int32_t type, const void *a, const float *b, int64_t n, float *result, kr_error *err);
+int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err);
+// --- end Kernels (tests)
+
 #ifdef __cplusplus
 }
 #endif

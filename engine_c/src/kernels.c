@@ -39,3 +39,187 @@ float kr_dot_f32(const float *a, const float *b, int64_t n) { return KR_KERNEL(k
 float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n) { return KR_KERNEL(kr_dot_f16_f32)(a, b, n); }
 void kr_axpy_f32(float a, const float *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f32)(a, x, y, n); }
 void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f16_f32)(a, x, y, n); }
+
+// ---------------------------------------------------------------------------------------------
+// Test entry points (krafla.h, "Kernels (tests)"): one kernel on caller buffers, arguments checked
+
+#include "internal.h"
+
+#include <stdlib.h>
+
+static int check_impl(int impl, kr_error *err) {
+    if (impl == KR_KERNEL_DISPATCH || impl == KR_KERNEL_REFERENCE) return KR_OK;
+    if (impl == KR_KERNEL_AVX2) {
+#if defined(KR_HAVE_AVX2)
+        return KR_OK;
+#else
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "this library was built with ISA=%s: it has no AVX2 kernels", kr_isa());
+#endif
+    }
+    return kr_fail(err, KR_ERR_ARGUMENT, "kernel implementation %d is not one of 0 (dispatch), 1 (reference), 2 (avx2)", impl);
+}
+
+static int check_count(const char *what, int64_t n, int64_t multiple, kr_error *err) {
+    if (n < 0) return kr_fail(err, KR_ERR_ARGUMENT, "%s must be >= 0, got %lld", what, (long long)n);
+    if (n % multiple) return kr_fail(err, KR_ERR_ARGUMENT, "%s must be a multiple of %lld, got %lld", what, (long long)multiple, (long long)n);
+    return KR_OK;
+}
+
+static int check_pointers(const void *a, const void *b, kr_error *err) {
+    if (!a || !b) return kr_fail(err, KR_ERR_ARGUMENT, "a buffer is NULL");
+    return KR_OK;
+}
+
+// Each kernel under each implementation; AVX2 names only exist in an avx2 build.
+#if defined(KR_HAVE_AVX2)
+#define KR_PICK(impl, name) ((impl) == KR_KERNEL_REFERENCE ? name##_ref : (impl) == KR_KERNEL_AVX2 ? name##_avx2 : name)
+#else
+#define KR_PICK(impl, name) ((impl) == KR_KERNEL_REFERENCE ? name##_ref : name)
+#endif
+
+int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_pointers(x, y, err);
+    if (status) return status;
+    if (impl == KR_KERNEL_DISPATCH) {
+        for (int64_t i = 0; i < n; i++) y[i] = kr_f16_to_f32(x[i]);
+    } else {
+        KR_PICK(impl, kr_f16_to_f32_row)(x, y, n);
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_pointers(x, y, err);
+    if (status) return status;
+    if (impl == KR_KERNEL_DISPATCH) {
+        for (int64_t i = 0; i < n; i++) y[i] = kr_f32_to_f16(x[i]);
+    } else {
+        KR_PICK(impl, kr_f32_to_f16_row)(x, y, n);
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, KR_QK, err);
+    if (!status) status = check_pointers(x, blocks, err);
+    if (status) return status;
+    KR_PICK(impl, kr_quantize_row_q8_0)(x, blocks, n);
+    kr_ok(err);
+    return KR_OK;
+}
+
+static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
+    if (!kr_kernel_type_supported(type))
+        return kr_fail(err, KR_ERR_ARGUMENT, "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0 or q4_0",
+                       type, kr_type_name(type) ? kr_type_name(type) : "unknown");
+    return check_count("cols", cols, type == KR_Q8_0 || type == KR_Q4_0 ? KR_QK : 1, err);
+}
+
+int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err) {
+    int status = check_weight_type(type, n, err);
+    if (!status) status = check_pointers(row, out, err);
+    if (status) return status;
+    kr_dequantize_row(type, row, out, n);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
+                        int64_t n_blocks, int32_t *lanes, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n_blocks", n_blocks, 1, err);
+    if (!status) status = check_pointers(weights, activations, err);
+    if (!status) status = check_pointers(lanes, lanes, err);
+    if (status) return status;
+    if (weight_type != KR_Q8_0 && weight_type != KR_Q4_0)
+        return kr_fail(err, KR_ERR_ARGUMENT, "block sums need q8_0 or q4_0 weights, got type %d", weight_type);
+    const kr_block_q8_0 *a = activations;
+    for (int64_t b = 0; b < n_blocks; b++)
+        for (int j = 0; j < KR_QK; j++)
+            if (a[b].q[j] == -128)
+                return kr_fail(err, KR_ERR_ARGUMENT, "activation block %lld holds -128; q8_0 activations are in [-127, 127]", (long long)b);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (weight_type == KR_Q8_0) {
+            const kr_block_q8_0 *w = weights;
+#if defined(KR_HAVE_AVX2)
+            if (impl != KR_KERNEL_REFERENCE) {
+                kr_block_lanes_q8_0_avx2(&w[b], &a[b], lanes + 8 * b);
+                continue;
+            }
+#endif
+            kr_block_lanes_q8_0_ref(&w[b], &a[b], lanes + 8 * b);
+        } else {
+            const kr_block_q4_0 *w = weights;
+#if defined(KR_HAVE_AVX2)
+            if (impl != KR_KERNEL_REFERENCE) {
+                kr_block_lanes_q4_0_avx2(&w[b], &a[b], lanes + 8 * b);
+                continue;
+            }
+#endif
+            kr_block_lanes_q4_0_ref(&w[b], &a[b], lanes + 8 * b);
+        }
+    }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
+                   int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_weight_type(weight_type, cols, err);
+    if (!status) status = check_count("rows", rows, 1, err);
+    if (!status) status = check_count("n_tokens", n_tokens, 1, err);
+    if (!status) status = check_pointers(weights, x, err);
+    if (!status) status = check_pointers(out, out, err);
+    if (status) return status;
+    if (row_begin < 0 || row_begin > row_end || row_end > rows)
+        return kr_fail(err, KR_ERR_ARGUMENT, "row range [%lld, %lld) is not inside [0, %lld)", (long long)row_begin,
+                       (long long)row_end, (long long)rows);
+    const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
+    void *prepared = malloc(bytes ? bytes : 1);
+    if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
+    kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
+    KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, row_begin, row_end);
+    free(prepared);
+    kr_ok(err);
+    return KR_OK;
+}
+
+static int check_vector_type(int32_t type, kr_error *err) {
+    if (type != KR_F32 && type != KR_F16)
+        return kr_fail(err, KR_ERR_ARGUMENT, "vector kernels take f32 or f16 (types %d, %d), got %d", KR_F32, KR_F16, type);
+    return KR_OK;
+}
+
+int kr_test_dot(int impl, int32_t type, const void *a, const float *b, int64_t n, float *result, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_vector_type(type, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_pointers(a, b, err);
+    if (!status) status = check_pointers(result, result, err);
+    if (status) return status;
+    *result = type == KR_F32 ? KR_PICK(impl, kr_dot_f32)(a, b, n) : KR_PICK(impl, kr_dot_f16_f32)(a, b, n);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_vector_type(type, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_pointers(x, y, err);
+    if (status) return status;
+    if (type == KR_F32)
+        KR_PICK(impl, kr_axpy_f32)(alpha, x, y, n);
+    else
+        KR_PICK(impl, kr_axpy_f16_f32)(alpha, x, y, n);
+    kr_ok(err);
+    return KR_OK;
+}

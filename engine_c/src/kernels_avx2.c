@@ -1,23 +1,341 @@
 // kernels_avx2.c: the kernels of kernels.h with AVX2/FMA/F16C intrinsics (suffix _avx2).
-// Each computes exactly what its reference twin in quant_ref.c computes, in the same order.
+//
+// Each computes exactly what its reference twin in quant_ref.c computes, in the same order of
+// float operations (8 lanes, one fused multiply-add per lane and step, the fixed horizontal sum,
+// a scalar fmaf tail), so the results agree bit for bit. The matmul is register-tiled: a tile of
+// R weight rows x T tokens shares each activation load across R rows and each weight load across T
+// tokens, and every (token, row) output still goes through the same sequence of operations as when
+// computed alone, so the result never depends on n_tokens or on [row_begin, row_end).
 #include "kernels.h"
+#include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
 #include <immintrin.h>
+#include <math.h>
 
-void kr_f16_to_f32_row_avx2(const kr_f16 *x, float *y, int64_t n) { kr_f16_to_f32_row_ref(x, y, n); }
-void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n) { kr_f32_to_f16_row_ref(x, y, n); }
-void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) { kr_quantize_row_q8_0_ref(x, y, n); }
+#define KR_INLINE static inline __attribute__((always_inline))
+
+// ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), as kr_lanes_sum.
+KR_INLINE float hsum8(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
+
+// ---------------------------------------------------------------------------------------------
+// f16 rows
+
+void kr_f16_to_f32_row_avx2(const kr_f16 *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    for (; i < n; i++) y[i] = f16_to_f32(x[i]);
+}
+
+void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++) y[i] = (kr_f16)_cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8_0 quantization: the reference's scalar d and 1/d, x * id in vectors, and roundf's rounding
+// (half away from zero, which no AVX rounding mode does) built from truncation.
+
+KR_INLINE __m256i round_away_to_i32(__m256 v) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    const __m256 magnitude = _mm256_andnot_ps(sign_mask, v);
+    __m256 whole = _mm256_round_ps(magnitude, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(magnitude, whole), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    whole = _mm256_add_ps(whole, _mm256_and_ps(up, _mm256_set1_ps(1.0f)));
+    return _mm256_cvttps_epi32(_mm256_or_ps(whole, _mm256_and_ps(v, sign_mask)));
+}
+
+void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < n / KR_QK; b++) {
+        const float *xb = x + b * KR_QK;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_mask, v[0]), _mm256_andnot_ps(sign_mask, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign_mask, v[2]), _mm256_andnot_ps(sign_mask, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = (kr_f16)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 scale = _mm256_set1_ps(id);
+        __m256i q0 = round_away_to_i32(_mm256_mul_ps(v[0], scale));
+        __m256i q1 = round_away_to_i32(_mm256_mul_ps(v[1], scale));
+        __m256i q2 = round_away_to_i32(_mm256_mul_ps(v[2], scale));
+        __m256i q3 = round_away_to_i32(_mm256_mul_ps(v[3], scale));
+        // packs work within 128-bit halves; the permute puts the 4-byte groups back in order
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        _mm256_storeu_si256((__m256i *)y[b].q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer block sums: 8 int32 lanes, lane l = sum of products 4l..4l+3 (maddubs then madd)
+
+// q4_0 nibbles as unsigned bytes 0..15 in element order (low nibbles, then high nibbles).
+KR_INLINE __m256i q4_0_nibbles(const kr_block_q4_0 *w) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)w->q);
+    const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+// sum (n - 8) * a = sum n * a - sum 8 * a; the second term (`offset`, int16 pairs) depends only
+// on the activations, so a tile computes it once per token. No int16 step can saturate:
+// |15 * 128 * 2| < 32767.
+KR_INLINE __m256i q4_0_offset(__m256i a) { return _mm256_maddubs_epi16(_mm256_set1_epi8(8), a); }
+
+KR_INLINE __m256i q4_0_lanes(__m256i nibbles, __m256i a, __m256i offset) {
+    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(nibbles, a), offset);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// q8_0 x q8_0 by the sign trick: |w| (unsigned) times a with w's sign. Exact for activations in
+// [-127, 127], which is all kr_quantize_row_q8_0 produces (|128 * 127 * 2| < 32767).
+KR_INLINE __m256i q8_0_lanes(__m256i w_magnitude, __m256i w, __m256i a) {
+    const __m256i pairs = _mm256_maddubs_epi16(w_magnitude, _mm256_sign_epi8(a, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a->q);
+    _mm256_storeu_si256((__m256i *)lanes, q4_0_lanes(q4_0_nibbles(w), av, q4_0_offset(av)));
+}
+
+void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w->q);
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a->q);
+    _mm256_storeu_si256((__m256i *)lanes, q8_0_lanes(_mm256_abs_epi8(wv), wv, av));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matmul tiles. R rows x T tokens; `w` points at the tile's first row, `a` at its first token's
+// prepared row; out[t * out_stride + r] relative to the tile. The loops have constant bounds
+// and are unrolled, so the accumulators live in registers.
+
+KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                         int64_t n_blocks, float *out, int64_t out_stride) {
+    __m256 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m256i nibbles[4];
+        __m256 w_scale[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const kr_block_q4_0 *block = (const kr_block_q4_0 *)(w + r * w_stride) + b;
+            nibbles[r] = q4_0_nibbles(block);
+            w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(a + t * a_stride) + b;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)block->q);
+            const __m256i offset = q4_0_offset(av);
+            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(block->d));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256 sums = _mm256_cvtepi32_ps(q4_0_lanes(nibbles[r], av, offset));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale[r], a_scale), sums, acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) out[t * out_stride + r] = hsum8(acc[r][t]);
+}
+
+KR_INLINE void tile_q8_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                         int64_t n_blocks, float *out, int64_t out_stride) {
+    __m256 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m256i weights[4], magnitudes[4];
+        __m256 w_scale[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(w + r * w_stride) + b;
+            weights[r] = _mm256_loadu_si256((const __m256i *)block->q);
+            magnitudes[r] = _mm256_abs_epi8(weights[r]);
+            w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(a + t * a_stride) + b;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)block->q);
+            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(block->d));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256 sums = _mm256_cvtepi32_ps(q8_0_lanes(magnitudes[r], weights[r], av));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale[r], a_scale), sums, acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) out[t * out_stride + r] = hsum8(acc[r][t]);
+}
+
+// Float weights: 8 columns at a time into the lanes, then the scalar tail in order.
+enum { WEIGHTS_F32, WEIGHTS_F16, WEIGHTS_BF16 };
+
+KR_INLINE __m256 load8(const int kind, const char *row, int64_t k) {
+    switch (kind) {
+    case WEIGHTS_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + k)));
+    case WEIGHTS_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k))), 16));
+    default: return _mm256_loadu_ps((const float *)row + k);
+    }
+}
+
+KR_INLINE float load1(const int kind, const char *row, int64_t k) {
+    switch (kind) {
+    case WEIGHTS_F16: return f16_to_f32(((const kr_f16 *)row)[k]);
+    case WEIGHTS_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[k]);
+    default: return ((const float *)row)[k];
+    }
+}
+
+KR_INLINE void tile_float(const int kind, const int R, const int T, const char *w, size_t w_stride, const char *a,
+                          size_t a_stride, int64_t cols, float *out, int64_t out_stride) {
+    __m256 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    const int64_t cols8 = cols - cols % 8;
+    for (int64_t k = 0; k < cols8; k += 8) {
+        __m256 weights[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) weights[r] = load8(kind, w + r * w_stride, k);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const __m256 x = _mm256_loadu_ps((const float *)(a + t * a_stride) + k);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(weights[r], x, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const float *x = (const float *)(a + t * a_stride);
+            float sum = hsum8(acc[r][t]);
+            for (int64_t k = cols8; k < cols; k++) sum = fmaf(load1(kind, w + r * w_stride, k), x[k], sum);
+            out[t * out_stride + r] = sum;
+        }
+}
+
+// One tile of any shape up to 4x4 (the loops above need R and T as constants: one instance per
+// shape, chosen here).
+#define KR_TILE_SHAPES(CALL) \
+    switch (R * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
+    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
+    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
+    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
+    default: break; \
+    }
+
+static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                 int64_t cols, float *out, int64_t out_stride) {
+    switch (weight_type) {
+    case KR_Q4_0:
+#define CALL_Q4(r, t) tile_q4_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride)
+        KR_TILE_SHAPES(CALL_Q4)
+        break;
+    case KR_Q8_0:
+#define CALL_Q8(r, t) tile_q8_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride)
+        KR_TILE_SHAPES(CALL_Q8)
+        break;
+    case KR_F32:
+#define CALL_F32(r, t) tile_float(WEIGHTS_F32, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+        KR_TILE_SHAPES(CALL_F32)
+        break;
+    case KR_F16:
+#define CALL_F16(r, t) tile_float(WEIGHTS_F16, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+        KR_TILE_SHAPES(CALL_F16)
+        break;
+    case KR_BF16:
+#define CALL_BF16(r, t) tile_float(WEIGHTS_BF16, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+        KR_TILE_SHAPES(CALL_BF16)
+        break;
+    default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
+    }
+}
+
+// Tile shape per weight type: rows x tokens (measured with bench/kernels.py).
+static int tile_rows(int32_t weight_type) { (void)weight_type; return 4; }
+static int tile_tokens(int32_t weight_type) { (void)weight_type; return 2; }
+
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    kr_matmul_ref(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+    const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
+    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
+    const int max_rows = tile_rows(weight_type), max_tokens = tile_tokens(weight_type);
+    // Rows outside, tokens inside: a tile's weight rows stay in L1 while every token passes over them.
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
+        const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
+        for (int64_t t0 = 0; t0 < n_tokens; t0 += max_tokens) {
+            const int T = (int)(n_tokens - t0 < max_tokens ? n_tokens - t0 : max_tokens);
+            tile(weight_type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride,
+                 (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride);
+        }
+    }
 }
-float kr_dot_f32_avx2(const float *a, const float *b, int64_t n) { return kr_dot_f32_ref(a, b, n); }
-float kr_dot_f16_f32_avx2(const kr_f16 *a, const float *b, int64_t n) { return kr_dot_f16_f32_ref(a, b, n); }
-void kr_axpy_f32_avx2(float a, const float *x, float *y, int64_t n) { kr_axpy_f32_ref(a, x, y, n); }
-void kr_axpy_f16_f32_avx2(float a, const kr_f16 *x, float *y, int64_t n) { kr_axpy_f16_f32_ref(a, x, y, n); }
-void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) { kr_block_lanes_q8_0_ref(w, a, lanes); }
-void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) { kr_block_lanes_q4_0_ref(w, a, lanes); }
+
+// ---------------------------------------------------------------------------------------------
+// Vector kernels
+
+float kr_dot_f32_avx2(const float *a, const float *b, int64_t n) {
+    float out;
+    tile_float(WEIGHTS_F32, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0);
+    return out;
+}
+
+float kr_dot_f16_f32_avx2(const kr_f16 *a, const float *b, int64_t n) {
+    float out;
+    tile_float(WEIGHTS_F16, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0);
+    return out;
+}
+
+void kr_axpy_f32_avx2(float a, const float *x, float *y, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+void kr_axpy_f16_f32_avx2(float a, const kr_f16 *x, float *y, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, xv, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) y[i] = fmaf(a, f16_to_f32(x[i]), y[i]);
+}
 
 #else
 typedef int kr_kernels_avx2_not_built;  // ISA=generic: this file is empty

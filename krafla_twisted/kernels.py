@@ -1,0 +1,189 @@
+"""ctypes bindings for the numeric kernels' test entry points (krafla.h, "Kernels (tests)").
+
+Each function runs one kernel of engine_c/src/kernels.h on numpy arrays, under a chosen
+implementation: "dispatch" (what the engine calls), "reference" (quant_ref.c) or "avx2"
+(kernels_avx2.c; a library built with ISA=generic raises KraflaError for it). Tests and
+bench/kernels.py use these; the engine itself calls the kernels from C.
+"""
+
+import ctypes
+
+import numpy as np
+
+from krafla_twisted import clib
+
+IMPLEMENTATIONS = {"dispatch": 0, "reference": 1, "avx2": 2}
+WEIGHT_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+_int = ctypes.c_int
+_err = ctypes.POINTER(clib.kr_error)
+
+
+@clib.prototypes
+def _declare(lib):
+    # int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_f16_to_f32", _int, _int, _p, _p, _i64, _err)
+    # int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_f32_to_f16", _int, _int, _p, _p, _i64, _err)
+    # int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_quantize_q8_0", _int, _int, _p, _p, _i64, _err)
+    # int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_dequantize", _int, _i32, _p, _p, _i64, _err)
+    # int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
+    #                         int64_t n_blocks, int32_t *lanes, kr_error *err);
+    clib.declare(lib, "kr_test_block_lanes", _int, _int, _i32, _p, _p, _i64, _p, _err)
+    # int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
+    #                    const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end,
+    #                    kr_error *err);
+    clib.declare(lib, "kr_test_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _p, _i64, _i64, _err)
+    # int kr_test_dot(int impl, int32_t type, const void *a, const float *b, int64_t n, float *result,
+    #                 kr_error *err);
+    clib.declare(lib, "kr_test_dot", _int, _int, _i32, _p, _p, _i64, _p, _err)
+    # int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_axpy", _int, _int, _i32, ctypes.c_float, _p, _p, _i64, _err)
+
+
+def isa():
+    """The ISA the loaded library was built for: "avx2", "avx512" or "generic"."""
+    return clib.load().kr_isa().decode()
+
+
+def has_avx2():
+    """True if the loaded library has the AVX2 kernels (ISA=avx2 and avx512 builds do)."""
+    return isa() in ("avx2", "avx512")
+
+
+def _impl(name):
+    try:
+        return IMPLEMENTATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel implementation {name!r}; expected one of {sorted(IMPLEMENTATIONS)}") from None
+
+
+def _weight_type(name):
+    try:
+        return WEIGHT_TYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown weight type {name!r}; expected one of {sorted(WEIGHT_TYPES)}") from None
+
+
+def _array(data, dtype):
+    """A C-contiguous array of dtype; bytes-like data is viewed, not copied."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=dtype)
+    return np.ascontiguousarray(data, dtype=dtype)
+
+
+def _call(function, *args):
+    error = clib.kr_error()
+    status = function(*args, ctypes.byref(error))
+    error.check(status)
+
+
+def _ptr(array):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def row_bytes(type_name, cols):
+    """Bytes of one row of `cols` weights of type_name in the file layout."""
+    if type_name in BLOCK_BYTES:
+        if cols % BLOCK:
+            raise ValueError(f"{type_name} rows need a multiple of {BLOCK} columns, got {cols}")
+        return cols // BLOCK * BLOCK_BYTES[type_name]
+    return cols * {"f32": 4, "f16": 2, "bf16": 2}[type_name]
+
+
+def f16_to_f32(bits, impl="dispatch"):
+    """uint16 half-precision bit patterns -> float32 values."""
+    x = _array(bits, np.uint16)
+    y = np.empty(x.shape, np.float32)
+    _call(clib.load().kr_test_f16_to_f32, _impl(impl), _ptr(x), _ptr(y), x.size)
+    return y
+
+
+def f32_to_f16(values, impl="dispatch"):
+    """float32 values -> uint16 half-precision bit patterns (round to nearest even)."""
+    x = _array(values, np.float32)
+    y = np.empty(x.shape, np.uint16)
+    _call(clib.load().kr_test_f32_to_f16, _impl(impl), _ptr(x), _ptr(y), x.size)
+    return y
+
+
+def quantize_q8_0(values, impl="dispatch"):
+    """float32 values (size a multiple of 32) -> q8_0 blocks as a uint8 array of size/32*34 bytes."""
+    x = _array(values, np.float32).reshape(-1)
+    if x.size % BLOCK:
+        raise ValueError(f"q8_0 quantizes whole blocks of {BLOCK} values, got {x.size}")
+    y = np.empty(x.size // BLOCK * BLOCK_BYTES["q8_0"], np.uint8)
+    _call(clib.load().kr_test_quantize_q8_0, _impl(impl), _ptr(x), _ptr(y), x.size)
+    return y
+
+
+def dequantize(type_name, row, n):
+    """One row of n weights of type_name (raw bytes in the file layout) -> float32 (n,)."""
+    data = _array(row, np.uint8)
+    if data.size != row_bytes(type_name, n):
+        raise ValueError(f"{n} {type_name} weights take {row_bytes(type_name, n)} bytes, got {data.size}")
+    out = np.empty(n, np.float32)
+    _call(clib.load().kr_test_dequantize, _weight_type(type_name), _ptr(data), _ptr(out), n)
+    return out
+
+
+def block_lanes(type_name, weights, activations, impl="dispatch"):
+    """The exact integer sums of each block pair: int32 (n_blocks, 8), lane l = products 4l..4l+3.
+
+    weights: a q8_0 or q4_0 row (raw bytes); activations: q8_0 blocks of the same count."""
+    w = _array(weights, np.uint8)
+    a = _array(activations, np.uint8)
+    n_blocks = a.size // BLOCK_BYTES["q8_0"]
+    if a.size != n_blocks * BLOCK_BYTES["q8_0"] or w.size != n_blocks * BLOCK_BYTES[type_name]:
+        raise ValueError(f"{n_blocks} activation blocks need {n_blocks * BLOCK_BYTES[type_name]} bytes of {type_name}")
+    lanes = np.empty((n_blocks, 8), np.int32)
+    _call(clib.load().kr_test_block_lanes, _impl(impl), _weight_type(type_name), _ptr(w), _ptr(a), n_blocks, _ptr(lanes))
+    return lanes
+
+
+def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
+    """W (rows, cols) of type_name @ x (n_tokens, cols) -> float32 (n_tokens, rows).
+
+    Only output rows [row_begin, row_end) are computed; the others are NaN. The activations are
+    prepared (quantized to q8_0 for q8_0/q4_0 weights) by the same implementation."""
+    w = _array(weights, np.uint8)
+    if w.size != rows * row_bytes(type_name, cols):
+        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    x = _array(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
+    row_end = rows if row_end is None else row_end
+    out = np.full((x.shape[0], rows), np.nan, np.float32)
+    _call(clib.load().kr_test_matmul, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0],
+          _ptr(out), row_begin, row_end)
+    return out
+
+
+def dot(a, b, impl="dispatch"):
+    """dot(a, b) for a float32 or float16 vector a and a float32 vector b of the same length."""
+    type_name = "f16" if np.asarray(a).dtype == np.float16 else "f32"
+    a = _array(a, np.float16 if type_name == "f16" else np.float32)
+    b = _array(b, np.float32)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"dot needs two vectors of one length, got {a.shape} and {b.shape}")
+    result = ctypes.c_float()
+    _call(clib.load().kr_test_dot, _impl(impl), _weight_type(type_name), _ptr(a), _ptr(b), a.size, ctypes.byref(result))
+    return np.float32(result.value)
+
+
+def axpy(alpha, x, y, impl="dispatch"):
+    """y + alpha * x (one fused multiply-add per element) for x float32 or float16, y float32; returns a new y."""
+    type_name = "f16" if np.asarray(x).dtype == np.float16 else "f32"
+    x = _array(x, np.float16 if type_name == "f16" else np.float32)
+    out = np.array(y, dtype=np.float32, copy=True, order="C")
+    if x.shape != out.shape or x.ndim != 1:
+        raise ValueError(f"axpy needs two vectors of one length, got {x.shape} and {out.shape}")
+    _call(clib.load().kr_test_axpy, _impl(impl), _weight_type(type_name), ctypes.c_float(alpha), _ptr(x), _ptr(out), x.size)
+    return out
