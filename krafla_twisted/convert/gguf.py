@@ -1,0 +1,366 @@
+"""GGUF -> krafla: the model as .mlb (requantized weights + hyperparameters), the tokenizer as .mlt.
+
+`convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader,
+maps the architecture's hyperparameters to the metadata keys of docs/formats.md, dequantizes
+every tensor with our own numpy code (krafla_twisted/convert/quantize.py) and quantizes the
+matrices to the asked type. Tensor names stay GGUF's. Supported architectures: llama, qwen2,
+gemma3; anything else is refused with a message that says what is missing.
+"""
+
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from krafla_twisted import formats
+from krafla_twisted.convert import quantize
+
+OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0")
+_CHUNK_WEIGHTS = 1 << 23  # weights dequantized at once: bounds the converter's extra memory
+
+
+class ConvertError(ValueError):
+    """A source model that cannot be converted: names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    rope_style: str  # "norm" (llama.cpp permuted q/k to adjacent pairs) or "neox"
+    activation: str
+    layer_tensors: tuple  # per-layer tensor names (without "blk.N.")
+    gemma: bool = False  # gemma3: scaled embeddings, sliding-window layers, local rope base
+
+
+_LLAMA_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                "ffn_down.weight")
+
+ARCHITECTURES = {
+    "llama": Architecture("norm", "silu", _LLAMA_LAYER),
+    "qwen2": Architecture("neox", "silu", _LLAMA_LAYER + ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+    "gemma3": Architecture("neox", "gelu_tanh", _LLAMA_LAYER + (
+        "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight"),
+        gemma=True),
+}
+
+# Gemma 3: five sliding-window layers, then one full-attention layer (transformers'
+# Gemma3TextConfig sliding_window_pattern = 6; llama.cpp's set_swa_pattern(6)).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_THETA_LOCAL = 10000.0  # transformers' rope_local_base_freq
+
+# "SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m", "model-f16": the quantization label
+# llama.cpp's tools put at the end of a file name.
+_QUANT_SUFFIX = re.compile(r"[._-](?:i?q\d(?:_[a-z0-9]+)*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def model_base_name(path):
+    """`dir/SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`."""
+    stem = Path(path).name
+    for extension in (".gguf", ".mlb", ".mlt"):
+        if stem.lower().endswith(extension):
+            stem = stem[: -len(extension)]
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def output_names(src, type_name, directory=None):
+    """Default outputs beside `src` (or in `directory`): NAME-Q4_0.mlb and NAME-Q4_0.mlt."""
+    folder = Path(directory) if directory is not None else Path(src).parent
+    stem = f"{model_base_name(src)}-{type_name.upper()}"
+    return folder / f"{stem}.mlb", folder / f"{stem}.mlt"
+
+
+class _Fields:
+    """Typed access to a GGUF file's key/value metadata, with errors naming the file."""
+
+    def __init__(self, reader, path):
+        self.reader, self.path = reader, path
+
+    def get(self, key, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key, what):
+        value = self.get(key)
+        if value is None:
+            raise ConvertError(f"{self.path}: metadata {key} ({what}) is missing")
+        return value
+
+    def integer(self, key, what, default=None):
+        value = self.get(key) if default is not None else self.require(key, what)
+        if value is None:
+            return default
+        if isinstance(value, list):
+            if not value or any(v != value[0] for v in value):
+                raise ConvertError(f"{self.path}: metadata {key} ({what}) differs between layers: "
+                                   f"{value}; per-layer values are not supported")
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ConvertError(f"{self.path}: metadata {key} ({what}) is {value!r}, expected a positive integer")
+        return int(value)
+
+    def real(self, key, what, default=None):
+        value = self.get(key) if default is not None else self.require(key, what)
+        if value is None:
+            return float(default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            raise ConvertError(f"{self.path}: metadata {key} ({what}) is {value!r}, expected a number")
+        # GGUF stores these as float32: keep the shortest decimal that is the same float32
+        # (1e-05, not 9.999999747378752e-06), which is the value the model's config had.
+        return float(str(np.float32(value)))
+
+
+def hyperparameters(reader, path="<gguf>"):
+    """The .mlb metadata (docs/formats.md) from a GGUF reader, except `name`."""
+    fields = _Fields(reader, path)
+    arch_name = fields.get("general.architecture")
+    if arch_name is None:
+        raise ConvertError(f"{path}: metadata general.architecture is missing; is this a model GGUF?")
+    if arch_name not in ARCHITECTURES:
+        raise ConvertError(f"{path}: architecture {arch_name!r} is not supported; krafla converts "
+                           f"{', '.join(ARCHITECTURES)} (no tensor mapping or hyperparameters for {arch_name!r})")
+    arch = ARCHITECTURES[arch_name]
+    p = f"{arch_name}."
+    dim = fields.integer(p + "embedding_length", "embedding width")
+    n_heads = fields.integer(p + "attention.head_count", "attention heads")
+    n_kv_heads = fields.integer(p + "attention.head_count_kv", "key/value heads", default=n_heads)
+    if n_heads % n_kv_heads:
+        raise ConvertError(f"{path}: {n_heads} attention heads is not a multiple of {n_kv_heads} key/value heads")
+    head_dim = fields.integer(p + "attention.key_length", "head width", default=dim // n_heads)
+    value_dim = fields.integer(p + "attention.value_length", "value head width", default=head_dim)
+    if value_dim != head_dim:
+        raise ConvertError(f"{path}: key head width {head_dim} and value head width {value_dim} differ; "
+                           "krafla needs them equal")
+    n_layers = fields.integer(p + "block_count", "transformer blocks")
+    rope_dims = fields.integer(p + "rope.dimension_count", "rotated head dimensions", default=head_dim)
+    if rope_dims > head_dim or rope_dims % 2:
+        raise ConvertError(f"{path}: {rope_dims} rotated dimensions does not fit a head of {head_dim}")
+    rope_theta = fields.real(p + "rope.freq_base", "RoPE base", default=10000.0)
+
+    rope_scale = 1.0
+    scaling = fields.get(p + "rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ConvertError(f"{path}: RoPE scaling {scaling!r} is not supported (only linear)")
+    if scaling == "linear":
+        rope_scale = fields.real(p + "rope.scaling.factor", "linear RoPE scale")
+
+    metadata = {
+        "arch": arch_name,
+        "n_vocab": 0,  # filled in from token_embd.weight
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "ffn_dim": fields.integer(p + "feed_forward_length", "MLP width"),
+        "max_seq": fields.integer(p + "context_length", "trained context length"),
+        "norm_eps": fields.real(p + "attention.layer_norm_rms_epsilon", "RMSNorm epsilon"),
+        "rope_theta": rope_theta,
+        "rope_theta_local": rope_theta,
+        "rope_scale": rope_scale,
+        "rope_style": arch.rope_style,
+        "rope_dims": rope_dims,
+        "activation": arch.activation,
+        "tied_embeddings": 0,
+        "embedding_scale": 1.0,
+        "attn_scale": fields.real(p + "attention.scale", "attention scale", default=1.0 / math.sqrt(head_dim)),
+        "sliding_window": 0,
+        "layer_types": [0] * n_layers,
+        "attn_softcap": fields.real(p + "attn_logit_softcapping", "attention soft-cap", default=0.0),
+        "final_softcap": fields.real(p + "final_logit_softcapping", "logit soft-cap", default=0.0),
+    }
+    if arch.gemma:
+        metadata["embedding_scale"] = math.sqrt(dim)
+        metadata["rope_theta_local"] = fields.real(p + "rope.freq_base_swa", "local RoPE base",
+                                                   default=GEMMA3_ROPE_THETA_LOCAL)
+        metadata["sliding_window"] = fields.integer(p + "attention.sliding_window", "sliding window")
+        metadata["layer_types"] = _gemma3_layer_types(fields, p + "attention.sliding_window_pattern", n_layers)
+    return metadata
+
+
+def _gemma3_layer_types(fields, key, n_layers):
+    """1 (sliding window) or 0 (full attention) per layer; the file's pattern wins if it has one."""
+    pattern = fields.get(key)
+    if isinstance(pattern, list):  # one flag per layer, true = sliding window
+        if len(pattern) != n_layers:
+            raise ConvertError(f"{fields.path}: metadata {key} has {len(pattern)} entries for {n_layers} layers")
+        return [1 if sliding else 0 for sliding in pattern]
+    period = GEMMA3_SLIDING_WINDOW_PATTERN if pattern is None else int(pattern)
+    if period <= 0:
+        raise ConvertError(f"{fields.path}: metadata {key} is {pattern!r}, expected a positive integer")
+    return [0 if (i + 1) % period == 0 else 1 for i in range(n_layers)]
+
+
+def _expected_shapes(metadata, arch):
+    """GGUF tensor name -> numpy shape (rows, columns) for every tensor the model must have."""
+    dim, head_dim, ffn = metadata["dim"], metadata["head_dim"], metadata["ffn_dim"]
+    q_rows, kv_rows = metadata["n_heads"] * head_dim, metadata["n_kv_heads"] * head_dim
+    per_layer = {
+        "attn_norm.weight": (dim,),
+        "attn_q.weight": (q_rows, dim),
+        "attn_k.weight": (kv_rows, dim),
+        "attn_v.weight": (kv_rows, dim),
+        "attn_output.weight": (dim, q_rows),
+        "attn_q.bias": (q_rows,),
+        "attn_k.bias": (kv_rows,),
+        "attn_v.bias": (kv_rows,),
+        "attn_q_norm.weight": (head_dim,),
+        "attn_k_norm.weight": (head_dim,),
+        "post_attention_norm.weight": (dim,),
+        "ffn_norm.weight": (dim,),
+        "ffn_gate.weight": (ffn, dim),
+        "ffn_up.weight": (ffn, dim),
+        "ffn_down.weight": (dim, ffn),
+        "post_ffw_norm.weight": (dim,),
+    }
+    shapes = {"token_embd.weight": (metadata["n_vocab"], dim), "output_norm.weight": (dim,)}
+    for layer in range(metadata["n_layers"]):
+        for name in arch.layer_tensors:
+            shapes[f"blk.{layer}.{name}"] = per_layer[name]
+    return shapes
+
+
+def _output_type(name, shape, type_name, tied):
+    """The krafla type a tensor is stored as: vectors f32; the head (or tied embedding) q8_0 under q4_0."""
+    if len(shape) == 1 or type_name == "f32":
+        return formats.F32
+    if shape[-1] % quantize.QK and type_name in ("q8_0", "q4_0"):
+        return formats.F16  # rows that do not split into 32-weight blocks
+    if type_name == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
+        return formats.Q8_0
+    return formats.TENSOR_TYPES_BY_NAME[type_name]
+
+
+def _encode(values, tensor_type):
+    if tensor_type is formats.F32:
+        return values
+    return quantize.QUANTIZERS[tensor_type.name](values)
+
+
+def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
+    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes."""
+    gguf_type = tensor.tensor_type.name
+    if gguf_type not in quantize.SUPPORTED:
+        raise ConvertError(f"{path}: tensor {name} has type {gguf_type}, which krafla cannot read "
+                           f"(supported: {', '.join(quantize.SUPPORTED)})")
+    n_per_row = shape[-1]
+    raw = np.asarray(tensor.data)
+    raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+    rows = raw.shape[0]
+    if raw.dtype == np.uint8:
+        expected = quantize.row_bytes(gguf_type, n_per_row)
+    else:
+        expected = n_per_row
+    if rows * raw.shape[1] != math.prod(shape[:-1]) * expected:
+        raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {shape}")
+    raw = raw.reshape(math.prod(shape[:-1]), -1)
+    rows = raw.shape[0]
+    out = None
+    step = max(1, _CHUNK_WEIGHTS // n_per_row)
+    for start in range(0, rows, step):
+        values = quantize.dequantize(gguf_type, raw[start:start + step], n_per_row)
+        if not np.isfinite(values).all():
+            raise ConvertError(f"{path}: tensor {name} holds NaN or infinite weights")
+        encoded = _encode(values, tensor_type)
+        if out is None:
+            out = np.empty((rows, encoded.nbytes // encoded.shape[0]), np.uint8)
+        out[start:start + step] = encoded.view(np.uint8).reshape(encoded.shape[0], -1)
+        if bar is not None:
+            bar.update(values.size)
+    return out
+
+
+def _tokenizer_container(reader):
+    from krafla_twisted.convert.tokenizer import container_from_gguf
+    return container_from_gguf(reader)
+
+
+def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
+    """Convert the GGUF file `src` to `out_mlb` (weights as `type_name`) and `out_mlt`.
+
+    `name` (the model's name in the .mlb) defaults to `out_mlb`'s name without its type label.
+    Both outputs are written atomically; returns (out_mlb, out_mlt) as Paths."""
+    import gguf
+
+    if type_name not in OUTPUT_TYPES:
+        raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
+    src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
+    if src.is_dir():
+        raise ConvertError(f"{src}: is a directory; converting Hugging Face folders is not supported yet, "
+                           "give a .gguf file")
+    try:
+        reader = gguf.GGUFReader(src)
+    except FileNotFoundError:
+        raise ConvertError(f"{src}: no such file") from None
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ConvertError(f"{src}: not a readable GGUF file ({e})") from None
+
+    metadata = hyperparameters(reader, src)
+    arch = ARCHITECTURES[metadata["arch"]]
+    sources = {}
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost first
+        sources[tensor.name] = (tensor, shape)
+    if "token_embd.weight" not in sources:
+        raise ConvertError(f"{src}: tensor token_embd.weight is missing")
+    metadata["n_vocab"] = sources["token_embd.weight"][1][0]
+    tied = "output.weight" not in sources
+    metadata["tied_embeddings"] = int(tied)
+    expected = _expected_shapes(metadata, arch)
+    if not tied:
+        expected["output.weight"] = (metadata["n_vocab"], metadata["dim"])
+    missing = [n for n in expected if n not in sources]
+    if missing:
+        raise ConvertError(f"{src}: {metadata['arch']} model lacks tensors {', '.join(missing[:8])}"
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unknown = [n for n in sources if n not in expected]
+    if unknown:
+        raise ConvertError(f"{src}: tensors krafla does not know for {metadata['arch']}: {', '.join(unknown[:8])}"
+                           + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    for tensor_name, shape in expected.items():
+        if sources[tensor_name][1] != shape:
+            raise ConvertError(f"{src}: tensor {tensor_name} has shape {sources[tensor_name][1]}, "
+                               f"expected {shape} from the hyperparameters")
+
+    tokenizer = _tokenizer_container(reader)
+    model = formats.Container(formats.MODEL_MAGIC)
+    model.metadata["name"] = name or model_base_name(out_mlb)
+    model.metadata.update(metadata)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        total = sum(math.prod(shape) for _, shape in sources.values())
+        bar = tqdm(total=total, unit="w", unit_scale=True, desc=f"converting to {type_name}",
+                   file=sys.stderr, leave=False)
+    try:
+        # token_embd, then the layers in order, then the output: the order the engine reads them.
+        order = sorted(expected, key=_tensor_order)
+        for tensor_name in order:
+            tensor, shape = sources[tensor_name]
+            tensor_type = _output_type(tensor_name, shape, type_name, tied)
+            data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar)
+            model.add(tensor_name, tensor_type, shape, data)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    for path in (out_mlb, out_mlt):
+        if path.parent and not path.parent.is_dir():
+            raise ConvertError(f"{path}: directory {path.parent} does not exist")
+    formats.write(out_mlt, tokenizer)
+    formats.write(out_mlb, model)
+    return out_mlb, out_mlt
+
+
+def _tensor_order(name):
+    if name == "token_embd.weight":
+        return (0, 0, name)
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (2, 0, name)
+
