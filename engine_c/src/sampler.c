@@ -1,0 +1,261 @@
+// sampler.c: choosing the next token from a row of logits.
+//
+// Order of operations (one call of kr_sampler_sample):
+//   1. repeat penalty over the distinct ids among the last repeat_last_n tokens of the history
+//      (llama.cpp's rule: a positive logit is divided by the penalty, a negative one multiplied);
+//   2. temperature 0, top_k 1 or top_p 0: greedy, the highest logit, ties to the lowest id;
+//   3. otherwise softmax of logits / temperature, then top-k, then top-p over what top-k kept
+//      (renormalised), then one draw from a xoshiro256** stream seeded by splitmix64.
+// Everything here is sequential and single-threaded, so the chosen token depends only on the
+// logits, the history, the parameters and how many draws came before: never on thread count or
+// batch size. Exactly one random number is drawn per non-greedy call.
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    double weight;
+    int32_t id;
+} kr_candidate;
+
+struct kr_sampler {
+    kr_sampler_params params;
+    int32_t n_vocab;
+    uint64_t rng[4];      // xoshiro256** state, never all zero
+    float *logits;        // (n_vocab,) penalised copy of the caller's logits
+    double *weights;      // (n_vocab,) exp((logit - max) / temperature)
+    kr_candidate *candidates;  // (n_vocab,) tokens under consideration, sorted best first
+    uint8_t *seen;        // (n_vocab,) marks ids already penalised in this call
+};
+
+// ---------------------------------------------------------------------------------------------
+// RNG: splitmix64 expands the seed, xoshiro256** (Blackman & Vigna) produces the stream.
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoshiro_next(uint64_t s[4]) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+static void seed_rng(uint64_t s[4], uint64_t seed) {
+    uint64_t state = seed;
+    for (int i = 0; i < 4; i++) s[i] = splitmix64(&state);
+    if (!(s[0] | s[1] | s[2] | s[3])) s[0] = 1;  // splitmix64 never yields this, but be sure
+}
+
+// A double uniform in [0, 1) from the top 53 bits.
+static double next_uniform(uint64_t s[4]) { return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53; }
+
+// ---------------------------------------------------------------------------------------------
+// Parameters
+
+static int check_params(const kr_sampler_params *p, kr_error *err) {
+    if (!p) return kr_fail(err, KR_ERR_ARGUMENT, "sampler parameters are NULL");
+    if (!isfinite(p->temperature) || p->temperature < 0.0f)
+        return kr_fail(err, KR_ERR_ARGUMENT, "temperature must be a finite number >= 0, got %g", (double)p->temperature);
+    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f))
+        return kr_fail(err, KR_ERR_ARGUMENT, "top_p must be between 0 and 1, got %g", (double)p->top_p);
+    if (p->top_k < 0) return kr_fail(err, KR_ERR_ARGUMENT, "top_k must be >= 0 (0 = off), got %d", p->top_k);
+    if (!isfinite(p->repeat_penalty) || p->repeat_penalty <= 0.0f)
+        return kr_fail(err, KR_ERR_ARGUMENT, "repeat_penalty must be a finite number > 0 (1 = off), got %g",
+                       (double)p->repeat_penalty);
+    if (p->repeat_last_n < -1)
+        return kr_fail(err, KR_ERR_ARGUMENT, "repeat_last_n must be >= 0, or -1 for the whole history, got %d",
+                       p->repeat_last_n);
+    return KR_OK;
+}
+
+kr_sampler *kr_sampler_new(const kr_sampler_params *params, int32_t n_vocab, kr_error *err) {
+    if (check_params(params, err) != KR_OK) return NULL;
+    if (n_vocab <= 0) {
+        kr_fail(err, KR_ERR_ARGUMENT, "sampler vocabulary size must be > 0, got %d", n_vocab);
+        return NULL;
+    }
+    kr_sampler *s = calloc(1, sizeof *s);
+    if (!s) {
+        kr_fail(err, KR_ERR_MEMORY, "out of memory for a sampler");
+        return NULL;
+    }
+    s->params = *params;
+    s->n_vocab = n_vocab;
+    s->logits = malloc((size_t)n_vocab * sizeof *s->logits);
+    s->weights = malloc((size_t)n_vocab * sizeof *s->weights);
+    s->candidates = malloc((size_t)n_vocab * sizeof *s->candidates);
+    s->seen = calloc((size_t)n_vocab, 1);
+    if (!s->logits || !s->weights || !s->candidates || !s->seen) {
+        kr_sampler_free(s);
+        kr_fail(err, KR_ERR_MEMORY, "out of memory for a sampler over %d tokens", n_vocab);
+        return NULL;
+    }
+    seed_rng(s->rng, params->seed);
+    kr_ok(err);
+    return s;
+}
+
+void kr_sampler_free(kr_sampler *sampler) {
+    if (!sampler) return;
+    free(sampler->logits);
+    free(sampler->weights);
+    free(sampler->candidates);
+    free(sampler->seen);
+    free(sampler);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling
+
+// Penalise each distinct id among the last `window` history tokens once.
+static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t n_history) {
+    float penalty = s->params.repeat_penalty;
+    int32_t window = s->params.repeat_last_n;
+    if (penalty == 1.0f || window == 0 || n_history == 0) return;
+    int32_t start = (window < 0 || window >= n_history) ? 0 : n_history - window;
+    for (int32_t i = start; i < n_history; i++) {
+        int32_t id = history[i];
+        if (s->seen[id]) continue;
+        s->seen[id] = 1;
+        float x = s->logits[id];
+        s->logits[id] = x > 0.0f ? x / penalty : x * penalty;
+    }
+    for (int32_t i = start; i < n_history; i++) s->seen[history[i]] = 0;
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;  // strict: ties keep the lowest id
+    return best;
+}
+
+static int best_first(const void *a, const void *b) {
+    const kr_candidate *x = a, *y = b;
+    if (x->weight != y->weight) return x->weight > y->weight ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+// Pick one of candidates[0..n) with probability weight / mass.
+static int32_t draw(kr_sampler *s, const kr_candidate *candidates, int32_t n, double mass) {
+    double target = next_uniform(s->rng) * mass;
+    double cumulative = 0.0;
+    int32_t last_positive = candidates[0].id;
+    for (int32_t k = 0; k < n; k++) {
+        if (candidates[k].weight <= 0.0) continue;
+        cumulative += candidates[k].weight;
+        last_positive = candidates[k].id;
+        if (target < cumulative) return candidates[k].id;
+    }
+    return last_positive;  // rounding left target at the very top
+}
+
+int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, const int32_t *history,
+                      int32_t n_history, int32_t *token_out, kr_error *err) {
+    if (!s || !logits || !token_out) return kr_fail(err, KR_ERR_ARGUMENT, "sampler, logits and output must not be NULL");
+    if (n_logits != s->n_vocab)
+        return kr_fail(err, KR_ERR_ARGUMENT, "got %d logits for a sampler over %d tokens", n_logits, s->n_vocab);
+    if (n_history < 0 || (n_history > 0 && !history))
+        return kr_fail(err, KR_ERR_ARGUMENT, "bad history: %d tokens", n_history);
+    for (int32_t i = 0; i < n_history; i++)
+        if (history[i] < 0 || history[i] >= s->n_vocab)
+            return kr_fail(err, KR_ERR_ARGUMENT, "history token %d at position %d is outside the vocabulary (0..%d)",
+                           history[i], i, s->n_vocab - 1);
+    const int32_t n = s->n_vocab;
+    bool any_finite = false;
+    for (int32_t i = 0; i < n; i++) {
+        float x = logits[i];
+        if (isnan(x) || x == INFINITY)
+            return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(x) ? "NaN" : "+inf");
+        if (x != -INFINITY) any_finite = true;
+    }
+    if (!any_finite) return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: no token can be chosen");
+
+    memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
+    apply_repeat_penalty(s, history, n_history);
+
+    const kr_sampler_params *p = &s->params;
+    if (p->temperature == 0.0f || p->top_k == 1 || p->top_p == 0.0f) {
+        *token_out = argmax(s->logits, n);
+        kr_ok(err);
+        return KR_OK;
+    }
+
+    // Weights relative to the best token (which gets exactly 1), summed in id order.
+    const double inverse_temperature = 1.0 / (double)p->temperature;
+    const float max_logit = s->logits[argmax(s->logits, n)];
+    double total = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        double w = s->logits[i] == -INFINITY ? 0.0 : exp(((double)s->logits[i] - (double)max_logit) * inverse_temperature);
+        s->weights[i] = w;
+        total += w;
+    }
+
+    const int32_t top_k = (p->top_k > 0 && p->top_k < n) ? p->top_k : 0;
+    const bool use_top_p = p->top_p < 1.0f;
+    if (!top_k && !use_top_p) {
+        for (int32_t i = 0; i < n; i++) s->candidates[i] = (kr_candidate){s->weights[i], i};
+        *token_out = draw(s, s->candidates, n, total);
+        kr_ok(err);
+        return KR_OK;
+    }
+
+    // Only a best-first prefix of the ids needs sorting. Lower a weight cut until the ids at or
+    // above it number at least top_k (with top-k), or carry at least top_p of the mass (top-p
+    // alone): the ids above a cut are a prefix of the sorted order, so the tokens kept lie inside
+    // them. The last cut, 0, takes every id with a weight > 0.
+    int32_t n_candidates = 0;
+    static const double cuts[] = {1e-2, 1e-4, 1e-8, 1e-16, 0.0};
+    for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++) {
+        double cut = cuts[c], mass = 0.0;
+        n_candidates = 0;
+        for (int32_t i = 0; i < n; i++) {
+            double w = s->weights[i];
+            if (w > 0.0 && w >= cut) {
+                s->candidates[n_candidates++] = (kr_candidate){w, i};
+                mass += w;
+            }
+        }
+        if (top_k ? n_candidates >= top_k : mass >= (double)p->top_p * total) break;
+    }
+    qsort(s->candidates, (size_t)n_candidates, sizeof *s->candidates, best_first);
+
+    if (top_k && n_candidates > top_k) n_candidates = top_k;
+    double kept = 0.0;
+    for (int32_t k = 0; k < n_candidates; k++) kept += s->candidates[k].weight;
+    if (use_top_p) {
+        // The smallest best-first prefix whose share of what top-k kept reaches top_p.
+        double goal = (double)p->top_p * kept, cumulative = 0.0;
+        int32_t k = 0;
+        while (k < n_candidates) {
+            cumulative += s->candidates[k++].weight;
+            if (cumulative >= goal) break;
+        }
+        n_candidates = k;
+        kept = cumulative;
+    }
+    *token_out = draw(s, s->candidates, n_candidates, kept);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err) {
+    if (!sampler) return kr_fail(err, KR_ERR_ARGUMENT, "sampler is NULL");
+    seed_rng(sampler->rng, seed);
+    kr_ok(err);
+    return KR_OK;
+}

@@ -1,0 +1,114 @@
+"""ctypes bindings for the sampler section of krafla.h (engine_c/src/sampler.c).
+
+`Sampler(params, n_vocab)` owns a kr_sampler: `.sample(logits, history)` returns the next token id.
+The raw prototypes come first, then the owning class.
+"""
+
+import ctypes
+
+import numpy as np
+
+from krafla_twisted import clib
+
+
+class kr_sampler_params(ctypes.Structure):
+    _fields_ = [
+        ("temperature", ctypes.c_float),
+        ("top_p", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("repeat_penalty", ctypes.c_float),
+        ("repeat_last_n", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+    ]
+
+
+_float_p = ctypes.POINTER(ctypes.c_float)
+_int32_p = ctypes.POINTER(ctypes.c_int32)
+_error_p = ctypes.POINTER(clib.kr_error)
+
+
+@clib.prototypes
+def _sampler(lib):
+    # kr_sampler *kr_sampler_new(const kr_sampler_params *params, int32_t n_vocab, kr_error *err);
+    clib.declare(lib, "kr_sampler_new", ctypes.c_void_p, ctypes.POINTER(kr_sampler_params), ctypes.c_int32, _error_p)
+    # void kr_sampler_free(kr_sampler *sampler);
+    clib.declare(lib, "kr_sampler_free", None, ctypes.c_void_p)
+    # int kr_sampler_sample(kr_sampler *sampler, const float *logits, int32_t n_logits,
+    #                       const int32_t *history, int32_t n_history, int32_t *token_out, kr_error *err);
+    clib.declare(lib, "kr_sampler_sample", ctypes.c_int, ctypes.c_void_p, _float_p, ctypes.c_int32, _int32_p,
+                 ctypes.c_int32, _int32_p, _error_p)
+    # int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
+    clib.declare(lib, "kr_sampler_reseed", ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _error_p)
+
+
+SEED_MODULUS = 2**64
+
+
+class Sampler:
+    """Chooses tokens from logits with one seeded random stream; see krafla.h for the rules.
+
+    `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n and seed
+    attributes (generate.SamplingParams); seed must be an int here (the caller picks one for None).
+    A bad value raises clib.KraflaError with the C library's message.
+    """
+
+    def __init__(self, params, n_vocab):
+        self._handle = None
+        self._lib = clib.load()
+        raw = kr_sampler_params(
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            top_k=_int32(params.top_k, "top_k"),
+            repeat_penalty=float(params.repeat_penalty),
+            repeat_last_n=_int32(params.repeat_last_n, "repeat_last_n"),
+            seed=int(params.seed) % SEED_MODULUS,
+        )
+        err = clib.kr_error()
+        handle = self._lib.kr_sampler_new(ctypes.byref(raw), _int32(n_vocab, "n_vocab"), ctypes.byref(err))
+        if not handle:
+            err.check()
+            raise clib.KraflaError("kr_sampler_new failed without a message")
+        self._handle = handle
+        self.n_vocab = int(n_vocab)
+
+    def sample(self, logits, history=()):
+        """The next token id for `logits` (n_vocab floats) after `history` (token ids, oldest first)."""
+        if self._handle is None:
+            raise clib.KraflaError("sampler is closed", 7)
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        if logits.ndim != 1:
+            raise ValueError(f"logits must be one row, got shape {logits.shape}")
+        history = np.ascontiguousarray(history, dtype=np.int32)
+        token = ctypes.c_int32(-1)
+        err = clib.kr_error()
+        status = self._lib.kr_sampler_sample(
+            self._handle, logits.ctypes.data_as(_float_p), logits.shape[0],
+            history.ctypes.data_as(_int32_p), history.shape[0], ctypes.byref(token), ctypes.byref(err))
+        err.check(status)
+        return token.value
+
+    def reseed(self, seed):
+        err = clib.kr_error()
+        err.check(self._lib.kr_sampler_reseed(self._handle, int(seed) % SEED_MODULUS, ctypes.byref(err)))
+
+    def close(self):
+        if self._handle is not None:
+            self._lib.kr_sampler_free(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+
+def _int32(value, name):
+    value = int(value)
+    if not -2**31 <= value < 2**31:
+        raise ValueError(f"{name} {value} does not fit a 32-bit integer")
+    return value
