@@ -145,9 +145,12 @@ static char *take_name(cursor *c, kr_file *f, const char *what, kr_error *err) {
         kr_fail(err, KR_ERR_FORMAT, "%s: truncated in the %s table", f->path, what);
         return NULL;
     }
-    if (length == 0 || length > KR_MAX_NAME || length > c->end - c->pos) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: %s name of %u bytes is empty, too long or runs past the end",
-                f->path, what, length);
+    if (length == 0 || length > KR_MAX_NAME) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %s name of %u bytes (1 to %d allowed)", f->path, what, length, KR_MAX_NAME);
+        return NULL;
+    }
+    if (length > c->end - c->pos) {
+        kr_fail(err, KR_ERR_FORMAT, "%s: %s name of %u bytes runs past the end of the tables", f->path, what, length);
         return NULL;
     }
     if (memchr(c->base + c->pos, 0, length)) {
@@ -236,7 +239,13 @@ static int parse_tensors(kr_file *f, cursor *c, kr_error *err) {
         t->n_bytes = kr_type_size(t->type, count);
         uint64_t offset, start, end;
         if (!take(c, &offset, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
-        if (t->n_bytes == 0 || offset % KR_ALIGNMENT || kr_add_overflows(f->data_offset, offset, &start) ||
+        if (t->n_bytes == 0)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %llu elements of %s take more than 2^64 bytes", f->path,
+                           name, (unsigned long long)count, TYPES[type].name);
+        if (offset % KR_ALIGNMENT)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: data offset %llu is not a multiple of %d", f->path, name,
+                           (unsigned long long)offset, KR_ALIGNMENT);
+        if (kr_add_overflows(f->data_offset, offset, &start) ||
             kr_add_overflows(start, t->n_bytes, &end) || end > f->size)
             return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %llu bytes at data offset %llu lie outside the file",
                            f->path, name, (unsigned long long)t->n_bytes, (unsigned long long)offset);
