@@ -41,6 +41,7 @@ class FakeBackend:
         self.finish_reason = finish_reason
         self.cached_tokens = cached_tokens
         self.calls = []
+        self.results = []
         self.after_piece = lambda index: None
         self.error = None
 
@@ -71,7 +72,9 @@ class FakeBackend:
             if on_text is not None:
                 on_text(piece)
             self.after_piece(index)
-        return FakeResult("".join(text), finish_reason, prompt_tokens, len(text), self.cached_tokens)
+        result = FakeResult("".join(text), finish_reason, prompt_tokens, len(text), self.cached_tokens)
+        self.results.append(result)
+        return result
 
 
 class SynchronousPool:
@@ -169,3 +172,78 @@ def fired(deferred):
     if isinstance(result, Failure):
         result.raiseException()
     return result
+
+
+class RawConnection:
+    """One server-side HTTP connection over a StringTransport: bytes in, bytes out, no client library.
+
+    For what a client library hides: pause/resume, a client that vanishes, Connection: close,
+    timeouts (on the harness's MemoryReactorClock), the head and body limits.
+    """
+
+    def __init__(self, harness):
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.testing import StringTransport
+
+        from krafla_twisted.api.site import APISite
+
+        self.site = APISite(harness.root, reactor=harness.reactor)
+        self.protocol = self.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        self.transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+        self.protocol.makeConnection(self.transport)
+
+    def send(self, data):
+        self.protocol.dataReceived(data)
+
+    def post(self, path, body, headers=b""):
+        import json
+
+        data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+        self.send(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + headers + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        )
+
+    def output(self):
+        return self.transport.value()
+
+    def lose(self):
+        from twisted.internet.error import ConnectionLost
+
+        self.protocol.connectionLost(Failure(ConnectionLost("the client went away")))
+
+
+def split_response(raw):
+    """(status, headers dict with lower-case names, body bytes) of a raw HTTP/1.1 response, de-chunked."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode()] = value.strip().decode()
+    if headers.get("transfer-encoding") == "chunked":
+        out, rest = b"", body
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            out += rest[:size]
+            rest = rest[size + 2:]
+        body = out
+    return status, headers, body
+
+
+def sse_events(body):
+    """The `data:` payloads of an SSE body: JSON objects, and the string "[DONE]"."""
+    import json
+
+    events = []
+    for block in body.decode("utf-8").split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
