@@ -1,0 +1,259 @@
+"""The C engine through ctypes: `Model` (a loaded .mlb and its thread pool) and `Session` (a KV
+cache and the forward pass).
+
+Two layers, as in krafla.h: the raw prototypes of the kr_model_* / kr_session_* functions, then
+owning classes that free their handle in `close()` (or at the end of a `with` block), raise
+`EngineError` (a `clib.KraflaError`) with the C library's message on a bad status, and hand numpy
+arrays to C without copies.
+
+    with Model("SmolLM2-135M-Instruct-Q4_0.mlb", threads=2) as model:
+        session = model.session(ctx=2048, kv="f16", batch=32)
+        logits = session.eval(prompt_ids)      # np.float32 (n_vocab,), of the last token
+        session.truncate(10)                   # keep the first 10 positions of the cache
+
+One eval at a time per model: the thread pool belongs to the model, so sessions of one model
+must not evaluate concurrently (the C library refuses a second concurrent eval).
+"""
+
+import ctypes
+import os
+import weakref
+
+import numpy as np
+
+from krafla_twisted import clib
+from krafla_twisted.container import ContainerFile
+
+# kr_status codes this module maps to exception classes.
+KR_ERR_ARGUMENT = 4
+KR_ERR_CONTEXT = 6
+KR_ERR_STATE = 7
+
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
+TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8"}
+DEFAULT_MAX_CTX = 4096
+
+
+class EngineError(clib.KraflaError):
+    """An error from the engine: a bad model file, a bad argument, a closed handle."""
+
+
+class InvalidTokenError(EngineError, ValueError):
+    """A token id outside [0, n_vocab) or another bad argument to eval / truncate."""
+
+
+class ContextFullError(EngineError, ValueError):
+    """The tokens do not fit in the session's context."""
+
+
+class ClosedError(EngineError):
+    """The model or session was closed."""
+
+
+class kr_model_info(ctypes.Structure):
+    _fields_ = [
+        ("arch", ctypes.c_char * 16),
+        ("name", ctypes.c_char * 128),
+        *[(name, ctypes.c_int32) for name in (
+            "n_vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq",
+            "rope_dims", "rope_style", "activation", "tied_embeddings", "sliding_window",
+            "n_sliding_layers", "weight_type", "output_type", "n_threads")],
+        *[(name, ctypes.c_float) for name in (
+            "norm_eps", "rope_theta", "rope_theta_local", "rope_scale", "embedding_scale", "attn_scale",
+            "attn_softcap", "final_softcap")],
+        ("n_params", ctypes.c_uint64),
+        ("n_bytes", ctypes.c_uint64),
+    ]
+
+
+_model_p = ctypes.c_void_p    # opaque kr_model *
+_session_p = ctypes.c_void_p  # opaque kr_session *
+_error_p = ctypes.POINTER(clib.kr_error)
+_int32_p = ctypes.POINTER(ctypes.c_int32)
+_float_p = ctypes.POINTER(ctypes.c_float)
+
+
+@clib.prototypes
+def _engine(lib):
+    declare = clib.declare
+    # kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err);
+    declare(lib, "kr_model_open", _model_p, ctypes.c_char_p, ctypes.c_int32, _error_p)
+    # void kr_model_close(kr_model *model);
+    declare(lib, "kr_model_close", None, _model_p)
+    # int kr_model_get_info(const kr_model *model, kr_model_info *info, kr_error *err);
+    declare(lib, "kr_model_get_info", ctypes.c_int, _model_p, ctypes.POINTER(kr_model_info), _error_p)
+    # kr_session *kr_session_new(kr_model *model, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
+    declare(lib, "kr_session_new", _session_p, _model_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _error_p)
+    # void kr_session_free(kr_session *session);
+    declare(lib, "kr_session_free", None, _session_p)
+    # int kr_session_eval(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
+    declare(lib, "kr_session_eval", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
+    # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
+    declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
+    # int32_t kr_session_n_tokens(const kr_session *session);  (and n_ctx, n_batch, kv_type)
+    for name in ("kr_session_n_tokens", "kr_session_n_ctx", "kr_session_n_batch", "kr_session_kv_type"):
+        declare(lib, name, ctypes.c_int32, _session_p)
+
+
+def _raise(error):
+    """Raise the exception class for a failed kr_error."""
+    message = error.message.decode("utf-8", "replace") or f"krafla error {error.status}"
+    cls = {KR_ERR_ARGUMENT: InvalidTokenError, KR_ERR_CONTEXT: ContextFullError}.get(error.status, EngineError)
+    raise cls(message, error.status)
+
+
+class Model:
+    """A .mlb model loaded by the C engine, with a pool of `threads` threads.
+
+    `info` is the file's metadata as a dict; `n_vocab`, `max_seq`, `name`, `arch` come from it.
+    """
+
+    def __init__(self, path, threads=1):
+        self.path = os.fspath(path)
+        if not isinstance(threads, int) or isinstance(threads, bool):
+            raise TypeError(f"threads must be an integer, not {type(threads).__name__}")
+        self._lib = clib.load()
+        error = clib.kr_error()
+        handle = self._lib.kr_model_open(os.fsencode(self.path), threads, ctypes.byref(error))
+        if not handle:
+            _raise(error)
+        self._handle = handle
+        self._sessions = weakref.WeakSet()
+        self._finalizer = weakref.finalize(self, self._lib.kr_model_close, handle)
+        raw = kr_model_info()
+        self._lib.kr_model_get_info(handle, ctypes.byref(raw), None)
+        self.threads = threads
+        self.n_vocab = raw.n_vocab
+        self.max_seq = raw.max_seq
+        self.arch = raw.arch.decode()
+        self.weight_type = TYPE_NAMES.get(raw.weight_type, str(raw.weight_type))
+        self.n_params = raw.n_params
+        self.n_bytes = raw.n_bytes
+        with ContainerFile(self.path) as container:
+            self.info = dict(container.metadata)
+        self.name = self.info.get("name") or os.path.splitext(os.path.basename(self.path))[0]
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _check_open(self):
+        if self._handle is None:
+            raise ClosedError(f"model {self.path} is closed", KR_ERR_STATE)
+        return self._handle
+
+    def session(self, ctx=None, kv="f32", batch=32):
+        """A new Session: a KV cache of `ctx` positions (default max_seq, at most 4096) of type
+        `kv` (f32, f16), evaluating `batch` tokens per step."""
+        handle = self._check_open()
+        if kv not in KV_TYPES:
+            raise ValueError(f"KV cache type {kv!r} is not one of {', '.join(KV_TYPES)}")
+        if ctx is None:
+            ctx = min(self.max_seq, DEFAULT_MAX_CTX)
+        if not isinstance(ctx, int) or ctx < 1:
+            raise ValueError(f"context must be a positive integer, not {ctx!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive integer, not {batch!r}")
+        error = clib.kr_error()
+        session = self._lib.kr_session_new(handle, ctx, KV_TYPES[kv], batch, ctypes.byref(error))
+        if not session:
+            _raise(error)
+        result = Session(self, session, kv)
+        self._sessions.add(result)
+        return result
+
+    def close(self):
+        """Close every session of this model, then the model. Closing twice is harmless."""
+        if self._handle is None:
+            return
+        for session in list(self._sessions):
+            session.close()
+        self._finalizer()
+        self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.arch}, {self.weight_type}, {self.threads} threads"
+        return f"<krafla Model {self.name} ({state})>"
+
+
+class Session:
+    """A KV cache over one Model: eval tokens, read the last token's logits, truncate."""
+
+    def __init__(self, model, handle, kv):
+        self.model = model
+        self._lib = model._lib
+        self._handle = handle
+        self._finalizer = weakref.finalize(self, self._lib.kr_session_free, handle)
+        self.kv = kv
+        self.n_ctx = self._lib.kr_session_n_ctx(handle)
+        self.batch = self._lib.kr_session_n_batch(handle)
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _check_open(self):
+        if self._handle is None:
+            raise ClosedError("session is closed", KR_ERR_STATE)
+        return self._handle
+
+    @property
+    def n_tokens(self):
+        """Positions in the KV cache."""
+        return self._lib.kr_session_n_tokens(self._check_open())
+
+    def eval(self, token_ids, logits=True):
+        """Run token_ids (a sequence or numpy array of ints) after the cached ones; return the
+        last token's logits as np.float32 (n_vocab,), or None with logits=False (prefill only)."""
+        handle = self._check_open()
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidTokenError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}",
+                                    KR_ERR_ARGUMENT)
+        if tokens.dtype.kind not in "iu":
+            raise InvalidTokenError(f"token ids must be integers, not {tokens.dtype}", KR_ERR_ARGUMENT)
+        if tokens.dtype != np.int32:
+            out_of_range = (tokens < 0) | (tokens >= self.model.n_vocab)
+            if out_of_range.any():
+                index = int(np.argmax(out_of_range))
+                raise InvalidTokenError(f"token id {int(tokens[index])} at index {index} is outside "
+                                        f"[0, {self.model.n_vocab})", KR_ERR_ARGUMENT)
+            tokens = tokens.astype(np.int32)
+        tokens = np.ascontiguousarray(tokens)
+        out = np.empty(self.model.n_vocab, dtype=np.float32) if logits else None
+        error = clib.kr_error()
+        status = self._lib.kr_session_eval(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
+                                           out.ctypes.data_as(_float_p) if logits else None, ctypes.byref(error))
+        if status:
+            _raise(error)
+        return out
+
+    def truncate(self, n_tokens):
+        """Forget every position from n_tokens on (0 <= n_tokens <= self.n_tokens)."""
+        handle = self._check_open()
+        error = clib.kr_error()
+        if self._lib.kr_session_truncate(handle, int(n_tokens), ctypes.byref(error)):
+            _raise(error)
+
+    def close(self):
+        if self._handle is None:
+            return
+        self._finalizer()
+        self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self.closed:
+            return "<krafla Session (closed)>"
+        return f"<krafla Session {self.n_tokens}/{self.n_ctx} tokens, kv {self.kv}, batch {self.batch}>"

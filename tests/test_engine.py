@@ -1,0 +1,385 @@
+"""The C engine (krafla_twisted.engine) against the independent numpy reference.
+
+tests/support/reference.py computes the forward pass in float64 from the architectures'
+definitions; the engine must agree with it on tiny random models of every architecture and
+weight type (hypothesis-chosen shapes) and on the real models, and must refuse bad files, bad
+token ids, positions past the context and closed handles with a clear message.
+"""
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from krafla_twisted import clib, formats
+from krafla_twisted.engine import ClosedError, ContextFullError, EngineError, InvalidTokenError, Model
+from tests import strategies
+from tests.support.reference import ReferenceModel
+from tests.support.tiny_models import ARCHS, QUANTIZED, tiny_model_container, write_tiny_model
+
+FLOAT_TYPES = ("f32", "f16", "bf16")
+KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = 2, 3
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def assert_logits_match(engine, reference, quantized):
+    """Cosine >= 0.9999 for float weights (>= 0.999 when activations are quantized to q8), and
+    the engine's top token is the reference's top token, or one the reference scores within the
+    engine's own error of the top (a tie a different rounding may break either way)."""
+    engine, reference = np.asarray(engine, np.float64), np.asarray(reference, np.float64)
+    assert engine.shape == reference.shape
+    assert np.isfinite(engine).all()
+    similarity = cosine(engine, reference)
+    assert similarity >= (0.999 if quantized else 0.9999), similarity
+    error = np.abs(engine - reference).max()
+    top = int(np.argmax(engine))
+    assert reference[top] >= reference.max() - 2 * error, (top, int(np.argmax(reference)), error)
+
+
+def prompt(n, n_vocab, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, n_vocab, size=n)]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A factory: tiny(arch, weight_type="f32", **kwargs) -> path of a written tiny model."""
+    def make(arch, weight_type="f32", seed=1, **kwargs):
+        path = tmp_path / f"{arch}-{weight_type}-{seed}.mlb"
+        write_tiny_model(path, arch, seed=seed, weight_type=weight_type, **kwargs)
+        return path
+    return make
+
+
+class TinyModelReferenceTests:
+    """Logits of tiny random models equal the numpy reference's."""
+
+    @pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_every_architecture_and_weight_type(self, tiny, arch, weight_type):
+        """Default tiny shapes; a 20-token prompt is longer than gemma3's sliding window (6), so
+        the window and both RoPE bases are exercised; every position's logits are compared by
+        evaluating one token at a time after a batched prefix."""
+        path = tiny(arch, weight_type)
+        reference = ReferenceModel(path).forward(prompt(20, 60))
+        with Model(path) as model:
+            session = model.session(batch=7)
+            assert_logits_match(session.eval(prompt(12, 60)), reference[11], weight_type in QUANTIZED)
+            for i, token in enumerate(prompt(20, 60)[12:], start=12):
+                assert_logits_match(session.eval([token]), reference[i], weight_type in QUANTIZED)
+            assert session.n_tokens == 20
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(args=strategies.tiny_models_args(), n=st.integers(1, 40), batch=st.integers(1, 16), data=st.data())
+    def test_hypothesis_shapes(self, tmp_path, args, n, batch, data):
+        """Any shape the strategy draws (odd dims, GQA 1..4, head widths 2..64, 1-3 layers, odd
+        vocab) and any prompt that fits the context agree with the reference."""
+        arch, weight_type, kwargs = args
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, arch, weight_type=weight_type, **kwargs)
+        n = min(n, kwargs["max_seq"])
+        ids = data.draw(st.lists(st.integers(0, kwargs["n_vocab"] - 1), min_size=n, max_size=n))
+        reference = ReferenceModel(path).forward(ids)[-1]
+        with Model(path) as model:
+            logits = model.session(batch=batch).eval(ids)
+        assert_logits_match(logits, reference, weight_type in QUANTIZED)
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_greedy_continuation(self, tiny, arch):
+        """32 tokens picked by argmax, one eval per token, equal the reference's greedy()."""
+        path = tiny(arch, seed=7, n_vocab=211, max_seq=64)
+        ids = prompt(9, 211, seed=3)
+        expected = ReferenceModel(path).greedy(ids, 32)
+        with Model(path) as model:
+            session = model.session()
+            logits = session.eval(ids)
+            produced = []
+            for _ in range(32):
+                produced.append(int(np.argmax(logits)))
+                logits = session.eval([produced[-1]])
+        assert produced == list(expected)
+
+    @pytest.mark.parametrize("settings_", [
+        dict(rope_dims=8, rope_style="neox"),
+        dict(rope_dims=4, rope_style="norm"),
+        dict(rope_scale=4.0, rope_theta=500.0),
+        dict(attn_softcap=2.0, final_softcap=3.0),
+        dict(attn_scale=0.5, embedding_scale=3.0),
+        dict(tied_embeddings=0),
+        dict(sliding_window=3, layer_types=[1, 1]),
+    ], ids=lambda s: ",".join(s))
+    def test_hyperparameter_variants(self, tiny, settings_):
+        """Partial RoPE in both styles, linear RoPE scaling, soft-caps, explicit scales, an untied
+        head and an all-sliding llama each change the logits and still match the reference."""
+        path = tiny("llama", **settings_)
+        ids = prompt(15, 60)
+        reference = ReferenceModel(path).forward(ids)[-1]
+        with Model(path) as model:
+            assert_logits_match(model.session().eval(ids), reference, False)
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_f16_kv_cache(self, tiny, arch):
+        """An f16 KV cache stays within f16 rounding of the reference (cosine >= 0.9999)."""
+        path = tiny(arch)
+        ids = prompt(25, 60)
+        reference = ReferenceModel(path).forward(ids)[-1]
+        with Model(path) as model:
+            session = model.session(kv="f16", batch=4)
+            assert session.kv == "f16"
+            assert_logits_match(session.eval(ids), reference, False)
+
+    def test_two_threads(self, tiny):
+        """A model opened with two threads matches the reference too."""
+        path = tiny("qwen2", "q4_0")
+        ids = prompt(30, 60)
+        reference = ReferenceModel(path).forward(ids)[-1]
+        with Model(path, threads=2) as model:
+            assert_logits_match(model.session().eval(ids), reference, True)
+
+
+class ModelInfoTests:
+    """What Model and Session report."""
+
+    def test_info_and_sizes(self, tiny):
+        """info is the file's metadata; n_vocab, max_seq, name, arch come from it; ctx defaults
+        to max_seq (at most 4096) and batch is clamped to the context."""
+        path = tiny("gemma3", "q4_0", max_seq=96)
+        expected = formats.read(path).metadata
+        with Model(path, threads=2) as model:
+            assert model.info == expected
+            assert (model.n_vocab, model.max_seq, model.arch, model.name) == (73, 96, "gemma3", expected["name"])
+            assert model.weight_type == "q4_0"
+            session = model.session()
+            assert (session.n_ctx, session.n_tokens, session.kv) == (96, 0, "f32")
+            assert model.session(ctx=10, batch=64).batch == 10
+
+    def test_truncate(self, tiny):
+        """truncate keeps a prefix: the next eval continues from it as if the rest never ran."""
+        path = tiny("llama")
+        ids = prompt(12, 60)
+        with Model(path) as model:
+            session = model.session()
+            expected = session.eval(ids)
+            session.eval(prompt(5, 60, seed=9))
+            session.truncate(8)
+            assert session.n_tokens == 8
+            np.testing.assert_array_equal(session.eval(ids[8:]), expected)
+            session.truncate(0)
+            np.testing.assert_array_equal(session.eval(ids), expected)
+
+    def test_prefill_without_logits(self, tiny):
+        """eval(..., logits=False) fills the cache and returns None; the next logits are unchanged."""
+        path = tiny("qwen2")
+        ids = prompt(10, 60)
+        with Model(path) as model:
+            session = model.session()
+            expected = session.eval(ids)
+            session.truncate(0)
+            assert session.eval(ids[:7], logits=False) is None
+            np.testing.assert_array_equal(session.eval(ids[7:]), expected)
+
+
+class EngineErrorTests:
+    """Bad input raises with the C library's message and leaves the session usable."""
+
+    @pytest.mark.parametrize("bad", [-1, 67, 2**31 - 1, -(2**31)])
+    def test_bad_token_ids(self, tiny, bad):
+        """Ids outside [0, n_vocab) raise InvalidTokenError (a ValueError) naming id and index,
+        and the session is unchanged."""
+        with Model(tiny("llama")) as model:
+            session = model.session()
+            session.eval([1, 2])
+            with pytest.raises(InvalidTokenError, match=rf"token id {bad} at index 1 is outside \[0, 67\)") as e:
+                session.eval(np.array([3, bad, 4], dtype=np.int32))
+            assert isinstance(e.value, ValueError)
+            assert session.n_tokens == 2
+
+    def test_bad_token_ids_from_python_ints(self, tiny):
+        """Python ints beyond int32 are refused before they could wrap around."""
+        with Model(tiny("llama")) as model:
+            session = model.session()
+            with pytest.raises(InvalidTokenError, match="token id 4294967297 at index 0"):
+                session.eval([2**32 + 1])
+            with pytest.raises(InvalidTokenError, match="non-empty"):
+                session.eval([])
+            with pytest.raises(InvalidTokenError, match="integers"):
+                session.eval([1.5])
+
+    def test_context_full(self, tiny):
+        """Tokens past the context raise ContextFullError before any work; what fits still runs."""
+        with Model(tiny("gemma3")) as model:
+            session = model.session(ctx=16, batch=4)
+            session.eval(prompt(10, 60))
+            with pytest.raises(ContextFullError, match="7 tokens after 10 do not fit in the context of 16"):
+                session.eval(prompt(7, 60))
+            assert session.n_tokens == 10
+            session.eval(prompt(6, 60))
+            assert session.n_tokens == 16
+            with pytest.raises(ContextFullError):
+                session.eval([1])
+
+    def test_truncate_beyond_cache(self, tiny):
+        """Truncating to more tokens than the cache holds, or below zero, is an error."""
+        with Model(tiny("llama")) as model:
+            session = model.session()
+            session.eval([1, 2, 3])
+            for bad in (4, -1):
+                with pytest.raises(InvalidTokenError, match=f"cannot truncate to {bad} tokens: the session holds 3"):
+                    session.truncate(bad)
+
+    def test_closed_handles(self, tiny):
+        """A closed session or model raises ClosedError; closing the model closes its sessions."""
+        model = Model(tiny("qwen2"))
+        session = model.session()
+        other = model.session()
+        session.close()
+        session.close()
+        with pytest.raises(ClosedError, match="session is closed"):
+            session.eval([1])
+        with pytest.raises(ClosedError):
+            session.truncate(0)
+        with pytest.raises(ClosedError):
+            session.n_tokens
+        model.close()
+        assert other.closed
+        with pytest.raises(ClosedError, match="is closed"):
+            other.eval([1])
+        with pytest.raises(ClosedError, match="is closed"):
+            model.session()
+        model.close()
+
+    def test_garbage_collected_handles(self, tiny):
+        """Models and sessions dropped without close() are freed without crashing."""
+        for _ in range(3):
+            model = Model(tiny("llama"), threads=2)
+            model.session().eval([1, 2, 3])
+            del model
+            gc.collect()
+
+    def test_bad_session_arguments(self, tiny):
+        """Unknown KV types, q8_0 (not yet), bad contexts and batches are refused."""
+        with Model(tiny("llama")) as model:
+            with pytest.raises(ValueError, match="KV cache type 'q4_0'"):
+                model.session(kv="q4_0")
+            with pytest.raises(EngineError, match="q8_0 is not supported yet"):
+                model.session(kv="q8_0")
+            with pytest.raises(ValueError, match="context"):
+                model.session(ctx=0)
+            with pytest.raises(ValueError, match="batch"):
+                model.session(batch=0)
+            with pytest.raises(EngineError, match="batch 100000 is out of range"):
+                model.session(batch=100000)
+
+    def test_bad_thread_counts(self, tiny):
+        """Thread counts outside 1..256 are refused."""
+        for threads in (0, -3, 257):
+            with pytest.raises(EngineError, match=f"threads = {threads}, expected 1 to 256"):
+                Model(tiny("llama"), threads=threads)
+
+
+def broken_model(tmp_path, arch="llama", edit=None, **overrides):
+    container = tiny_model_container(arch, seed=1, **overrides)
+    if edit:
+        edit(container)
+    path = tmp_path / "broken.mlb"
+    formats.write(path, container)
+    return path
+
+
+def set_meta(key, value):
+    def edit(container):
+        container.metadata[key] = value
+    return edit
+
+
+def drop_meta(key):
+    return lambda container: container.metadata.pop(key)
+
+
+def drop_tensor(name):
+    return lambda container: container.tensors.pop(name)
+
+
+def replace_tensor(name, type_name, shape):
+    def edit(container):
+        tensor_type = formats.TENSOR_TYPES_BY_NAME[type_name]
+        container.tensors.pop(name)
+        container.add(name, tensor_type, shape, np.zeros(tensor_type.nbytes(shape), np.uint8))
+    return edit
+
+
+class ModelFileErrorTests:
+    """Model files the engine cannot run are refused with a message naming the problem."""
+
+    @pytest.mark.parametrize("edit, arch, message", [
+        (drop_meta("n_heads"), "llama", "metadata n_heads is missing"),
+        (drop_meta("rope_style"), "llama", "metadata rope_style is missing"),
+        (set_meta("n_heads", 5), "llama", "n_heads 5 is not a multiple of n_kv_heads 2"),
+        (set_meta("dim", 0), "llama", "metadata dim = 0, expected 1 to"),
+        (set_meta("n_vocab", -4), "llama", "metadata n_vocab = -4"),
+        (set_meta("head_dim", 15), "llama", "head_dim 15 is odd"),
+        (set_meta("rope_dims", 32), "llama", "metadata rope_dims = 32, expected 2 to 16"),
+        (set_meta("rope_dims", 5), "llama", "rope_dims 5 is odd"),
+        (set_meta("norm_eps", 0.0), "llama", "metadata norm_eps = 0"),
+        (set_meta("rope_theta", float("nan")), "llama", "metadata rope_theta = nan"),
+        (set_meta("dim", "64"), "llama", "metadata dim should be an integer"),
+        (set_meta("layer_types", [0]), "llama", "layer_types has 1 entries for 2 layers"),
+        (set_meta("layer_types", [0, 3]), "llama", r"layer_types\[1\] = 3"),
+        (set_meta("layer_types", [0, 1]), "llama", "1 sliding-window layers but sliding_window is 0"),
+        (set_meta("tied_embeddings", 2), "llama", "metadata tied_embeddings = 2"),
+        (drop_tensor("blk.1.ffn_down.weight"), "llama", "tensor blk.1.ffn_down.weight is missing"),
+        (drop_tensor("blk.0.attn_k.bias"), "qwen2", "tensor blk.0.attn_k.bias is missing"),
+        (drop_tensor("blk.2.post_ffw_norm.weight"), "gemma3", "tensor blk.2.post_ffw_norm.weight is missing"),
+        (replace_tensor("blk.0.attn_k.weight", "f32", (16, 64)), "llama",
+         r"tensor blk.0.attn_k.weight has shape \(16, 64\), expected \(32, 64\)"),
+        (replace_tensor("blk.0.attn_norm.weight", "f32", (2, 32)), "llama",
+         r"tensor blk.0.attn_norm.weight has shape \(2, 32\), expected \(64,\)"),
+        (replace_tensor("blk.0.ffn_norm.weight", "f16", (64,)), "llama",
+         "tensor blk.0.ffn_norm.weight has type f16, expected f32"),
+        (replace_tensor("blk.0.ffn_up.weight", "i32", (96, 64)), "llama",
+         "tensor blk.0.ffn_up.weight has type i32; weights must be"),
+        (replace_tensor("output.weight", "u8", (67, 64)), "llama", "tensor output.weight has type u8"),
+    ])
+    def test_bad_files(self, tmp_path, edit, arch, message):
+        """Missing or out-of-range keys, wrong kinds, inconsistent layer types, missing tensors,
+        wrong shapes and types: each raises EngineError naming the file and the problem."""
+        path = broken_model(tmp_path, arch, edit, **({"tied_embeddings": 0} if arch == "llama" else {}))
+        with pytest.raises(EngineError, match=message) as e:
+            Model(path)
+        assert str(path) in str(e.value)
+
+    def test_unsupported_architectures(self, tmp_path):
+        """qwen35 (not yet), unknown architectures, rope styles and activations are unsupported."""
+        cases = [
+            (set_meta("arch", "qwen35"), "architecture qwen35 .* not supported yet"),
+            (set_meta("arch", "mamba"), "architecture 'mamba' is not supported"),
+            (set_meta("rope_style", "yarn"), "rope_style 'yarn' is not supported"),
+            (set_meta("activation", "relu"), "activation 'relu' is not supported"),
+            (set_meta("layer_types", [0, 2]), "layer 1 is linear attention"),
+        ]
+        for edit, message in cases:
+            with pytest.raises(EngineError, match=message) as e:
+                Model(broken_model(tmp_path, "llama", edit))
+            assert e.value.status == KR_ERR_UNSUPPORTED
+
+    def test_tied_flag_with_an_output_head(self, tmp_path):
+        """tied_embeddings = 1 with an output.weight present is contradictory."""
+        def add_output(container):
+            container.add("output.weight", formats.F32, (73, 64), np.zeros((73, 64), np.float32))
+        with pytest.raises(EngineError, match="tied_embeddings is 1 but output.weight is present"):
+            Model(broken_model(tmp_path, "gemma3", add_output))
+
+    def test_not_a_model(self, tmp_path):
+        """A tokenizer container or a missing file is refused by the loader."""
+        tokenizer = formats.Container(formats.TOKENIZER_MAGIC, {"kind": "bpe"})
+        path = tmp_path / "x.mlt"
+        formats.write(path, tokenizer)
+        with pytest.raises(clib.KraflaError):
+            Model(path)
+        with pytest.raises(clib.KraflaError, match="nowhere.mlb"):
+            Model(tmp_path / "nowhere.mlb")
