@@ -1,0 +1,97 @@
+"""Bitwise reproducibility of the engine (docs/architecture.md, "Invariants the tests pin").
+
+For one model and one token sequence, the logits must be identical bit for bit whatever the
+batch size, the number of threads, and however the sequence is split across eval calls
+(including a prefix kept in the KV cache after truncate). These are exact comparisons
+(array_equal on the raw float32 bits), not tolerances.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from krafla_twisted.engine import Model
+from tests import strategies
+from tests.support.tiny_models import ARCHS, write_tiny_model
+
+BATCHES = (1, 7, 32, None)  # None: the whole prompt in one step
+
+
+def bits(logits):
+    return np.asarray(logits, np.float32).view(np.uint32)
+
+
+def run(path, ids, *, threads=1, batch=None, kv="f32", splits=()):
+    """Logits after evaluating ids, in calls cut at `splits`, one session of `batch`."""
+    with Model(path, threads=threads) as model:
+        session = model.session(ctx=len(ids) + 8, batch=batch or len(ids), kv=kv)
+        logits = None
+        for part in np.split(np.asarray(ids, np.int32), list(splits)):
+            logits = session.eval(part)
+        return bits(logits)
+
+
+def assert_same(reference, other, what):
+    mismatched = np.flatnonzero(reference != other)
+    assert not mismatched.size, f"{what}: {mismatched.size} logits differ, first at {mismatched[:5]}"
+
+
+class TinyModelReproducibilityTests:
+    """Every architecture, float and quantized weights, f32 and f16 caches."""
+
+    @pytest.mark.parametrize("kv", ["f32", "f16"])
+    @pytest.mark.parametrize("weight_type", ["f32", "q4_0", "q8_0"])
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_batch_threads_and_splits(self, tmp_path, arch, weight_type, kv):
+        """A 70-token prompt (longer than the 32 batch and gemma3's window) gives the same logits
+        for batches 1, 7, 32 and 70, for 1 and 2 threads, and in two or three calls."""
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, arch, seed=11, weight_type=weight_type, max_seq=128)
+        ids = [int(t) for t in np.random.default_rng(5).integers(0, 60, size=70)]
+        expected = run(path, ids, kv=kv)
+        for batch in BATCHES:
+            for threads in (1, 2):
+                assert_same(expected, run(path, ids, threads=threads, batch=batch, kv=kv), f"batch {batch}, {threads} threads")
+        assert_same(expected, run(path, ids, batch=32, kv=kv, splits=[41]), "two calls")
+        assert_same(expected, run(path, ids, threads=2, batch=7, kv=kv, splits=[1, 33]), "three calls")
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(args=strategies.tiny_models_args(), batch=st.integers(1, 20), split=st.integers(1, 39),
+           threads=st.sampled_from([1, 2, 3]))
+    def test_hypothesis_shapes(self, tmp_path, args, batch, split, threads):
+        """Any drawn shape: batch b with t threads in two calls equals one whole-prompt step on
+        one thread."""
+        arch, weight_type, kwargs = args
+        kwargs["max_seq"] = 64
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, arch, weight_type=weight_type, **kwargs)
+        ids = [int(t) for t in np.random.default_rng(kwargs["seed"] % 1000).integers(0, kwargs["n_vocab"], size=40)]
+        assert_same(run(path, ids), run(path, ids, threads=threads, batch=batch, splits=[split]),
+                    f"batch {batch}, {threads} threads, split at {split}")
+
+    def test_truncated_cache_reuse(self, tmp_path):
+        """A prompt that shares a prefix with the cached one, run after truncate, gives the same
+        logits as from an empty cache: the server's prefix reuse is exact."""
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, "gemma3", seed=3, weight_type="q4_0", max_seq=128)
+        rng = np.random.default_rng(1)
+        first = rng.integers(0, 70, size=50).astype(np.int32)
+        second = np.concatenate([first[:37], rng.integers(0, 70, size=20).astype(np.int32)])
+        fresh = run(path, second, batch=16)
+        with Model(path, threads=2) as model:
+            session = model.session(ctx=128, batch=16)
+            session.eval(first)
+            session.truncate(37)
+            assert_same(fresh, bits(session.eval(second[37:])), "after truncate")
+
+    def test_generation_step_equals_prompt_step(self, tmp_path):
+        """Logits of token i from a one-token eval equal those from a batch ending at token i."""
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, "qwen2", seed=4, weight_type="q8_0")
+        ids = list(range(3, 43))
+        with Model(path, threads=2) as model:
+            session = model.session(batch=32)
+            for i, token in enumerate(ids):
+                step = bits(session.eval([token]))
+                assert_same(run(path, ids[:i + 1]), step, f"token {i}")
