@@ -75,6 +75,13 @@ class BodyTooLarge(APIError):
         super().__init__(f"The request body is larger than {limit // (1024 * 1024)} MiB", code="request_too_large")
 
 
+class HeadTooLarge(APIError):
+    status = 431
+
+    def __init__(self, limit):
+        super().__init__(f"The request line and headers are larger than {limit // 1024} KiB", code="headers_too_large")
+
+
 class LengthRequired(APIError):
     status = 411
 

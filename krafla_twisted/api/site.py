@@ -1,7 +1,6 @@
 """The HTTP connection rules: body and header limits, the idle timeout, no keep-alive, one log line.
 
-Twisted's HTTPChannel already refuses request heads over `totalHeadersSize` bytes (400 and close);
-we pin that at 16 KiB. The idle timeout is HTTPFactory's, run on the reactor it is given, so a
+The idle timeout is HTTPFactory's, run on the reactor it is given, so a
 MemoryReactorClock drives it in tests.
 """
 
@@ -10,7 +9,7 @@ import io
 from twisted.logger import Logger
 from twisted.web import http, server
 
-from krafla_twisted.api.errors import BodyTooLarge, LengthRequired
+from krafla_twisted.api.errors import BodyTooLarge, HeadTooLarge, LengthRequired
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
@@ -90,9 +89,37 @@ def format_stats(stats):
 
 
 class APIChannel(http.HTTPChannel):
-    """HTTP/1.1 without keep-alive: every response says Connection: close and the connection ends."""
+    """HTTP/1.1 without keep-alive: every response says Connection: close and the connection ends.
+
+    A request head (request line and headers) over 16 KiB gets 431 with an OpenAI error body.
+    """
 
     totalHeadersSize = MAX_HEADER_BYTES
+    MAX_LENGTH = MAX_HEADER_BYTES
+    _head_bytes = 0
+    _head_done = False
+
+    def lineReceived(self, line):
+        if not self._head_done:
+            self._head_bytes += len(line) + len(self.delimiter)
+            if self._head_bytes > MAX_HEADER_BYTES:
+                return self._refuse_head()
+        return super().lineReceived(line)
+
+    def lineLengthExceeded(self, line):
+        return self._refuse_head()
+
+    def allHeadersReceived(self):
+        self._head_done = True
+        super().allHeadersReceived()
+
+    def _refuse_head(self):
+        body = HeadTooLarge(MAX_HEADER_BYTES).json_bytes()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode("ascii") + b"\r\n\r\n" + body
+        )
+        self.transport.loseConnection()
 
     def checkPersistence(self, request, version):
         request.responseHeaders.setRawHeaders(b"connection", [b"close"])
