@@ -91,6 +91,7 @@ def _ptr(array):
 
 def row_bytes(type_name, cols):
     """Bytes of one row of `cols` weights of type_name in the file layout."""
+    _weight_type(type_name)
     if type_name in BLOCK_BYTES:
         if cols % BLOCK:
             raise ValueError(f"{type_name} rows need a multiple of {BLOCK} columns, got {cols}")

@@ -1,0 +1,66 @@
+"""Quick speed check of the matmul kernels: GFLOP/s and weight GB/s, one thread.
+
+    KRAFLA_LIB=build/avx2/libkrafla.so .venv/bin/python bench/kernels.py [--impl avx2] [--repeat 200]
+
+Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
+4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
+tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
+quantization) and the ctypes call, as the engine's per-matmul work does minus the call.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from krafla_twisted import kernels
+
+SHAPES = [(1536, 576), (576, 1536), (4864, 896), (896, 4864)]  # (rows, cols) of W
+
+
+def random_weights(type_name, rows, cols, rng):
+    """Random bytes shaped as valid weights: quantized blocks with sane f16 scales."""
+    if type_name == "q4_0" or type_name == "q8_0":
+        block_bytes = kernels.BLOCK_BYTES[type_name]
+        blocks = rng.integers(0, 256, (rows * cols // 32, block_bytes), dtype=np.uint8)
+        blocks[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        return blocks.reshape(-1)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if type_name == "f16":
+        return values.astype(np.float16).view(np.uint8).reshape(-1)
+    return values.view(np.uint8).reshape(-1)
+
+
+def measure(type_name, rows, cols, n_tokens, impl, repeat, rng):
+    weights = random_weights(type_name, rows, cols, rng)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    kernels.matmul(type_name, weights, rows, cols, x, impl)  # warm up caches
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        kernels.matmul(type_name, weights, rows, cols, x, impl)
+        best = min(best, time.perf_counter() - start)
+    gflops = 2 * rows * cols * n_tokens / best / 1e9
+    gbytes = weights.size / best / 1e9
+    return best, gflops, gbytes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", default="dispatch", choices=sorted(kernels.IMPLEMENTATIONS))
+    parser.add_argument("--types", default="q4_0,q8_0", help="comma-separated weight types")
+    parser.add_argument("--tokens", default="1,32", help="comma-separated token counts")
+    parser.add_argument("--repeat", type=int, default=100)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"library ISA {kernels.isa()}, implementation {args.impl}, best of {args.repeat}")
+    print(f"{'type':5} {'rows x cols':>11} {'tokens':>6} {'us':>9} {'GFLOP/s':>8} {'weight GB/s':>11}")
+    for type_name in args.types.split(","):
+        for rows, cols in SHAPES:
+            for n_tokens in map(int, args.tokens.split(",")):
+                seconds, gflops, gbytes = measure(type_name, rows, cols, n_tokens, args.impl, args.repeat, rng)
+                print(f"{type_name:5} {rows:>5}x{cols:<5} {n_tokens:>6} {seconds * 1e6:>9.1f} {gflops:>8.1f} {gbytes:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
