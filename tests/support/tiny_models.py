@@ -23,7 +23,7 @@ QUANTIZED = ("q8_0", "q4_0")
 DEFAULT_SHAPES = {
     "llama": dict(n_vocab=67, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, max_seq=128),
     "qwen2": dict(n_vocab=71, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq=128),
-    "gemma3": dict(n_vocab=73, dim=64, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
+    "gemma3": dict(n_vocab=73, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
 }
 
 # Hyperparameters each architecture's real models use; any can be overridden by keyword.
