@@ -94,3 +94,94 @@ def containers(draw, magic=None):
     for name, (tensor_type, shape, raw) in draw(st.dictionaries(names, tensors(), max_size=5)).items():
         container.add(name, tensor_type, shape, raw)
     return container
+
+
+# ------------------------------------------------------------------------------------------
+# HTTP API request bodies (tests/test_api_validation.py; owner: server)
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12,
+)
+
+
+def _not(*kinds):
+    """JSON values of none of the given kinds ("null", "bool", "int", "number", "string", "array", "object")."""
+    by_kind = {
+        "bool": st.booleans(),
+        "int": st.integers(-(2**40), 2**40),
+        "number": st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: not x.is_integer()),
+        "string": st.text(max_size=8),
+        "array": st.lists(json_scalars, max_size=3),
+        "object": st.dictionaries(st.text(max_size=5), json_scalars, max_size=3),
+    }
+    return st.one_of(*(strategy for kind, strategy in by_kind.items() if kind not in kinds))
+
+
+def _integer_outside(low, high=None):
+    below = st.integers(-(2**70), low - 1)
+    return below if high is None else below | st.integers(high + 1, 2**70)
+
+
+def _number_outside(low, high=None):
+    below = st.floats(max_value=low, exclude_max=True, allow_nan=False, allow_infinity=False)
+    if high is None:
+        return below
+    return below | st.floats(min_value=high, exclude_min=True, allow_nan=False, allow_infinity=False)
+
+
+_sampling_invalid = {
+    "temperature": _not("int", "number") | _number_outside(0.0, 2.0),
+    "top_p": _not("int", "number") | _number_outside(0.0, 1.0),
+    "top_k": _not("int") | _integer_outside(0, 2**31 - 1),
+    "repeat_penalty": (_not("int", "number") | st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
+                       | st.integers(max_value=0)),
+    "repeat_last_n": _not("int") | _integer_outside(0, 2**31 - 1),
+    "seed": _not("int") | _integer_outside(-(2**63), 2**64 - 1),
+    "max_tokens": _not("int") | _integer_outside(1),
+    "max_completion_tokens": _not("int") | _integer_outside(1),
+    "stop": (_not("string", "array") | st.lists(st.text(min_size=1), min_size=5, max_size=7)
+             | st.lists(_not("string"), min_size=1, max_size=3) | st.just([""])),
+    "stream": _not("bool"),
+    "n": _not("int") | st.integers(-(2**40), 2**40).filter(lambda n: n != 1),
+    "model": _not("string"),
+}
+# Types only: true for logprobs or a non-empty list of tools is a refusal, tested on its own.
+_chat_invalid = dict(
+    _sampling_invalid,
+    messages=(_not("array") | st.just([]) | st.lists(_not("object"), min_size=1, max_size=2)
+              | st.lists(st.fixed_dictionaries({"role": st.text(max_size=9).filter(lambda r: r not in ("system", "developer", "user", "assistant")),
+                                                "content": st.text()}), min_size=1, max_size=2)
+              | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _not("string", "array")}), min_size=1, max_size=2)),
+    logprobs=_not("bool"),
+    tools=_not("array"),
+    response_format=_not("object") | st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", None, 3])}),
+)
+_completion_invalid = dict(
+    _sampling_invalid,
+    prompt=(_not("string", "array") | st.just([]) | st.lists(st.integers(1000, 2**40), min_size=1, max_size=3)
+            | st.lists(st.integers(-(2**40), -1), min_size=1, max_size=3) | st.lists(st.text(), min_size=2, max_size=3)),
+    echo=_not("bool"),
+    suffix=_not("string"),
+    best_of=_not("int") | _integer_outside(1),
+)
+
+
+@st.composite
+def invalid_api_bodies(draw, kind):
+    """(field, body): a valid chat ("chat") or text ("text") request with one field made invalid."""
+    table = _chat_invalid if kind == "chat" else _completion_invalid
+    body = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+    name = draw(st.sampled_from(sorted(table)))
+    body[name] = draw(table[name])
+    return name, body
+
+
+@st.composite
+def arbitrary_api_bodies(draw, kind):
+    """Any JSON object mixing the real field names (with any values) and unknown ones."""
+    names = sorted(_chat_invalid if kind == "chat" else _completion_invalid) + ["stream_options", "user", "frequency_penalty"]
+    fields = draw(st.dictionaries(st.sampled_from(names) | st.text(max_size=6), json_values, max_size=6))
+    return fields
