@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from krafla_twisted import formats
+from krafla_twisted.convert import quantize
 
 ARCHS = ("llama", "qwen2", "gemma3")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -36,41 +37,8 @@ DEFAULT_HYPERPARAMETERS = {
 
 
 # ------------------------------------------------------------------------------------------
-# Quantization: ggml's reference quantizers (quantize_row_q8_0_ref / _q4_0_ref) in numpy.
-
-def _round_half_away(values):
-    """C's roundf: halves go away from zero (numpy's round goes to even)."""
-    values = values.astype(np.float64)
-    return np.sign(values) * np.floor(np.abs(values) + 0.5)
-
-
-def quantize_q8_0(weights):
-    """(..., k) float32 with k % 32 == 0 -> raw q8_0 bytes, rows concatenated."""
-    blocks = np.asarray(weights, dtype=np.float32).reshape(-1, 32)
-    amax = np.abs(blocks).max(axis=1)
-    d = amax / np.float32(127)
-    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    q = _round_half_away(blocks * inverse[:, None]).astype(np.int8)
-    out = np.empty((len(blocks), 34), dtype=np.uint8)
-    out[:, :2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
-    out[:, 2:] = q.view(np.uint8)
-    return out.reshape(-1)
-
-
-def quantize_q4_0(weights):
-    """(..., k) float32 with k % 32 == 0 -> raw q4_0 bytes, rows concatenated."""
-    blocks = np.asarray(weights, dtype=np.float32).reshape(-1, 32)
-    # The signed value of largest magnitude, the first one on ties, as ggml picks it.
-    peak = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
-    d = peak / np.float32(-8)
-    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    # (int8_t)(x * id + 8.5f): the argument is at least 0.5, so truncation is floor.
-    nibbles = np.minimum(15, np.floor(blocks * inverse[:, None] + np.float32(8.5))).astype(np.uint8)
-    out = np.empty((len(blocks), 18), dtype=np.uint8)
-    out[:, :2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
-    out[:, 2:] = nibbles[:, :16] | (nibbles[:, 16:] << 4)
-    return out.reshape(-1)
-
+# Encoding: the converter's quantizers (ggml's reference rounding), so tiny models hold exactly
+# the blocks `krafla convert` would write for the same weights.
 
 def to_bf16(weights):
     """float32 -> raw bf16 bytes, rounding to nearest even (finite inputs)."""
@@ -87,10 +55,8 @@ def encode(weights, type_name):
         return tensor_type, weights
     if type_name == "bf16":
         return tensor_type, to_bf16(weights)
-    if type_name == "q8_0":
-        return tensor_type, quantize_q8_0(weights)
-    if type_name == "q4_0":
-        return tensor_type, quantize_q4_0(weights)
+    if type_name in QUANTIZED:
+        return tensor_type, quantize.QUANTIZERS[type_name](weights.reshape(-1, weights.shape[-1])).reshape(-1)
     raise ValueError(f"cannot store weights as {type_name}")
 
 
