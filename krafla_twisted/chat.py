@@ -1,0 +1,441 @@
+"""The nine chat templates, rendered turn by turn into token segments.
+
+A template turns a conversation into a list of segments: the BOS or EOS token, a special token
+(`<|im_start|>`, inserted by id), plain text (encoded with special=False, so user text that looks
+like a control token stays text), or an assistant message's content. An assistant's content is
+always a segment of its own, so a generation prompt ends exactly where the reply begins: the
+tokens of turn N+1's prompt start with turn N's prompt, the reply's tokens and the stop token
+(for the templates whose official form keeps earlier turns verbatim; Qwen3.5 drops the reasoning
+of earlier turns, as its official template does).
+
+    template = get_template("chatml")
+    ids = template.render([{"role": "user", "content": "Hi"}], tokenizer)
+    text = template.render_text([{"role": "user", "content": "Hi"}])
+
+The text of a rendering equals what the model's official Jinja template gives (tested against
+jinja2 for llama3, qwen, smollm, gemma, qwen3.5 and qwen3.5-nothink), with
+`add_generation_prompt=True` when the conversation ends with a user or system message, and with
+Hugging Face's `continue_final_message` when it ends with an assistant message, which is then
+continued rather than closed.
+"""
+
+from dataclasses import dataclass
+
+
+class ChatError(ValueError):
+    """A conversation this template cannot render (the message says which message and why)."""
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str       # "system", "user" or "assistant" ("developer" arrives as "system")
+    content: str
+
+
+def normalize_messages(messages):
+    """OpenAI-style message dicts to Messages: developer becomes system, content parts are joined."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatError(f"messages must be a list, got {type(messages).__name__}")
+    if not messages:
+        raise ChatError("messages must not be empty")
+    out = []
+    for index, message in enumerate(messages):
+        if isinstance(message, Message):
+            out.append(message)
+            continue
+        if not isinstance(message, dict):
+            raise ChatError(f"messages[{index}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = content_text(message.get("content"), f"messages[{index}].content")
+        out.append(Message("system" if role == "developer" else role, content))
+    return out
+
+
+def content_text(content, where="content"):
+    """A message's content as one string: a string, None (""), or a list of text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        pieces = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatError(f"{where}[{index}] must be a {{\"type\": \"text\", \"text\": ...}} part")
+            pieces.append(part["text"])
+        return "".join(pieces)
+    raise ChatError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Segments
+
+BOS, EOS, SPECIAL, TEXT, CONTENT = "bos", "eos", "special", "text", "content"
+
+
+class _Segments:
+    """Collects segments; adjacent text merges (as text between special tokens is one fragment
+    for the tokenizer), assistant content never merges with its neighbours."""
+
+    def __init__(self):
+        self.items = []
+
+    def bos(self):
+        self.items.append((BOS, ""))
+
+    def eos(self):
+        self.items.append((EOS, ""))
+
+    def special(self, marker):
+        self.items.append((SPECIAL, marker))
+
+    def text(self, text):
+        if not text:
+            return
+        if self.items and self.items[-1][0] == TEXT:
+            self.items[-1] = (TEXT, self.items[-1][1] + text)
+        else:
+            self.items.append((TEXT, text))
+
+    def content(self, text):
+        self.items.append((CONTENT, text))
+
+
+class Template:
+    """One chat format. Subclasses write a conversation into segments in `_write`."""
+
+    name = ""
+    bos_text = ""            # the BOS literal the official template writes, "" if it writes none
+    eos_text = ""
+    default_system = None    # the official template's system prompt when a conversation has none
+    stop_markers = ()        # end-of-turn and end-of-text markers, as special tokens or text
+    system_turn = True       # a system message after the first renders as its own turn
+
+    @property
+    def stop_strings(self):
+        """Texts that end a reply when the model spells them out instead of emitting the token."""
+        return tuple(self.stop_markers)
+
+    def stop_token_ids(self, tokenizer):
+        """Ids of this template's stop markers that are single tokens in `tokenizer`."""
+        ids = set()
+        for marker in self.stop_markers:
+            token = tokenizer.token_id(marker)
+            if token is not None:
+                ids.add(token)
+        return frozenset(ids)
+
+    def segments(self, messages, system=None):
+        """The conversation as (kind, text) segments; kind is bos, eos, special, text or content."""
+        messages = normalize_messages(messages)
+        system_prompt, rest = self._split_system(messages, system)
+        for index, message in enumerate(rest):
+            if message.role == "system" and not self.system_turn:
+                raise ChatError(f"the {self.name} template takes a system message only at the start "
+                                f"(messages[{index + (len(messages) - len(rest))}] is a system message)")
+        continue_last = bool(rest) and rest[-1].role == "assistant"
+        out = _Segments()
+        self._write(out, system_prompt, rest, continue_last)
+        return out.items
+
+    def render_text(self, messages, system=None):
+        """The prompt as text, as the official template writes it."""
+        parts = []
+        for kind, text in self.segments(messages, system):
+            parts.append(self.bos_text if kind == BOS else self.eos_text if kind == EOS else text)
+        return "".join(parts)
+
+    def render(self, messages, tokenizer, system=None):
+        """The prompt as token ids: special markers by id, all other text with special=False."""
+        segments = self.segments(messages, system)
+        ids = []
+        for kind, text in segments:
+            if kind == BOS:
+                if tokenizer.bos_id is not None and tokenizer.bos_id >= 0:
+                    ids.append(tokenizer.bos_id)
+            elif kind == EOS:
+                if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+                    ids.append(tokenizer.eos_id)
+                else:
+                    ids.extend(tokenizer.encode(self.eos_text, add_bos=False, special=False))
+            elif kind == SPECIAL:
+                token = tokenizer.token_id(text)
+                if token is None:
+                    ids.extend(tokenizer.encode(text, add_bos=False, special=False))
+                else:
+                    ids.append(token)
+            elif text:
+                ids.extend(tokenizer.encode(text, add_bos=False, special=False))
+        # Templates that write no BOS still get the one the tokenizer adds, as llama.cpp does.
+        if (not self.bos_text and tokenizer.add_bos and tokenizer.bos_id is not None and tokenizer.bos_id >= 0
+                and (not ids or ids[0] != tokenizer.bos_id)):
+            ids.insert(0, tokenizer.bos_id)
+        return ids
+
+    def _split_system(self, messages, system):
+        if messages[0].role == "system":
+            return messages[0].content, messages[1:]
+        if system is not None:
+            return system, messages
+        return self.default_system, messages
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<chat template {self.name}>"
+
+
+class ChatMLTemplate(Template):
+    """`<|im_start|>role\\ncontent<|im_end|>\\n` turns (chatml, qwen, smollm)."""
+
+    stop_markers = ("<|im_end|>",)
+
+    def __init__(self, name, default_system=None, stop_markers=("<|im_end|>",)):
+        self.name = name
+        self.default_system = default_system
+        self.stop_markers = stop_markers
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if system_prompt is not None:
+            self._turn(out, "system", system_prompt)
+        for index, message in enumerate(messages):
+            last = index == len(messages) - 1
+            if message.role == "assistant":
+                out.special("<|im_start|>")
+                out.text("assistant\n")
+                out.content(message.content)
+                if not (last and continue_last):
+                    out.special("<|im_end|>")
+                    out.text("\n")
+            else:
+                self._turn(out, message.role, message.content)
+        if not continue_last:
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+
+    @staticmethod
+    def _turn(out, role, content):
+        out.special("<|im_start|>")
+        out.text(f"{role}\n{content}")
+        out.special("<|im_end|>")
+        out.text("\n")
+
+
+class Llama3Template(Template):
+    """Llama 3.1's format: a system header with the knowledge cutoff and date, trimmed contents."""
+
+    name = "llama3"
+    bos_text = "<|begin_of_text|>"
+    stop_markers = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    date_string = "26 Jul 2024"
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        out.bos()
+        self._header(out, "system")
+        out.text(f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n")
+        out.text((system_prompt or "").strip())
+        out.special("<|eot_id|>")
+        for index, message in enumerate(messages):
+            self._header(out, message.role)
+            if message.role == "assistant":
+                out.content(message.content.strip())
+                if index == len(messages) - 1 and continue_last:
+                    continue
+            else:
+                out.text(message.content.strip())
+            out.special("<|eot_id|>")
+        if not continue_last:
+            self._header(out, "assistant")
+
+    @staticmethod
+    def _header(out, role):
+        out.special("<|start_header_id|>")
+        out.text(role)
+        out.special("<|end_header_id|>")
+        out.text("\n\n")
+
+
+class GemmaTemplate(Template):
+    """Gemma's turns (`model` for the assistant, trimmed contents); a system prompt goes before
+    the first user message's content followed by a blank line, as Gemma 3's template does."""
+
+    name = "gemma"
+    bos_text = "<bos>"
+    stop_markers = ("<end_of_turn>", "<eos>")
+    system_turn = False
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        out.bos()
+        if not messages:
+            messages = [Message("user", "")]
+        prefix = "" if system_prompt is None else system_prompt + "\n\n"
+        for index, message in enumerate(messages):
+            out.special("<start_of_turn>")
+            first = prefix if index == 0 else ""
+            if message.role == "assistant":
+                out.text("model\n" + first)
+                out.content(message.content.strip())
+                if index == len(messages) - 1 and continue_last:
+                    continue
+            else:
+                out.text(f"{message.role}\n{first}{message.content.strip()}")
+            out.special("<end_of_turn>")
+            out.text("\n")
+        if not continue_last:
+            out.special("<start_of_turn>")
+            out.text("model\n")
+
+
+class Llama2Template(Template):
+    """Llama 2 chat: `<s>[INST] <<SYS>>\\nS\\n<</SYS>>\\n\\nU [/INST] A </s>`, with [INST] as text."""
+
+    name = "llama2"
+    bos_text = "<s>"
+    eos_text = "</s>"
+    stop_markers = ("</s>",)
+    system_turn = False
+
+    def stop_token_ids(self, tokenizer):
+        ids = set(super().stop_token_ids(tokenizer))
+        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+            ids.add(tokenizer.eos_id)
+        return frozenset(ids)
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if not messages:
+            messages = [Message("user", "")]
+        for index, message in enumerate(messages):
+            content = message.content
+            if index == 0 and system_prompt is not None:
+                content = f"<<SYS>>\n{system_prompt}\n<</SYS>>\n\n{content}"
+            if message.role == "assistant":
+                out.content(" " + content.strip())
+                if index == len(messages) - 1 and continue_last:
+                    continue
+                out.text(" ")
+                out.eos()
+            else:
+                out.bos()
+                out.text(f"[INST] {content.strip()} [/INST]")
+
+
+class ZephyrTemplate(Template):
+    """Zephyr / TinyLlama chat: `<|user|>\\nU</s>\\n<|assistant|>\\n`, the role tags as text."""
+
+    name = "zephyr"
+    eos_text = "</s>"
+    stop_markers = ("</s>",)
+
+    def stop_token_ids(self, tokenizer):
+        ids = set(super().stop_token_ids(tokenizer))
+        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+            ids.add(tokenizer.eos_id)
+        return frozenset(ids)
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if system_prompt is not None:
+            out.text(f"<|system|>\n{system_prompt}")
+            out.eos()
+            out.text("\n")
+        for index, message in enumerate(messages):
+            if message.role == "assistant":
+                out.text("<|assistant|>\n")
+                out.content(message.content)
+                if index == len(messages) - 1 and continue_last:
+                    continue
+            else:
+                out.text(f"<|{message.role}|>\n{message.content}")
+            out.eos()
+            out.text("\n")
+        if not continue_last:
+            out.text("<|assistant|>\n")
+
+
+class Qwen35Template(Template):
+    """Qwen3.5: chatml turns with trimmed contents; assistant messages after the last user query
+    carry a `<think>` block (their reasoning, split off at `</think>`), earlier ones only their
+    answer. The generation prompt opens a think block, or with -nothink an empty, closed one."""
+
+    stop_markers = ("<|im_end|>", "<|endoftext|>")
+    system_turn = False
+
+    def __init__(self, name, thinking):
+        self.name = name
+        self.thinking = thinking
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if system_prompt is not None:
+            ChatMLTemplate._turn(out, "system", system_prompt.strip())
+        last_query = None
+        for index in range(len(messages) - 1, -1, -1):
+            message = messages[index]
+            if message.role == "user":
+                text = message.content.strip()
+                if not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
+                    last_query = index
+                    break
+        if last_query is None:
+            raise ChatError(f"the {self.name} template needs a user message")
+        for index, message in enumerate(messages):
+            content = message.content.strip()
+            if message.role == "user":
+                ChatMLTemplate._turn(out, "user", content)
+                continue
+            reasoning = ""
+            if "</think>" in content:
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+            reasoning = reasoning.strip()
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+            if index > last_query:
+                out.special("<think>")
+                out.text("\n" + reasoning + "\n")
+                out.special("</think>")
+                out.text("\n\n")
+            out.content(content)
+            if index == len(messages) - 1 and continue_last:
+                continue
+            out.special("<|im_end|>")
+            out.text("\n")
+        if not continue_last:
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+            out.special("<think>")
+            out.text("\n")
+            if not self.thinking:
+                out.text("\n")
+                out.special("</think>")
+                out.text("\n\n")
+
+
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+TEMPLATES = {
+    "llama3": Llama3Template(),
+    "zephyr": ZephyrTemplate(),
+    "llama2": Llama2Template(),
+    "chatml": ChatMLTemplate("chatml"),
+    "qwen": ChatMLTemplate("qwen", QWEN_SYSTEM, ("<|im_end|>", "<|endoftext|>")),
+    "smollm": ChatMLTemplate("smollm", SMOLLM_SYSTEM, ("<|im_end|>", "<|endoftext|>")),
+    "gemma": GemmaTemplate(),
+    "qwen3.5": Qwen35Template("qwen3.5", thinking=True),
+    "qwen3.5-nothink": Qwen35Template("qwen3.5-nothink", thinking=False),
+}
+
+TEMPLATE_NAMES = tuple(TEMPLATES)
+
+
+def get_template(name):
+    """The template called `name` (one of TEMPLATE_NAMES); ChatError for another name."""
+    try:
+        return TEMPLATES[name]
+    except (KeyError, TypeError):
+        raise ChatError(f"unknown chat template {name!r}; known: {', '.join(TEMPLATE_NAMES)}") from None

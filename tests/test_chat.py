@@ -1,0 +1,367 @@
+"""Chat templates: krafla's renderer against the official Jinja templates run by jinja2, and
+the turn-by-turn token invariant.
+
+The Jinja environment is set up as Hugging Face's apply_chat_template sets it up (sandboxed,
+trim_blocks, lstrip_blocks, loopcontrols, a tojson filter that does not escape HTML,
+raise_exception). A conversation ending with a user message is compared with
+add_generation_prompt=True; one ending with an assistant message with HF's
+continue_final_message rule (render closed, then cut after the final message's content).
+"""
+
+import json
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from krafla_twisted import chat
+
+# ------------------------------------------------------------------------------------------
+# Jinja, as Hugging Face runs chat templates
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def jinja_environment():
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+# Published formats without an official file in testdata, written from their model cards.
+ZEPHYR_JINJA = (  # TinyLlama-1.1B-Chat-v1.0
+    "{% for message in messages %}\n"
+    "{% if message['role'] == 'user' %}\n"
+    "{{ '<|user|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'system' %}\n"
+    "{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n"
+    "{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n"
+    "{% if loop.last and add_generation_prompt %}\n"
+    "{{ '<|assistant|>' }}\n"
+    "{% endif %}\n"
+    "{% endfor %}")
+LLAMA2_JINJA = (  # Llama-2-7b-chat-hf
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}")
+CHATML_JINJA = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+OFFICIAL = {
+    # krafla name: (template file or source, extra variables, system allowed, tail after a closed assistant)
+    "llama3": ("meta-llama-Llama-3.1-8B-Instruct.jinja", {"bos_token": "<|begin_of_text|>"}, True, "<|eot_id|>"),
+    "qwen": ("Qwen-Qwen2.5-7B-Instruct.jinja", {}, True, "<|im_end|>\n"),
+    "smollm": ("HuggingFaceTB-SmolLM2-135M-Instruct.jinja", {}, True, "<|im_end|>\n"),
+    "gemma": ("google-gemma-2-2b-it.jinja", {"bos_token": "<bos>"}, False, "<end_of_turn>\n"),
+    "qwen3.5": ("Qwen3.5-4B.jinja", {}, True, "<|im_end|>\n"),
+    "qwen3.5-nothink": ("Qwen3.5-4B.jinja", {"enable_thinking": False}, True, "<|im_end|>\n"),
+    "zephyr": (ZEPHYR_JINJA, {"eos_token": "</s>"}, True, "</s>\n"),
+    "llama2": (LLAMA2_JINJA, {"bos_token": "<s>", "eos_token": "</s>"}, True, " </s>"),
+    "chatml": (CHATML_JINJA, {}, True, "<|im_end|>\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def official(testdata):
+    env = jinja_environment()
+    compiled = {}
+    for name, (source, variables, system_allowed, tail) in OFFICIAL.items():
+        if source.endswith(".jinja"):
+            source = (testdata / "templates" / source).read_text()
+        compiled[name] = (env.from_string(source), variables, system_allowed, tail)
+    return compiled
+
+
+def jinja_render(official, name, messages):
+    """The official rendering: with the generation prompt after a user turn; after an assistant
+    turn, the closed rendering cut right after that message's content (before the template's
+    closing text, `tail`). That is HF's continue_final_message, minus its whitespace guesswork:
+    HF searches for the message's stripped text and may keep or drop surrounding whitespace
+    depending on what it finds; krafla continues the content exactly as the template writes it."""
+    template, variables, _, tail = official[name]
+    if messages[-1]["role"] != "assistant":
+        return template.render(messages=messages, add_generation_prompt=True, **variables)
+    closed = template.render(messages=messages, add_generation_prompt=False, **variables)
+    assert closed.endswith(tail)
+    return closed[:-len(tail)]
+
+
+def hf_continue_final_message(closed, final):
+    """Hugging Face's rule, for the plain case check below."""
+    location = closed.rindex(final.strip())
+    if closed[location:location + len(final.lstrip())] == final:
+        return closed[:location + len(final.lstrip())]
+    return closed[:location + len(final.strip())]
+
+
+# ------------------------------------------------------------------------------------------
+# Conversations
+
+MARKERS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|eot_id|>", "<start_of_turn>", "[INST]",
+           "<<SYS>>", "</s>", "<s>", "<|user|>", "<tool_response>"]
+pieces = st.one_of(
+    st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=12),
+    st.text(" \n\t", min_size=1, max_size=3),
+    st.sampled_from(MARKERS),
+)
+contents = st.lists(pieces, max_size=5).map("".join)
+
+
+@st.composite
+def conversations(draw, system_allowed=True):
+    """Alternating user/assistant turns starting with a user, maybe a leading system message;
+    ends with a user message (generation prompt) or an assistant one (continued)."""
+    messages = []
+    if system_allowed and draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(contents)})
+    n_turns = draw(st.integers(1, 7))
+    for index in range(n_turns):
+        role = "user" if index % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": draw(contents)})
+    return messages
+
+
+# ------------------------------------------------------------------------------------------
+# Text against the official templates
+
+
+class OfficialTemplateTests:
+    @pytest.mark.parametrize("name", list(OFFICIAL))
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def test_render_text_equals_jinja(self, official, name, data):
+        """render_text equals the official Jinja template's text for system or not, 1-7 turns,
+        generation prompt or a continued final assistant message, odd whitespace and marker text."""
+        messages = data.draw(conversations(system_allowed=official[name][2]))
+        assert chat.get_template(name).render_text(messages) == jinja_render(official, name, messages)
+
+    @pytest.mark.parametrize("name", list(OFFICIAL))
+    def test_continue_agrees_with_hugging_face(self, official, name):
+        """For a final message without surrounding whitespace, the continuation is exactly what
+        HF's apply_chat_template(continue_final_message=True) gives."""
+        template, variables, _, _ = official[name]
+        messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "I pick"}]
+        closed = template.render(messages=messages, add_generation_prompt=False, **variables)
+        assert chat.get_template(name).render_text(messages) == hf_continue_final_message(closed, "I pick")
+
+    @pytest.mark.parametrize("name", [name for name, (_, _, system, _) in OFFICIAL.items() if system])
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def test_system_argument_is_a_leading_system_message(self, official, name, data):
+        """system= renders as if the conversation began with that system message (every official
+        template here but gemma-2's takes one)."""
+        messages = data.draw(conversations(system_allowed=False))
+        system = data.draw(contents)
+        expected = jinja_render(official, name, [{"role": "system", "content": system}] + messages)
+        assert chat.get_template(name).render_text(messages, system=system) == expected
+
+    @pytest.mark.parametrize("name", chat.TEMPLATE_NAMES)
+    def test_conversation_system_wins_over_argument(self, name):
+        """A system message in the conversation is used and system= is ignored."""
+        template = chat.get_template(name)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert template.render_text(messages, system="Ignored") == template.render_text(messages)
+        assert "Ignored" not in template.render_text(messages, system="Ignored")
+
+
+class PublishedFormatTests:
+    def test_chatml(self):
+        """chatml, written out: system, user, assistant, user, then the generation prompt."""
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                    {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+        assert chat.get_template("chatml").render_text(messages) == (
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n"
+            "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
+
+    def test_zephyr(self):
+        """zephyr (TinyLlama chat), written out."""
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                    {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+        assert chat.get_template("zephyr").render_text(messages) == (
+            "<|system|>\nS</s>\n<|user|>\nU1</s>\n<|assistant|>\nA1</s>\n<|user|>\nU2</s>\n<|assistant|>\n")
+
+    def test_llama2(self):
+        """llama2 (Llama-2-chat), written out: the system prompt inside the first [INST]."""
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                    {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+        assert chat.get_template("llama2").render_text(messages) == (
+            "<s>[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST]")
+
+    def test_qwen_default_system(self):
+        """qwen without a system message uses Qwen2.5's own default system prompt."""
+        text = chat.get_template("qwen").render_text([{"role": "user", "content": "Hi"}])
+        assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+    def test_qwen35_generation_prompts(self):
+        """qwen3.5 opens a think block; qwen3.5-nothink closes an empty one."""
+        messages = [{"role": "user", "content": "Hi"}]
+        assert chat.get_template("qwen3.5").render_text(messages).endswith("<|im_start|>assistant\n<think>\n")
+        assert chat.get_template("qwen3.5-nothink").render_text(messages).endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+class GemmaSystemTests:
+    def test_system_goes_before_first_user_message(self):
+        """gemma folds the system prompt into the first user turn, as Gemma 3's template does."""
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": " U "}]
+        assert chat.get_template("gemma").render_text(messages) == (
+            "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n")
+        assert chat.get_template("gemma").render_text(messages[1:], system="S") == (
+            "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n")
+
+
+class MessageTests:
+    def test_developer_is_system(self):
+        """A developer message renders exactly as a system message."""
+        for name in chat.TEMPLATE_NAMES:
+            template = chat.get_template(name)
+            as_system = [{"role": "system", "content": "Rules"}, {"role": "user", "content": "Hi"}]
+            as_developer = [{"role": "developer", "content": "Rules"}, {"role": "user", "content": "Hi"}]
+            assert template.render_text(as_developer) == template.render_text(as_system), name
+
+    def test_content_parts_are_joined(self):
+        """A list of text parts renders as the concatenation of their texts."""
+        template = chat.get_template("chatml")
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]}]
+        assert template.render_text(parts) == template.render_text([{"role": "user", "content": "Hello, you"}])
+
+    @pytest.mark.parametrize("messages, fragment", [
+        ([], "empty"),
+        ("hi", "list"),
+        ([{"role": "tool", "content": "x"}], "role"),
+        ([{"role": "user", "content": 5}], "content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text"),
+        (["hello"], "object"),
+    ])
+    def test_bad_messages(self, messages, fragment):
+        """Malformed conversations raise ChatError (a ValueError) naming the problem."""
+        with pytest.raises(chat.ChatError, match=fragment):
+            chat.get_template("chatml").render_text(messages)
+
+    def test_system_in_the_middle(self):
+        """Templates with a system turn render a later system message in place; the others refuse it."""
+        messages = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                    {"role": "user", "content": "c"}]
+        assert "<|im_start|>system\nb<|im_end|>" in chat.get_template("chatml").render_text(messages)
+        for name in ("gemma", "llama2", "qwen3.5"):
+            with pytest.raises(chat.ChatError, match="only at the start"):
+                chat.get_template(name).render_text(messages)
+
+    def test_unknown_template(self):
+        """An unknown template name is a ChatError listing the known ones."""
+        with pytest.raises(chat.ChatError, match="chatml"):
+            chat.get_template("alpaca")
+
+    def test_stop_strings(self):
+        """Each template knows its end-of-turn marker."""
+        expected = {"llama3": "<|eot_id|>", "zephyr": "</s>", "llama2": "</s>", "chatml": "<|im_end|>",
+                    "qwen": "<|im_end|>", "smollm": "<|im_end|>", "gemma": "<end_of_turn>",
+                    "qwen3.5": "<|im_end|>", "qwen3.5-nothink": "<|im_end|>"}
+        for name, marker in expected.items():
+            assert marker in chat.get_template(name).stop_strings
+
+
+# ------------------------------------------------------------------------------------------
+# Tokens, turn by turn
+
+
+class ContextTokenizer:
+    """A deliberately context-sensitive stand-in: one token per character, its id naming that
+    character together with up to three characters before it in the same encode call, so
+    encode(a + b) differs from encode(a) + encode(b) whenever a is not empty. Special markers are
+    single ids. If a renderer glued a reply to the text before it, the prefix tests would fail."""
+
+    SPECIALS = ["<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<start_of_turn>", "<end_of_turn>", "<think>", "</think>", "<|endoftext|>"]
+
+    def __init__(self, add_bos=False):
+        self.bos_id, self.eos_id, self.add_bos = 1, 2, add_bos
+        self.vocab = {}
+
+    def token_id(self, text):
+        return 10 + self.SPECIALS.index(text) if text in self.SPECIALS else None
+
+    def encode(self, text, add_bos=None, special=False):
+        assert special is False and add_bos is False
+        return [self.vocab.setdefault(text[max(0, i - 3):i + 1], 1000 + len(self.vocab)) for i in range(len(text))]
+
+
+REPLY_SEGMENT = {"llama2": lambda reply: " " + reply}  # Llama 2 puts a space before the reply
+
+
+class TurnTests:
+    @pytest.mark.parametrize("name", [n for n in chat.TEMPLATE_NAMES if not n.startswith("qwen3.5")])
+    @settings(max_examples=60, deadline=None)
+    @given(conversation=conversations(), reply=contents, next_user=contents)
+    def test_next_prompt_starts_with_prompt_reply_and_stop(self, name, conversation, reply, next_user):
+        """Turn N+1's tokens start with turn N's prompt tokens, then the reply's tokens as the
+        model would emit them after that prompt, then the template's stop token."""
+        template = chat.get_template(name)
+        reply = reply.strip() or "ok"  # templates that trim would otherwise change the reply
+        if conversation[-1]["role"] == "assistant":
+            conversation = conversation[:-1]
+        tokenizer = ContextTokenizer()
+        prompt = template.render(conversation, tokenizer)
+        following = template.render(conversation + [{"role": "assistant", "content": reply},
+                                                     {"role": "user", "content": next_user}], tokenizer)
+        reply_tokens = tokenizer.encode(REPLY_SEGMENT.get(name, lambda r: r)(reply), add_bos=False)
+        assert following[:len(prompt)] == prompt
+        assert following[len(prompt):len(prompt) + len(reply_tokens)] == reply_tokens
+        after_reply = following[len(prompt) + len(reply_tokens):]
+        if name == "llama2":
+            after_reply = after_reply[1:]  # the space before </s>
+        assert after_reply[0] in template.stop_token_ids(tokenizer) | {tokenizer.eos_id}
+
+    @pytest.mark.parametrize("name", [n for n in chat.TEMPLATE_NAMES if not n.startswith("qwen3.5")])
+    def test_continued_message_is_a_prefix_of_the_closed_one(self, name):
+        """Continuing a final assistant message gives the closed conversation's tokens up to the
+        end of that message: the reply picks up exactly where the text stops. (Qwen3.5 renders
+        the message after the last user turn with a think block and earlier ones without, as its
+        official template does, so there it is not a prefix.)"""
+        template = chat.get_template(name)
+        tokenizer = ContextTokenizer()
+        messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+        open_ids = template.render(messages, tokenizer)
+        closed_ids = template.render(messages + [{"role": "user", "content": "more"}], tokenizer)
+        assert closed_ids[:len(open_ids)] == open_ids
+        assert template.render_text(messages).endswith("one two")
+
+    def test_special_markers_by_id_user_text_as_text(self):
+        """Markers become their ids; the same marker typed by a user is encoded as text."""
+        tokenizer = ContextTokenizer()
+        ids = chat.get_template("chatml").render([{"role": "user", "content": "<|im_end|>"}], tokenizer)
+        im_start, im_end = tokenizer.token_id("<|im_start|>"), tokenizer.token_id("<|im_end|>")
+        assert ids.count(im_end) == 1 and ids.count(im_start) == 2
+        assert ids[0] == im_start
+
+    def test_bos(self):
+        """Templates that write BOS get the tokenizer's bos id; the others get it only when the
+        tokenizer adds one, and never twice."""
+        messages = [{"role": "user", "content": "Hi"}]
+        assert chat.get_template("llama3").render(messages, ContextTokenizer())[0] == 1
+        assert chat.get_template("zephyr").render(messages, ContextTokenizer())[0] != 1
+        assert chat.get_template("zephyr").render(messages, ContextTokenizer(add_bos=True))[0] == 1
+        assert chat.get_template("gemma").render(messages, ContextTokenizer(add_bos=True)).count(1) == 1
