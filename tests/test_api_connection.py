@@ -158,5 +158,17 @@ class RequestLogTests(unittest.TestCase):
         gone = RawConnection(harness)
         gone.post("/v1/completions", {"prompt": "x"})
         gone.lose()
+        self.assertEqual(len(self.lines), 2, "a lost client's line waits for its job")
+        harness.pool.run_all()
         self.assertEqual(self.lines, ["127.0.0.1 GET /v1/models 200", "127.0.0.1 POST /v1/completions 400",
                                       "127.0.0.1 POST /v1/completions client gone"])
+
+    def test_client_gone_while_generating(self):
+        """A client that leaves mid-reply is logged when generation stops, with the tokens made until then."""
+        harness = APIHarness()
+        connection = RawConnection(harness)
+        harness.backend.after_piece = lambda index: connection.lose() if index == 1 else None
+        connection.post("/v1/completions", {"prompt": "a b c", "stream": True})
+        harness.pool.run_all()
+        self.assertEqual(self.lines, ["127.0.0.1 POST /v1/completions client gone "
+                                      "prompt 4 tokens (0 cached) 8.0 t/s, reply 2 tokens 8.0 t/s"])

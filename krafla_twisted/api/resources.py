@@ -211,6 +211,7 @@ class Reply:
 
     def start(self):
         self.request.notifyFinish().addErrback(self._client_gone)
+        self.request.work_pending = True
         self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
 
     def _client_gone(self, _=None):
@@ -271,6 +272,7 @@ class Reply:
     def _finished(self, result):
         if result is not None:
             self.request.completion_stats = result
+        self.request.work_done()
         if self.gone or result is None or result.finish_reason == "cancelled":
             return
         if self.stream is not None:
@@ -294,6 +296,7 @@ class Reply:
         self._write_whole(json_response(self.request, reply))
 
     def _failed(self, failure):
+        self.request.work_done()
         if self.gone:
             return
         error = failure.value

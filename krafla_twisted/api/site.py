@@ -28,13 +28,15 @@ class _DiscardedBody(io.BytesIO):
 class APIRequest(server.Request):
     """A request that refuses over-large or chunked bodies and logs one line when it ends.
 
-    `body_error` is set (to an APIError class and argument) when the body was refused; the Resource
-    tree answers with it. `completion_stats` is set by completion resources for the log line.
+    `body_error` is set (to an APIError) when the body was refused; the Resource tree answers with
+    it. `completion_stats` (a GenerationResult) is set by completion resources for the log line.
     """
 
     body_error = None
     completion_stats = None
     received = False
+    lost = False
+    work_pending = False  # a job for this request is queued or running: a lost client is logged when it ends
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -71,6 +73,20 @@ class APIRequest(server.Request):
     def _log_lost(self, _):
         if not self.received:
             return  # the head never arrived whole: nothing was asked
+        self.lost = True
+        if not self.work_pending:
+            self._log_gone()
+
+    def work_done(self):
+        """The engine is done with this request (or skipped it): log a lost client's line now, with its counts.
+
+        This must be called in the I/O thread.
+        """
+        self.work_pending = False
+        if self.lost:
+            self._log_gone()
+
+    def _log_gone(self):
         line = f"{self._describe()} client gone"
         if self.completion_stats is not None:
             line += " " + format_stats(self.completion_stats)
