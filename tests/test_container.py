@@ -459,6 +459,18 @@ class CorpusTests:
         fragments = {"a directory": "not a regular file", "a missing file": "No such file"}
         return fragments.get(name) or corpus()[name][1]
 
+    def test_long_paths_and_names_in_messages(self, tmp_path):
+        """A long path is shown by its last 240 bytes and a long name by its first 200, so the
+        problem itself always fits in the loader's 512-byte message."""
+        directory = tmp_path / ("d" * 200) / ("e" * 200)
+        directory.mkdir(parents=True)
+        path = write_bytes(directory, "f" * 200 + ".mlb", build([meta_entry("k" * 1024, 9, b"")]))
+        with pytest.raises(clib.KraflaError) as error:
+            ContainerFile(path)
+        assert str(error.value) == f"...{str(path)[-240:]}: metadata {'k' * 200}: unknown kind 9"
+        with pytest.raises(clib.KraflaError, match=r"^/.*/missing\.mlb: cannot open"):
+            ContainerFile(tmp_path / "missing.mlb")  # a short path is shown whole
+
     def test_corpus_is_valid_apart_from_the_defect(self, tmp_path):
         """The base file the corpus is built from reads fine in both readers (so each rejection
         below is for its defect)."""
@@ -513,7 +525,7 @@ base_files = st.one_of(st.just(None), strategies.containers())
 @st.composite
 def corruptions(draw):
     """(valid file bytes, corrupted bytes): byte flips (mostly in the header and tables, where
-    they matter), a truncation, an insertion or a deletion."""
+    they matter), a truncation, an insertion, a deletion, or the file spliced into itself."""
     original = draw(base_files)
     if original is None:
         data = valid_file()
@@ -521,7 +533,7 @@ def corruptions(draw):
         data = _container_bytes(original)
     tables_end = struct.unpack_from("<Q", data, 24)[0]
     corrupted = bytearray(data)
-    kind = draw(st.sampled_from(["flip", "flip", "set", "truncate", "insert", "delete"]))
+    kind = draw(st.sampled_from(["flip", "flip", "set", "truncate", "insert", "delete", "splice"]))
     if kind in ("flip", "set"):
         for _ in range(draw(st.integers(1, 4))):
             limit = len(corrupted) - 1 if draw(st.integers(0, 9)) == 0 else max(0, min(tables_end, len(corrupted)) - 1)
@@ -535,6 +547,9 @@ def corruptions(draw):
     elif kind == "insert":
         position = draw(st.integers(0, len(corrupted)))
         corrupted[position:position] = draw(st.binary(min_size=1, max_size=80))
+    elif kind == "splice":  # a whole valid file inserted into itself
+        position = draw(st.integers(0, len(corrupted)))
+        corrupted[position:position] = data
     else:
         start = draw(st.integers(0, len(corrupted) - 1))
         del corrupted[start:start + draw(st.integers(1, 64))]

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #define HEADER_SIZE 40
+#define KR_SHOWN_PATH 240
 
 typedef struct {
     char *key;
@@ -36,7 +37,7 @@ struct kr_file {
     int32_t n_tensors;
     meta_entry *meta;
     kr_tensor_info *tensors;
-    char path[256];
+    char *path;             // copy of the path given to kr_file_open, for messages
 };
 
 typedef struct {
@@ -176,20 +177,20 @@ static int parse_meta(kr_file *f, cursor *c, kr_error *err) {
         meta_entry *m = &f->meta[i];
         if (!(m->key = take_name(c, f, "metadata", err))) return err ? err->status : KR_ERR_FORMAT;
         uint8_t kind;
-        if (!take(c, &kind, 1)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+        if (!take(c, &kind, 1)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: truncated", f->path, m->key);
         m->kind = kind;
         switch (kind) {
         case KR_META_INT:
-            if (!take(c, &m->int_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+            if (!take(c, &m->int_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: truncated", f->path, m->key);
             m->float_value = (double)m->int_value;
             break;
         case KR_META_FLOAT:
-            if (!take(c, &m->float_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: truncated", f->path, m->key);
+            if (!take(c, &m->float_value, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: truncated", f->path, m->key);
             m->int_value = saturate_int64(m->float_value);
             break;
         case KR_META_STR:
             if (!take(c, &m->count, 4) || m->count > c->end - c->pos)
-                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: string runs past the end", f->path, m->key);
+                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: string runs past the end", f->path, m->key);
             if (!(m->str_value = malloc((size_t)m->count + 1)))
                 return kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", f->path);
             take(c, m->str_value, m->count);
@@ -198,13 +199,13 @@ static int parse_meta(kr_file *f, cursor *c, kr_error *err) {
         case KR_META_INTS:
         case KR_META_FLOATS:
             if (!take(c, &m->count, 4) || (uint64_t)m->count * 8 > c->end - c->pos)
-                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: array of %u runs past the end", f->path,
+                return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: array of %u runs past the end", f->path,
                                m->key, m->count);
             m->array = c->base + c->pos;
             c->pos += (uint64_t)m->count * 8;
             break;
         default:
-            return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s: unknown kind %u", f->path, m->key, kind);
+            return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s: unknown kind %u", f->path, m->key, kind);
         }
     }
     return KR_OK;
@@ -218,36 +219,36 @@ static int parse_tensors(kr_file *f, cursor *c, kr_error *err) {
         t->name = name;
         uint32_t type, n_dims;
         if (!take(c, &type, 4) || !take(c, &n_dims, 4))
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
-        if (type >= KR_TYPE_COUNT) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: unknown type %u", f->path, name, type);
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: truncated", f->path, name);
+        if (type >= KR_TYPE_COUNT) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: unknown type %u", f->path, name, type);
         if (n_dims < 1 || n_dims > KR_MAX_DIMS)
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %u dimensions (1 to %d allowed)", f->path, name, n_dims,
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: %u dimensions (1 to %d allowed)", f->path, name, n_dims,
                            KR_MAX_DIMS);
         t->type = (int32_t)type;
         t->n_dims = (int32_t)n_dims;
         uint64_t count = 1;
         for (uint32_t d = 0; d < n_dims; d++) {
-            if (!take(c, &t->dims[d], 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
+            if (!take(c, &t->dims[d], 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: truncated", f->path, name);
             if (t->dims[d] == 0 || t->dims[d] > (1ull << 40) || kr_mul_overflows(count, t->dims[d], &count))
-                return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: dimension %u is %llu", f->path, name, d,
+                return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: dimension %u is %llu", f->path, name, d,
                                (unsigned long long)t->dims[d]);
         }
         if (t->dims[n_dims - 1] % TYPES[type].block)
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: last dimension %llu is not a multiple of %s's block of %u",
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: last dimension %llu is not a multiple of %s's block of %u",
                            f->path, name, (unsigned long long)t->dims[n_dims - 1], TYPES[type].name, TYPES[type].block);
         t->n_elements = count;
         t->n_bytes = kr_type_size(t->type, count);
         uint64_t offset, start, end;
-        if (!take(c, &offset, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: truncated", f->path, name);
+        if (!take(c, &offset, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: truncated", f->path, name);
         if (t->n_bytes == 0)
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %llu elements of %s take more than 2^64 bytes", f->path,
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: %llu elements of %s take more than 2^64 bytes", f->path,
                            name, (unsigned long long)count, TYPES[type].name);
         if (offset % KR_ALIGNMENT)
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: data offset %llu is not a multiple of %d", f->path, name,
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: data offset %llu is not a multiple of %d", f->path, name,
                            (unsigned long long)offset, KR_ALIGNMENT);
         if (kr_add_overflows(f->data_offset, offset, &start) ||
             kr_add_overflows(start, t->n_bytes, &end) || end > f->size)
-            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s: %llu bytes at data offset %llu lie outside the file",
+            return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: %llu bytes at data offset %llu lie outside the file",
                            f->path, name, (unsigned long long)t->n_bytes, (unsigned long long)offset);
         t->data = f->map + start;
     }
@@ -264,19 +265,28 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
         kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", path);
         return NULL;
     }
-    snprintf(f->path, sizeof f->path, "%s", path);
+    // Messages name the file by its path, or by the path's last KR_SHOWN_PATH bytes if longer,
+    // so the problem itself always fits in the error message.
+    size_t length = strlen(path);
+    const char *shown = length > KR_SHOWN_PATH ? path + length - KR_SHOWN_PATH : path;
+    if (!(f->path = malloc(strlen(shown) + 4))) {
+        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory", shown);
+        free(f);
+        return NULL;
+    }
+    snprintf(f->path, strlen(shown) + 4, "%s%s", shown == path ? "" : "...", shown);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
-        kr_fail(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        kr_fail(err, KR_ERR_IO, "%s: cannot open: %s", f->path, strerror(errno));
         goto fail_fd;
     }
     if (!S_ISREG(st.st_mode)) {
-        kr_fail(err, KR_ERR_IO, "%s: not a regular file", path);
+        kr_fail(err, KR_ERR_IO, "%s: not a regular file", f->path);
         goto fail_fd;
     }
     if ((uint64_t)st.st_size < HEADER_SIZE) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: %lld bytes is too short for a krafla file", path, (long long)st.st_size);
+        kr_fail(err, KR_ERR_FORMAT, "%s: %lld bytes is too short for a krafla file", f->path, (long long)st.st_size);
         goto fail_fd;
     }
     f->size = (uint64_t)st.st_size;
@@ -284,7 +294,7 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     close(fd);
     fd = -1;
     if (map == MAP_FAILED) {
-        kr_fail(err, KR_ERR_IO, "%s: cannot map: %s", path, strerror(errno));
+        kr_fail(err, KR_ERR_IO, "%s: cannot map: %s", f->path, strerror(errno));
         goto fail;
     }
     f->map = map;
@@ -301,31 +311,31 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     take(&c, &f->data_offset, 8);
     take(&c, &file_size, 8);
     if (memcmp(f->magic, KR_MODEL_MAGIC, 8) && memcmp(f->magic, KR_TOKENIZER_MAGIC, 8)) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: not a krafla file (bad magic)", path);
+        kr_fail(err, KR_ERR_FORMAT, "%s: not a krafla file (bad magic)", f->path);
         goto fail;
     }
     if (magic && memcmp(f->magic, magic, 8)) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: expected a %s file", path,
+        kr_fail(err, KR_ERR_FORMAT, "%s: expected a %s file", f->path,
                 memcmp(magic, KR_MODEL_MAGIC, 8) ? "tokenizer (.mlt)" : "model (.mlb)");
         goto fail;
     }
     if (version != KR_FILE_VERSION) {
-        kr_fail(err, KR_ERR_UNSUPPORTED, "%s: file version %u, this krafla reads version %d", path, version,
+        kr_fail(err, KR_ERR_UNSUPPORTED, "%s: file version %u, this krafla reads version %d", f->path, version,
                 KR_FILE_VERSION);
         goto fail;
     }
     if (file_size != f->size) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: header says %llu bytes, file has %llu (truncated or padded)", path,
+        kr_fail(err, KR_ERR_FORMAT, "%s: header says %llu bytes, file has %llu (truncated or padded)", f->path,
                 (unsigned long long)file_size, (unsigned long long)f->size);
         goto fail;
     }
     if (n_meta > KR_MAX_ENTRIES || n_tensors > KR_MAX_ENTRIES) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: %u metadata entries and %u tensors exceed the limit of %u", path, n_meta,
+        kr_fail(err, KR_ERR_FORMAT, "%s: %u metadata entries and %u tensors exceed the limit of %u", f->path, n_meta,
                 n_tensors, KR_MAX_ENTRIES);
         goto fail;
     }
     if (f->data_offset % KR_ALIGNMENT || f->data_offset > f->size || f->data_offset < HEADER_SIZE) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: data offset %llu is misaligned or outside the file", path,
+        kr_fail(err, KR_ERR_FORMAT, "%s: data offset %llu is misaligned or outside the file", f->path,
                 (unsigned long long)f->data_offset);
         goto fail;
     }
@@ -333,7 +343,7 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     // takes at least 8 bytes (an empty string) and a tensor entry at least 27 (1 dimension).
     if ((uint64_t)n_meta * 8 + (uint64_t)n_tensors * 27 > f->data_offset - HEADER_SIZE) {
         kr_fail(err, KR_ERR_FORMAT, "%s: %u metadata entries and %u tensors cannot fit in the %llu bytes before the data",
-                path, n_meta, n_tensors, (unsigned long long)(f->data_offset - HEADER_SIZE));
+                f->path, n_meta, n_tensors, (unsigned long long)(f->data_offset - HEADER_SIZE));
         goto fail;
     }
     f->n_meta = (int32_t)n_meta;
@@ -341,7 +351,7 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     f->meta = calloc(n_meta ? n_meta : 1, sizeof *f->meta);
     f->tensors = calloc(n_tensors ? n_tensors : 1, sizeof *f->tensors);
     if (!f->meta || !f->tensors) {
-        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory for %u entries", path, n_meta + n_tensors);
+        kr_fail(err, KR_ERR_MEMORY, "%s: out of memory for %u entries", f->path, n_meta + n_tensors);
         goto fail;
     }
     c.end = f->data_offset;  // the tables must end before the data
@@ -350,13 +360,13 @@ kr_file *kr_file_open(const char *path, const char *magic, kr_error *err) {
     int64_t dup = first_duplicate((const char *const *)&f->meta[0].key, sizeof *f->meta, f->n_meta, err, &failed);
     if (failed) goto fail;
     if (dup >= 0) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: metadata key %s appears twice", path, f->meta[dup].key);
+        kr_fail(err, KR_ERR_FORMAT, "%s: metadata key %.200s appears twice", f->path, f->meta[dup].key);
         goto fail;
     }
     dup = first_duplicate(&f->tensors[0].name, sizeof *f->tensors, f->n_tensors, err, &failed);
     if (failed) goto fail;
     if (dup >= 0) {
-        kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s appears twice", path, f->tensors[dup].name);
+        kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s appears twice", f->path, f->tensors[dup].name);
         goto fail;
     }
     kr_ok(err);
@@ -381,6 +391,7 @@ void kr_file_close(kr_file *f) {
     free(f->meta);
     free(f->tensors);
     if (f->map) munmap((void *)f->map, f->size);
+    free(f->path);
     free(f);
 }
 
@@ -428,10 +439,10 @@ int kr_file_meta_array(const kr_file *f, int32_t index, void *out, uint32_t coun
     if (!f || index < 0 || index >= f->n_meta)
         return kr_fail(err, KR_ERR_ARGUMENT, "metadata index %d out of range", index);
     const meta_entry *m = &f->meta[index];
-    if (!m->array) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s is not an array", m->key);
+    if (!m->array) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %.200s is not an array", m->key);
     if (count != m->count)
-        return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s has %u values, not %u", m->key, m->count, count);
-    if (count && !out) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %s: no output buffer", m->key);
+        return kr_fail(err, KR_ERR_ARGUMENT, "metadata %.200s has %u values, not %u", m->key, m->count, count);
+    if (count && !out) return kr_fail(err, KR_ERR_ARGUMENT, "metadata %.200s: no output buffer", m->key);
     if (count) memcpy(out, m->array, (size_t)count * 8);
     kr_ok(err);
     return KR_OK;
@@ -451,7 +462,7 @@ int kr_file_get_int(const kr_file *f, const char *key, int64_t fallback, int64_t
     } else if (f->meta[i].kind == KR_META_INT) {
         *out = f->meta[i].int_value;
     } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be an integer", f->path, key);
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be an integer", f->path, key);
     }
     kr_ok(err);
     return KR_OK;
@@ -464,7 +475,7 @@ int kr_file_get_float(const kr_file *f, const char *key, double fallback, double
     } else if (f->meta[i].kind == KR_META_FLOAT || f->meta[i].kind == KR_META_INT) {
         *out = f->meta[i].float_value;
     } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be a number", f->path, key);
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be a number", f->path, key);
     }
     kr_ok(err);
     return KR_OK;
@@ -477,7 +488,7 @@ int kr_file_get_str(const kr_file *f, const char *key, const char *fallback, con
     } else if (f->meta[i].kind == KR_META_STR) {
         *out = f->meta[i].str_value;
     } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be a string", f->path, key);
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be a string", f->path, key);
     }
     kr_ok(err);
     return KR_OK;
@@ -500,6 +511,6 @@ int32_t kr_file_find_tensor_index(const kr_file *f, const char *name) {
 
 int kr_file_find_tensor(const kr_file *f, const char *name, kr_tensor_info *info, kr_error *err) {
     int32_t i = kr_file_find_tensor_index(f, name);
-    if (i < 0) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s is missing", f ? f->path : "?", name ? name : "?");
+    if (i < 0) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s is missing", f ? f->path : "?", name ? name : "?");
     return kr_file_tensor(f, i, info, err);
 }
