@@ -6,6 +6,7 @@ the loader's message (naming the file and the problem) and exits with status 1.
 
 import json
 import math
+import os
 import sys
 
 from krafla_twisted import clib
@@ -85,8 +86,15 @@ def as_json(file):
 
 
 def main(args, out=None, err=None):
-    out = out or sys.stdout
-    err = err or sys.stderr
+    try:
+        return report(args, out or sys.stdout, err or sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`krafla info x.mlb | head`): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def report(args, out, err):
     status = 0
     for index, path in enumerate(args.files):
         try:
