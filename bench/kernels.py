@@ -5,12 +5,10 @@
 Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
 4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
 tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
-quantization) and the ctypes call, as the engine's per-matmul work does minus the call.
+quantization), timed in C: the best of --repeat runs.
 """
 
 import argparse
-import time
-
 import numpy as np
 
 from krafla_twisted import kernels
@@ -34,12 +32,7 @@ def random_weights(type_name, rows, cols, rng):
 def measure(type_name, rows, cols, n_tokens, impl, repeat, rng):
     weights = random_weights(type_name, rows, cols, rng)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
-    kernels.matmul(type_name, weights, rows, cols, x, impl)  # warm up caches
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        kernels.matmul(type_name, weights, rows, cols, x, impl)
-        best = min(best, time.perf_counter() - start)
+    best = kernels.bench_matmul(type_name, weights, rows, cols, x, impl, repeat)
     gflops = 2 * rows * cols * n_tokens / best / 1e9
     gbytes = weights.size / best / 1e9
     return best, gflops, gbytes

@@ -46,6 +46,9 @@ def _declare(lib):
     clib.declare(lib, "kr_test_dot", _int, _int, _i32, _p, _p, _i64, _p, _err)
     # int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_axpy", _int, _int, _i32, ctypes.c_float, _p, _p, _i64, _err)
+    # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
+    #                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
+    clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _i32, _p, _err)
 
 
 def isa():
@@ -188,3 +191,17 @@ def axpy(alpha, x, y, impl="dispatch"):
         raise ValueError(f"axpy needs two vectors of one length, got {x.shape} and {out.shape}")
     _call(clib.load().kr_test_axpy, _impl(impl), _weight_type(type_name), ctypes.c_float(alpha), _ptr(x), _ptr(out), x.size)
     return out
+
+
+def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20):
+    """Seconds of the fastest of `repeat` runs of (prepare activations + matmul over all rows), timed in C."""
+    w = _array(weights, np.uint8)
+    if w.size != rows * row_bytes(type_name, cols):
+        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    x = _array(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
+    seconds = ctypes.c_double()
+    _call(clib.load().kr_bench_matmul, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0],
+          repeat, ctypes.byref(seconds))
+    return seconds.value

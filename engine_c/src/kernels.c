@@ -45,7 +45,9 @@ void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(
 
 #include "internal.h"
 
+#include <math.h>
 #include <stdlib.h>
+#include <time.h>
 
 static int check_impl(int impl, kr_error *err) {
     if (impl == KR_KERNEL_DISPATCH || impl == KR_KERNEL_REFERENCE) return KR_OK;
@@ -220,6 +222,44 @@ int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, i
         KR_PICK(impl, kr_axpy_f32)(alpha, x, y, n);
     else
         KR_PICK(impl, kr_axpy_f16_f32)(alpha, x, y, n);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
+                    int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_weight_type(weight_type, cols, err);
+    if (!status) status = check_count("rows", rows, 1, err);
+    if (!status) status = check_count("n_tokens", n_tokens, 1, err);
+    if (!status) status = check_pointers(weights, x, err);
+    if (!status) status = check_pointers(best_seconds, best_seconds, err);
+    if (!status && repeat < 1) status = kr_fail(err, KR_ERR_ARGUMENT, "repeat must be >= 1, got %d", repeat);
+    if (status) return status;
+    uint64_t out_count;
+    if (kr_mul_overflows((uint64_t)rows, (uint64_t)n_tokens, &out_count))
+        return kr_fail(err, KR_ERR_MEMORY, "%lld x %lld outputs overflow", (long long)rows, (long long)n_tokens);
+    const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
+    void *prepared = malloc(bytes ? bytes : 1);
+    float *out = malloc(out_count ? out_count * sizeof(float) : 1);
+    if (!prepared || !out) {
+        free(prepared);
+        free(out);
+        return kr_fail(err, KR_ERR_MEMORY, "cannot allocate the benchmark's buffers");
+    }
+    double best = INFINITY;
+    for (int32_t i = 0; i < repeat; i++) {
+        struct timespec start, end;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
+        KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, 0, rows);
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        const double seconds = (double)(end.tv_sec - start.tv_sec) + 1e-9 * (double)(end.tv_nsec - start.tv_nsec);
+        best = seconds < best ? seconds : best;
+    }
+    free(prepared);
+    free(out);
+    *best_seconds = best;
     kr_ok(err);
     return KR_OK;
 }

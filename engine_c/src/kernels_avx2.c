@@ -285,15 +285,19 @@ static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stri
     }
 }
 
-// Tile shape per weight type: rows x tokens (measured with bench/kernels.py).
-static int tile_rows(int32_t weight_type) { (void)weight_type; return 4; }
-static int tile_tokens(int32_t weight_type) { (void)weight_type; return 2; }
+// Tile shape, rows x tokens (measured with bench/kernels.py): 4x4 for the integer kernels; 3x4 for
+// the float ones at several tokens (their weight conversion takes registers too), 4x1 at one token
+// (more independent FMA chains).
+static int tile_rows(int32_t weight_type, int64_t n_tokens) {
+    return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 || n_tokens == 1 ? 4 : 3;
+}
+static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
-    const int max_rows = tile_rows(weight_type), max_tokens = tile_tokens(weight_type);
+    const int max_rows = tile_rows(weight_type, n_tokens), max_tokens = tile_tokens(weight_type);
     // Rows outside, tokens inside: a tile's weight rows stay in L1 while every token passes over them.
     for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
         const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
