@@ -84,26 +84,39 @@ void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
 
 // q4_0 nibbles as unsigned bytes 0..15 in element order (low nibbles, then high nibbles).
 KR_INLINE __m256i q4_0_nibbles(const kr_block_q4_0 *w) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)w->q);
-    const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->q));
+    const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
 }
 
-// sum (n - 8) * a = sum n * a - sum 8 * a; the second term (`offset`, int16 pairs) depends only
-// on the activations, so a tile computes it once per token. No int16 step can saturate:
-// |15 * 128 * 2| < 32767.
+// sum (n - 8) * a = sum n * a - sum 8 * a; the second term (`offset`) depends only on the
+// activations, so a tile computes it once per token. The sums are exact integers either way, so
+// the ISA=avx512 build's VNNI instruction (multiply, add 4 neighbours and accumulate in one) gives
+// the same lanes. Without VNNI no int16 step can saturate: |15 * 128 * 2| < 32767.
+#if defined(KR_HAVE_AVX512)
+KR_INLINE __m256i q4_0_offset(__m256i a) {
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), a));
+}
+
+KR_INLINE __m256i q4_0_lanes(__m256i nibbles, __m256i a, __m256i offset) { return _mm256_dpbusd_epi32(offset, nibbles, a); }
+#else
 KR_INLINE __m256i q4_0_offset(__m256i a) { return _mm256_maddubs_epi16(_mm256_set1_epi8(8), a); }
 
 KR_INLINE __m256i q4_0_lanes(__m256i nibbles, __m256i a, __m256i offset) {
     const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(nibbles, a), offset);
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
+#endif
 
 // q8_0 x q8_0 by the sign trick: |w| (unsigned) times a with w's sign. Exact for activations in
 // [-127, 127], which is all kr_quantize_row_q8_0 produces (|128 * 127 * 2| < 32767).
 KR_INLINE __m256i q8_0_lanes(__m256i w_magnitude, __m256i w, __m256i a) {
+#if defined(KR_HAVE_AVX512)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_magnitude, _mm256_sign_epi8(a, w));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(w_magnitude, _mm256_sign_epi8(a, w));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
