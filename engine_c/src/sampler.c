@@ -5,7 +5,9 @@
 //      (llama.cpp's rule: a positive logit is divided by the penalty, a negative one multiplied);
 //   2. temperature 0, top_k 1 or top_p 0: greedy, the highest logit, ties to the lowest id;
 //   3. otherwise softmax of logits / temperature, then top-k, then top-p over what top-k kept
-//      (renormalised), then one draw from a xoshiro256** stream seeded by splitmix64.
+//      (renormalised), then one draw from a xoshiro256** stream seeded by splitmix64. Tokens rank
+//      by probability, ties to the lower id; the kept ones are found by selection (expected
+//      linear time), and the draw walks them in the order selection left them.
 // Everything here is sequential and single-threaded, so the chosen token depends only on the
 // logits, the history, the parameters and how many draws came before: never on thread count or
 // batch size. Exactly one random number is drawn per non-greedy call.
@@ -144,10 +146,69 @@ static int32_t argmax(const float *x, int32_t n) {
     return best;
 }
 
-static int best_first(const void *a, const void *b) {
-    const kr_candidate *x = a, *y = b;
-    if (x->weight != y->weight) return x->weight > y->weight ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
+// The order tokens are ranked in: higher weight first, ties to the lower id (a total order).
+static inline bool better(kr_candidate a, kr_candidate b) {
+    return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
+}
+
+static inline void swap(kr_candidate *a, kr_candidate *b) {
+    kr_candidate t = *a;
+    *a = *b;
+    *b = t;
+}
+
+// Partition c[lo..hi) (hi - lo >= 1) around a median-of-three pivot: afterwards c[lo..p) rank
+// above the pivot, c[p] is the pivot, c[p+1..hi) rank below. Returns p; *mass_above gets the
+// summed weight of c[lo..p).
+static int32_t partition(kr_candidate *c, int32_t lo, int32_t hi, double *mass_above) {
+    int32_t mid = lo + (hi - lo) / 2, last = hi - 1;
+    int32_t pick = mid;
+    if (better(c[lo], c[mid]) != better(c[lo], c[last])) pick = lo;
+    else if (better(c[last], c[mid]) != better(c[last], c[lo])) pick = last;
+    swap(&c[pick], &c[last]);
+    kr_candidate pivot = c[last];
+    int32_t p = lo;
+    double mass = 0.0;
+    for (int32_t j = lo; j < last; j++) {
+        if (better(c[j], pivot)) {
+            mass += c[j].weight;
+            swap(&c[p++], &c[j]);
+        }
+    }
+    swap(&c[p], &c[last]);
+    *mass_above = mass;
+    return p;
+}
+
+// Move the best k of c[0..n) to the front (in no particular order). Expected O(n).
+static void select_best_count(kr_candidate *c, int32_t n, int32_t k) {
+    int32_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+        double unused;
+        int32_t p = partition(c, lo, hi, &unused);
+        if (p == k || p + 1 == k) return;
+        if (p > k) hi = p;
+        else lo = p + 1;
+    }
+}
+
+// Move to the front the shortest best-first prefix of c[0..n) whose weight reaches `goal`, in
+// no particular order, and return its length. Expected O(n): no full sort.
+static int32_t select_best_mass(kr_candidate *c, int32_t n, double goal) {
+    int32_t lo = 0, hi = n;
+    double need = goal;
+    while (lo < hi) {
+        double above;
+        int32_t p = partition(c, lo, hi, &above);
+        if (above >= need) {
+            hi = p;  // the prefix ends among the tokens above the pivot
+            continue;
+        }
+        if (above + c[p].weight >= need) return p + 1;
+        need -= above + c[p].weight;
+        lo = p + 1;
+    }
+    return hi;
 }
 
 // Pick one of candidates[0..n) with probability weight / mass.
@@ -214,39 +275,21 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
         return KR_OK;
     }
 
-    // Only a best-first prefix of the ids needs sorting. Lower a weight cut until the ids at or
-    // above it number at least top_k (with top-k), or carry at least top_p of the mass (top-p
-    // alone): the ids above a cut are a prefix of the sorted order, so the tokens kept lie inside
-    // them. The last cut, 0, takes every id with a weight > 0.
+    // Selection instead of sorting: with Gemma's 262144 tokens a full sort per token would cost
+    // more than a small model's forward pass.
     int32_t n_candidates = 0;
-    static const double cuts[] = {1e-2, 1e-4, 1e-8, 1e-16, 0.0};
-    for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++) {
-        double cut = cuts[c], mass = 0.0;
-        n_candidates = 0;
-        for (int32_t i = 0; i < n; i++) {
-            double w = s->weights[i];
-            if (w > 0.0 && w >= cut) {
-                s->candidates[n_candidates++] = (kr_candidate){w, i};
-                mass += w;
-            }
-        }
-        if (top_k ? n_candidates >= top_k : mass >= (double)p->top_p * total) break;
+    for (int32_t i = 0; i < n; i++)
+        if (s->weights[i] > 0.0) s->candidates[n_candidates++] = (kr_candidate){s->weights[i], i};
+    if (top_k && n_candidates > top_k) {
+        select_best_count(s->candidates, n_candidates, top_k);
+        n_candidates = top_k;
     }
-    qsort(s->candidates, (size_t)n_candidates, sizeof *s->candidates, best_first);
-
-    if (top_k && n_candidates > top_k) n_candidates = top_k;
     double kept = 0.0;
     for (int32_t k = 0; k < n_candidates; k++) kept += s->candidates[k].weight;
     if (use_top_p) {
-        // The smallest best-first prefix whose share of what top-k kept reaches top_p.
-        double goal = (double)p->top_p * kept, cumulative = 0.0;
-        int32_t k = 0;
-        while (k < n_candidates) {
-            cumulative += s->candidates[k++].weight;
-            if (cumulative >= goal) break;
-        }
-        n_candidates = k;
-        kept = cumulative;
+        n_candidates = select_best_mass(s->candidates, n_candidates, (double)p->top_p * kept);
+        kept = 0.0;
+        for (int32_t k = 0; k < n_candidates; k++) kept += s->candidates[k].weight;
     }
     *token_out = draw(s, s->candidates, n_candidates, kept);
     kr_ok(err);

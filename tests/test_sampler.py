@@ -1,0 +1,253 @@
+"""The C sampler (engine_c/src/sampler.c) against numpy references: greedy is argmax, top-k 1 is
+greedy, the repeat penalty follows llama.cpp's rule, top-k/top-p keep the right tokens, draws
+follow the softmax, and the random stream is xoshiro256** seeded by splitmix64 (reimplemented
+here in Python), so a seed fixes the output."""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from krafla_twisted import clib
+from krafla_twisted.sampler import Sampler
+
+
+@dataclass
+class Params:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+
+def draws(params, logits, n, history=()):
+    with Sampler(params, len(logits)) as sampler:
+        return [sampler.sample(logits, history) for _ in range(n)]
+
+
+logit_rows = st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=60).map(
+    lambda values: np.array(values, dtype=np.float32))
+
+
+def penalised(logits, history, penalty, last_n):
+    """llama.cpp's repeat penalty, in numpy: each distinct id of the window once."""
+    out = logits.astype(np.float32).copy()
+    window = history if last_n < 0 else history[max(0, len(history) - last_n):] if last_n else []
+    for token in set(int(t) for t in window):
+        out[token] = out[token] / np.float32(penalty) if out[token] > 0 else out[token] * np.float32(penalty)
+    return out
+
+
+class GreedyTests:
+    @given(logits=logit_rows)
+    def test_temperature_zero_is_first_argmax(self, logits):
+        """Temperature 0 picks np.argmax (the lowest id among equal maxima)."""
+        assert draws(Params(temperature=0.0), logits, 1) == [int(np.argmax(logits))]
+
+    def test_ties_go_to_the_lowest_id(self):
+        """Equal best logits: the lowest id wins."""
+        logits = np.array([0.5, 2.0, 1.0, 2.0, 2.0], dtype=np.float32)
+        assert draws(Params(), logits, 3) == [1, 1, 1]
+
+    @given(logits=logit_rows, temperature=st.floats(0.05, 5), seed=st.integers(0, 2**64 - 1))
+    def test_top_k_one_is_greedy(self, logits, temperature, seed):
+        """top_k=1 gives the argmax at any temperature and seed."""
+        assert draws(Params(temperature=temperature, top_k=1, seed=seed), logits, 3) == [int(np.argmax(logits))] * 3
+
+    @given(logits=logit_rows, history=st.lists(st.integers(0, 1), max_size=10),
+           penalty=st.floats(0.5, 3.0, width=32), last_n=st.integers(-1, 12))
+    def test_repeat_penalty_matches_llama_cpp_rule(self, logits, history, penalty, last_n):
+        """Greedy after the penalty equals argmax of the numpy-penalised logits: positive logits
+        divided, negative multiplied, each distinct id of the last N tokens once."""
+        history = [t % len(logits) for t in history]
+        expected = int(np.argmax(penalised(logits, history, penalty, last_n)))
+        params = Params(repeat_penalty=penalty, repeat_last_n=last_n)
+        assert draws(params, logits, 1, history) == [expected]
+
+    def test_repeat_penalty_changes_the_choice(self):
+        """A repeated best token loses to the runner-up; a negative one is pushed further down."""
+        logits = np.array([1.0, 3.0, 2.5, -1.0], dtype=np.float32)
+        assert draws(Params(), logits, 1, [1]) == [1]
+        assert draws(Params(repeat_penalty=1.5), logits, 1, [1]) == [2]
+        assert draws(Params(repeat_penalty=1.5, repeat_last_n=1), logits, 1, [1, 0]) == [1]  # 1 outside the window
+        logits = np.array([-1.0, -1.1], dtype=np.float32)
+        assert draws(Params(repeat_penalty=1.2), logits, 1, [0]) == [1]
+
+
+# ------------------------------------------------------------------------------------------
+# The random stream
+
+MASK = 2**64 - 1
+
+
+def splitmix64(state):
+    state = (state + 0x9E3779B97F4A7C15) & MASK
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return state, z ^ (z >> 31)
+
+
+def xoshiro256starstar(seed):
+    """The published generator, written from its definition."""
+    state, s = seed, []
+    for _ in range(4):
+        state, value = splitmix64(state)
+        s.append(value)
+
+    def rotl(x, k):
+        return ((x << k) | (x >> (64 - k))) & MASK
+
+    while True:
+        result = (rotl((s[1] * 5) & MASK, 7) * 9) & MASK
+        t = (s[1] << 17) & MASK
+        s[2] ^= s[0]
+        s[3] ^= s[1]
+        s[1] ^= s[2]
+        s[0] ^= s[3]
+        s[2] ^= t
+        s[3] = rotl(s[3], 45)
+        yield result
+
+
+class StreamTests:
+    @pytest.mark.parametrize("seed", [0, 1, 42, 2**63 + 12345])
+    def test_uniform_draws_follow_xoshiro(self, seed):
+        """Over 1024 equal logits each draw is the top 10 bits of the next xoshiro256** output:
+        this pins the generator, its seeding and the inverse-CDF walk."""
+        stream = xoshiro256starstar(seed)
+        expected = [next(stream) >> 54 for _ in range(50)]
+        assert draws(Params(temperature=1.0, seed=seed), np.zeros(1024, dtype=np.float32), 50) == expected
+
+    def test_same_seed_same_tokens_and_reseed_restarts(self):
+        """Two samplers with one seed agree; reseeding restarts the stream; another seed differs."""
+        logits = np.linspace(-2, 2, 300).astype(np.float32)
+        params = Params(temperature=1.5, top_p=0.95, top_k=200, seed=7)
+        first = draws(params, logits, 40)
+        assert draws(params, logits, 40) == first
+        with Sampler(params, len(logits)) as sampler:
+            [sampler.sample(logits) for _ in range(5)]
+            sampler.reseed(7)
+            assert [sampler.sample(logits) for _ in range(40)] == first
+        assert draws(Params(temperature=1.5, top_p=0.95, top_k=200, seed=8), logits, 40) != first
+
+
+# ------------------------------------------------------------------------------------------
+# Distributions
+
+
+def reference_keep(logits, temperature, top_k, top_p, slack=0.0):
+    """numpy: ids kept by top-k then top-p (best first, ties to the lower id) and their weights.
+    `slack` widens (>0) or narrows (<0) the top-p goal to bracket rounding at the boundary."""
+    weights = np.exp((logits.astype(np.float64) - logits.max()) / np.float64(np.float32(temperature)))
+    order = sorted(range(len(logits)), key=lambda i: (-weights[i], i))
+    order = [i for i in order if weights[i] > 0]
+    if top_k:
+        order = order[:top_k]
+    if top_p < 1.0:
+        kept = weights[order]
+        goal = np.float64(np.float32(top_p)) * kept.sum() * (1 + slack)
+        cumulative = np.cumsum(kept)
+        size = int(np.searchsorted(cumulative, min(goal, cumulative[-1]), side="left")) + 1
+        order = order[:size]
+    return order, weights[order] / weights[order].sum()
+
+
+class DistributionTests:
+    @settings(max_examples=60, deadline=None)
+    @given(logits=logit_rows, temperature=st.floats(0.1, 3.0), top_k=st.integers(0, 70),
+           top_p=st.floats(0.05, 1.0), seed=st.integers(0, 2**32))
+    def test_only_kept_tokens_are_drawn(self, logits, temperature, top_k, top_p, seed):
+        """Every draw is among the tokens top-k and top-p keep (numpy reference, bracketed for
+        rounding at the top-p boundary), and every kept token with a share above 1% shows up."""
+        samples = draws(Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), logits, 2000)
+        widest, _ = reference_keep(logits, temperature, top_k, top_p, slack=1e-9)
+        narrowest, shares = reference_keep(logits, temperature, top_k, top_p, slack=-1e-9)
+        assert set(samples) <= set(widest)
+        likely = {token for token, share in zip(narrowest, shares) if share > 0.01}
+        assert likely <= set(samples)
+
+    @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0),
+                                                           (1.0, 0, 0.8), (2.0, 4, 0.9)])
+    def test_frequencies_follow_the_softmax(self, temperature, top_k, top_p):
+        """40000 draws with a fixed seed: each token's frequency is within 4.5 standard errors of
+        its renormalised softmax probability (numpy)."""
+        logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
+        n = 40000
+        samples = np.array(draws(Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234), logits, n))
+        kept, probabilities = reference_keep(logits, temperature, top_k, top_p)
+        expected = np.zeros(len(logits))
+        expected[kept] = probabilities
+        observed = np.bincount(samples, minlength=len(logits)) / n
+        tolerance = 4.5 * np.sqrt(expected * (1 - expected) / n) + 1e-12
+        assert np.all(np.abs(observed - expected) <= tolerance), (observed, expected)
+
+    def test_masked_tokens_are_never_drawn(self):
+        """-inf logits (masked tokens) are never chosen, even over many draws at high temperature."""
+        logits = np.full(50, -np.inf, dtype=np.float32)
+        logits[[3, 17]] = [0.0, 0.0]
+        assert set(draws(Params(temperature=5.0, seed=9), logits, 500)) == {3, 17}
+
+    def test_large_vocabulary_top_p(self):
+        """A 262144-token vocabulary (Gemma 3's) with a flat tail: top-p keeps what numpy keeps."""
+        rng = np.random.default_rng(0)
+        logits = rng.normal(0, 1, 262144).astype(np.float32)
+        logits[:20] += 12
+        samples = draws(Params(temperature=1.0, top_p=0.9, seed=5), logits, 100)
+        widest, _ = reference_keep(logits, 1.0, 0, 0.9, slack=1e-9)
+        assert set(samples) <= set(widest)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+
+
+class ValidationTests:
+    @pytest.mark.parametrize("field, value, fragment", [
+        ("temperature", math.nan, "temperature"),
+        ("temperature", -0.5, "temperature"),
+        ("temperature", math.inf, "temperature"),
+        ("top_p", 1.5, "top_p"),
+        ("top_p", math.nan, "top_p"),
+        ("top_k", -1, "top_k"),
+        ("repeat_penalty", 0.0, "repeat_penalty"),
+        ("repeat_penalty", math.nan, "repeat_penalty"),
+        ("repeat_last_n", -2, "repeat_last_n"),
+    ])
+    def test_bad_parameters(self, field, value, fragment):
+        """A bad parameter is refused at creation with a message naming it."""
+        params = Params(**{field: value})
+        with pytest.raises(clib.KraflaError, match=fragment):
+            Sampler(params, 10)
+
+    def test_bad_calls(self):
+        """Wrong logits length, NaN or +inf logits, all -inf, and history ids outside the
+        vocabulary are errors, not crashes; the sampler stays usable."""
+        with Sampler(Params(temperature=1.0), 4) as sampler:
+            with pytest.raises(clib.KraflaError, match="5 logits"):
+                sampler.sample(np.zeros(5, dtype=np.float32))
+            with pytest.raises(clib.KraflaError, match="NaN"):
+                sampler.sample(np.array([0, np.nan, 0, 0], dtype=np.float32))
+            with pytest.raises(clib.KraflaError, match=r"\+inf"):
+                sampler.sample(np.array([0, np.inf, 0, 0], dtype=np.float32))
+            with pytest.raises(clib.KraflaError, match="-inf"):
+                sampler.sample(np.full(4, -np.inf, dtype=np.float32))
+            with pytest.raises(clib.KraflaError, match="outside the vocabulary"):
+                sampler.sample(np.zeros(4, dtype=np.float32), [1, 4])
+            with pytest.raises(clib.KraflaError, match="outside the vocabulary"):
+                sampler.sample(np.zeros(4, dtype=np.float32), [-1])
+            assert sampler.sample(np.array([0, 0, 9, 0], dtype=np.float32)) in range(4)
+        with pytest.raises(clib.KraflaError, match="vocabulary size"):
+            Sampler(Params(), 0)
+
+    def test_closed_sampler(self):
+        """Sampling after close raises instead of touching freed memory."""
+        sampler = Sampler(Params(), 3)
+        sampler.close()
+        with pytest.raises(clib.KraflaError, match="closed"):
+            sampler.sample(np.zeros(3, dtype=np.float32))
