@@ -149,6 +149,15 @@ def pull(name, home=None, progress=True, *, type_name="q4_0"):
     return PulledModel(mlb, mlt, model.chat, model.name)
 
 
+def fetch_source(name, home=None, progress=True):
+    """The known model's GGUF in the cache, checked against its sha256 (downloaded if need be)."""
+    model = _known(name)
+    folder = model_dir(name, home)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock"):
+        return _checked_source(model, folder, progress)
+
+
 @contextlib.contextmanager
 def _locked(path):
     with open(path, "a") as lock:

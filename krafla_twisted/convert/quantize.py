@@ -248,7 +248,8 @@ def quantize_q8_0(x):
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    q = _roundf(blocks * inverse).astype(np.int8)
+    with np.errstate(invalid="ignore", over="ignore"):  # a subnormal d gives inf/NaN, as in ggml
+        q = _roundf(blocks * inverse).astype(np.int8)
     out = np.empty((blocks.shape[0], 34), np.uint8)
     with np.errstate(over="ignore"):
         out[:, 0:2] = d.astype("<f2").view(np.uint8)
@@ -268,7 +269,8 @@ def quantize_q4_0(x):
     d = signed_max / np.float32(-8)
     with np.errstate(divide="ignore"):
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    q = np.minimum(np.trunc(blocks * inverse + np.float32(8.5)), np.float32(15)).astype(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.minimum(np.trunc(blocks * inverse + np.float32(8.5)), np.float32(15)).astype(np.uint8)
     out = np.empty((blocks.shape[0], 18), np.uint8)
     with np.errstate(over="ignore"):
         out[:, 0:2] = d.astype("<f2").view(np.uint8)

@@ -6,6 +6,10 @@ The cache is $KRAFLA_HOME or ~/.cache/krafla, so only the first run downloads (a
 all three) and converts; a lock makes concurrent test processes wait for one pull.
 """
 
+import functools
+
+import gguf
+
 from krafla_twisted import models
 
 NAMES = tuple(models.KNOWN_MODELS)
@@ -16,6 +20,11 @@ def real_model(name, type="q4_0"):
 
 
 def source_gguf(name):
-    """The checked GGUF the model was converted from (pulled first if need be)."""
-    real_model(name)
-    return models.model_dir(name) / models.KNOWN_MODELS[name].source
+    """The checked GGUF the real model's files are converted from (downloaded if need be)."""
+    return models.fetch_source(name, progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_reader(name):
+    """A shared gguf-py reader of the source GGUF (reading the 262144-token vocabulary takes seconds)."""
+    return gguf.GGUFReader(source_gguf(name))
