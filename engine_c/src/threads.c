@@ -11,6 +11,7 @@
 #include "model.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -19,7 +20,15 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SPIN_ROUNDS (1 << 14)
+// Spin this many rounds before sleeping; every YIELD_EVERY rounds give the core away, so a pool
+// with more threads than free cores does not starve the thread it waits for.
+#define SPIN_ROUNDS (1 << 13)
+#define YIELD_EVERY 256
+
+static inline void spin_round(int round) {
+    if (round % YIELD_EVERY == YIELD_EVERY - 1) sched_yield();
+    else cpu_relax();
+}
 
 typedef struct {
     kr_pool *pool;
@@ -47,7 +56,7 @@ static unsigned wait_for_job(kr_pool *pool, unsigned seen) {
     for (int i = 0; i < SPIN_ROUNDS; i++) {
         unsigned now = atomic_load(&pool->generation);
         if (now != seen) return now;
-        cpu_relax();
+        spin_round(i);
     }
     pthread_mutex_lock(&pool->mutex);
     atomic_fetch_add(&pool->sleeping, 1);
@@ -132,7 +141,7 @@ void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job) {
     fn(job, 0, pool->n_threads);
     for (int i = 0; i < SPIN_ROUNDS; i++) {
         if (atomic_load(&pool->remaining) == 0) return;
-        cpu_relax();
+        spin_round(i);
     }
     pthread_mutex_lock(&pool->mutex);
     atomic_store(&pool->caller_sleeping, 1);
