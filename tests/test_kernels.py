@@ -249,6 +249,25 @@ class QuantizeTests:
         assert not quants[2].any()
 
     @KERNEL_SETTINGS
+    @given(n_blocks=st.integers(1, 20), seed=st.integers(0, 2**32 - 1))
+    def test_q8_0_of_non_finite_and_extreme_input_is_defined(self, n_blocks, seed):
+        """Beyond what ggml defines: a NaN makes its block's scale NaN (so it propagates) with
+        quants in [-127, 127]; infinities, subnormal blocks and floats near the f16 limit quantize
+        the same in AVX2 as in the reference, bit for bit."""
+        rng = np.random.default_rng(seed)
+        x = random_float32(rng, (n_blocks, 32))
+        specials = np.array([np.nan, np.inf, -np.inf, 1e-42, -3e38, 7e4], np.float32)
+        mask = rng.random(x.shape) < 0.1
+        x[mask] = rng.choice(specials, mask.sum())
+        x[rng.random(n_blocks) < 0.2] *= np.float32(1e-40)
+        reference = kernels.quantize_q8_0(x, "reference").reshape(n_blocks, 34)
+        scales = reference[:, :2].copy().view(np.float16).reshape(-1)
+        assert np.array_equal(np.isnan(scales), np.isnan(x).any(axis=1))
+        assert (reference[:, 2:].view(np.int8) != -128).all()
+        if kernels.has_avx2():
+            assert np.array_equal(kernels.quantize_q8_0(x, "avx2").reshape(n_blocks, 34), reference)
+
+    @KERNEL_SETTINGS
     @given(type_name=st.sampled_from(QUANTIZED + FLOAT_TYPES), n_blocks=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
     def test_dequantize_matches_gguf_and_numpy(self, type_name, n_blocks, seed):
         """One row of each weight type decodes to what gguf-py / numpy decode, bit for bit."""

@@ -46,11 +46,13 @@ void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n) {
 
 KR_INLINE __m256i round_away_to_i32(__m256 v) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    const __m256 ordered = _mm256_cmp_ps(v, v, _CMP_ORD_Q);  // NaN -> 0, as the reference
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
     const __m256 magnitude = _mm256_andnot_ps(sign_mask, v);
     __m256 whole = _mm256_round_ps(magnitude, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(magnitude, whole), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
     whole = _mm256_add_ps(whole, _mm256_and_ps(up, _mm256_set1_ps(1.0f)));
-    return _mm256_cvttps_epi32(_mm256_or_ps(whole, _mm256_and_ps(v, sign_mask)));
+    return _mm256_cvttps_epi32(_mm256_and_ps(ordered, _mm256_or_ps(whole, _mm256_and_ps(v, sign_mask))));
 }
 
 void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
@@ -59,15 +61,19 @@ void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
         const float *xb = x + b * KR_QK;
         __m256 v[4];
         for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_mask, v[0]), _mm256_andnot_ps(sign_mask, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign_mask, v[2]), _mm256_andnot_ps(sign_mask, v[3])));
+        // max_ps(a, b) returns b when a is NaN: with the running maximum as b, NaNs are skipped
+        __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign_mask, v[i]), m);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float amax = _mm_cvtss_f32(m4);
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = (kr_f16)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        y[b].d = (kr_f16)_cvtss_sh(_mm256_movemask_ps(nan) ? NAN : d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m256 scale = _mm256_set1_ps(id);
         __m256i q0 = round_away_to_i32(_mm256_mul_ps(v[0], scale));
         __m256i q1 = round_away_to_i32(_mm256_mul_ps(v[1], scale));

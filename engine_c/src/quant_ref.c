@@ -16,6 +16,7 @@
 #include "krafla.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 // ---------------------------------------------------------------------------------------------
@@ -98,14 +99,23 @@ void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n) {
     for (int64_t b = 0; b < n_blocks; b++) {
         const float *xb = x + b * KR_QK;
         float amax = 0.0f;
+        bool has_nan = false;
         for (int j = 0; j < KR_QK; j++) {
-            float v = fabsf(xb[j]);
-            amax = amax > v ? amax : v;
+            const float v = fabsf(xb[j]);
+            amax = v > amax ? v : amax;  // skips NaN
+            has_nan |= isnan(v);
         }
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = kr_f32_to_f16_ref(d);
-        for (int j = 0; j < KR_QK; j++) y[b].q[j] = (int8_t)roundf(xb[j] * id);
+        // Beyond ggml, which defines finite, normal-sized input only: a NaN makes the block's scale
+        // NaN so it propagates; x * id is clamped to [-127, 127] (it can only leave that range when
+        // 1/d overflows for a subnormal amax) and a NaN x * id (NaN x, or 0 * inf) quantizes to 0.
+        y[b].d = kr_f32_to_f16_ref(has_nan ? NAN : d);
+        for (int j = 0; j < KR_QK; j++) {
+            float scaled = xb[j] * id;
+            scaled = scaled > 127.0f ? 127.0f : scaled < -127.0f ? -127.0f : scaled;
+            y[b].q[j] = isnan(scaled) ? 0 : (int8_t)roundf(scaled);
+        }
     }
 }
 
