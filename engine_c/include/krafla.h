@@ -109,6 +109,66 @@ uint64_t kr_type_size(int32_t type, uint64_t n_elements);
 const char *kr_type_name(int32_t type);
 
 // ---------------------------------------------------------------------------------------------
+// --- Tokenizer (tokenizer.c, tokenizer_unicode.c; owner: tokenizer)
+//
+// A kr_tokenizer reads a .mlt (docs/formats.md, "Tokenizer files"): byte-level BPE with the
+// gpt2 / llama3 / qwen2 / smollm / qwen35 pre-tokenizers, or SentencePiece BPE with byte
+// fallback. It behaves as llama.cpp's tokenizer does and is immutable once open, so any number of
+// threads may encode and decode with it at once. Text is bytes: NUL is an ordinary character and
+// an invalid UTF-8 byte is kept and encoded through the byte tokens (never lost, never an error).
+
+typedef struct kr_tokenizer kr_tokenizer;
+
+typedef enum {
+    KR_TOKEN_UNDEFINED = 0, KR_TOKEN_NORMAL = 1, KR_TOKEN_UNKNOWN = 2, KR_TOKEN_CONTROL = 3,
+    KR_TOKEN_USER_DEFINED = 4, KR_TOKEN_UNUSED = 5, KR_TOKEN_BYTE = 6,
+} kr_token_type;  // GGUF's token types
+
+typedef struct {
+    int32_t n_vocab;
+    int32_t kind;                              // 1 byte-level BPE, 2 SentencePiece BPE
+    int32_t bos_id, eos_id, unk_id, pad_id;    // -1 when the vocabulary has none
+    int32_t add_bos, add_eos, add_space_prefix;
+    int32_t n_eot;                             // end-of-generation ids (kr_tokenizer_eot_ids)
+    char pre[16];                              // "gpt2", "llama3", "qwen2", "smollm", "qwen35", "none"
+} kr_tokenizer_info;
+
+// Open and validate a .mlt; NULL and err filled on any problem (the file and the table named).
+kr_tokenizer *kr_tokenizer_open(const char *path, kr_error *err);
+void kr_tokenizer_close(kr_tokenizer *tok);
+int kr_tokenizer_get_info(const kr_tokenizer *tok, kr_tokenizer_info *info, kr_error *err);
+// The end-of-generation ids (eos, end of turn: <|im_end|>, <|eot_id|>, <end_of_turn>, ...),
+// ascending; writes min(count, capacity) and returns the count.
+int32_t kr_tokenizer_eot_ids(const kr_tokenizer *tok, int32_t *ids, int32_t capacity);
+int kr_tokenizer_is_eot(const kr_tokenizer *tok, int32_t id);
+
+// Encode text[0..n_text) (at most 2^28 bytes). add_bos / add_eos: 1 yes, 0 no, -1 as the file says.
+// special = 1: exact spellings of control tokens (e.g. "<|im_start|>") become those tokens;
+// special = 0: they stay plain text and no control token can come out. User-defined tokens are
+// matched either way (as llama.cpp and Hugging Face do). *n_tokens gets the full count; only the
+// first `capacity` ids are written, so call again with a larger buffer if it did not fit.
+int kr_tokenizer_encode(const kr_tokenizer *tok, const char *text, int64_t n_text, int32_t add_bos, int32_t add_eos,
+                        int32_t special, int32_t *tokens, int64_t capacity, int64_t *n_tokens, kr_error *err);
+// The bytes of ids; control and unknown tokens give nothing unless special = 1. An id outside
+// the vocabulary is KR_ERR_ARGUMENT. *n_bytes and capacity as for encode.
+int kr_tokenizer_decode(const kr_tokenizer *tok, const int32_t *ids, int64_t n_ids, int32_t special, char *out,
+                        int64_t capacity, int64_t *n_bytes, kr_error *err);
+// What token `id` stands for (a control token: its spelling) and its spelling in the vocabulary
+// (BPE: GPT-2's byte alphabet, SPM: U+2581 for a space); pointers into the tokenizer, NULL for a
+// bad id. kr_tokenizer_find is the exact inverse of the spelling (-1 if none).
+const char *kr_tokenizer_token_piece(const kr_tokenizer *tok, int32_t id, int64_t *length);
+const char *kr_tokenizer_token_text(const kr_tokenizer *tok, int32_t id, int64_t *length);
+int32_t kr_tokenizer_find(const kr_tokenizer *tok, const char *text, int64_t n_text);
+int32_t kr_tokenizer_token_type(const kr_tokenizer *tok, int32_t id);  // kr_token_type, 0 for a bad id
+// The pre-tokenizer alone (tests and debugging): byte end offsets of each pre-token of text.
+int kr_tokenizer_pretokenize(const kr_tokenizer *tok, const char *text, int64_t n_text, int64_t *ends,
+                             int64_t capacity, int64_t *n_words, kr_error *err);
+// Class bits of a codepoint as the pre-tokenizers see it: 1 letter \p{L}, 2 number \p{N}, 4 mark
+// \p{M}, 8 White_Space \s.
+int32_t kr_unicode_class(uint32_t codepoint);
+// --- end Tokenizer
+
+// ---------------------------------------------------------------------------------------------
 // --- Model and session (model.c, forward.c, threads.c; owner: engine)
 //
 // A kr_model maps a .mlb file, validates every hyperparameter and binds every tensor (type and
@@ -194,6 +254,7 @@ int kr_sampler_sample(kr_sampler *sampler, const float *logits, int32_t n_logits
 // Restart the random stream as if the sampler were new with this seed.
 int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
 // --- end Sampler
+
 
 // ---------------------------------------------------------------------------------------------
 // --- Kernels (tests) (kernels.c; owner: kernels)
