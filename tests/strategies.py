@@ -138,7 +138,7 @@ _sampling_invalid = {
     "top_k": _not("int") | _integer_outside(0, 2**31 - 1),
     "repeat_penalty": (_not("int", "number") | st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
                        | st.integers(max_value=0)),
-    "repeat_last_n": _not("int") | _integer_outside(0, 2**31 - 1),
+    "repeat_last_n": _not("int") | _integer_outside(-1, 2**31 - 1),
     "seed": _not("int") | _integer_outside(-(2**63), 2**64 - 1),
     "max_tokens": _not("int") | _integer_outside(1),
     "max_completion_tokens": _not("int") | _integer_outside(1),
@@ -185,3 +185,18 @@ def arbitrary_api_bodies(draw, kind):
     names = sorted(_chat_invalid if kind == "chat" else _completion_invalid) + ["stream_options", "user", "frequency_penalty"]
     fields = draw(st.dictionaries(st.sampled_from(names) | st.text(max_size=6), json_values, max_size=6))
     return fields
+
+
+# ------------------------------------------------------------------------------------------
+# Tokenizer text (tests/test_tokenizer.py; owner: tokenizer)
+
+# Pieces that stress the pre-tokenizers: space and newline runs, contractions in both cases,
+# digit runs, combining marks, scripts without spaces, emoji sequences, non-ASCII spaces.
+_tokenizer_pieces = st.one_of(
+    st.sampled_from([" ", "  ", "   ", "\n", "\n\n", "\t", "\r\n", " \n ", "'s", "'LL", "'ve", "'D", "...", "!!", "(",
+                     "0", "123", "12345", "Hello", " world", "é", "e\u0301", "ß", "ſ", "中文", "😀", "👩\u200d💻",
+                     "\u00a0", "\u3000", "\u2028", "ﬁ", "١٢٣", "Ⅻ", "ก่", "\x1c", "\0"]),
+    st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6),
+    st.text(alphabet="abcXYZ019 \n\t'.,-_", max_size=12),
+)
+tokenizer_texts = st.lists(_tokenizer_pieces, max_size=10).map("".join)

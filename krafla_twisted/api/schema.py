@@ -128,7 +128,7 @@ def _sampling(body):
         top_p=_number(body, "top_p", 0.0, 1.0),
         top_k=_integer(body, "top_k", 0, INT32_MAX),
         repeat_penalty=_number(body, penalty_name, 0.0, low_open=True),
-        repeat_last_n=_integer(body, "repeat_last_n", 0, INT32_MAX),
+        repeat_last_n=_integer(body, "repeat_last_n", -1, INT32_MAX),
         seed=None if seed is None else seed & UINT64_MAX,
     )
 

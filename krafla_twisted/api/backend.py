@@ -1,0 +1,95 @@
+"""The served model as the HTTP layer sees it: krafla_twisted.generate's Runtime and Generator.
+
+The rendering of chats (krafla_twisted.chat), tokenizing, KV-cache reuse, sampling, stop strings and
+UTF-8 pieces all live in generate/chat; this module only maps a validated request onto them and
+their errors onto OpenAI's.
+
+`complete` runs in the worker thread only, like everything that touches the Runtime. The plain
+attributes (model_id, n_vocab, n_ctx, has_chat) are fixed at load and read by the I/O thread.
+"""
+
+import dataclasses
+import os
+
+from twisted.logger import Logger
+
+from krafla_twisted import __version__, chat, clib, generate, models
+from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
+
+log = Logger(namespace="krafla")
+
+
+class Backend:
+    def __init__(self, runtime, *, model_id):
+        self.runtime = runtime
+        self.generator = generate.Generator(runtime)
+        self.model_id = model_id
+        self.template = runtime.template
+        self.tokenizer = runtime.tokenizer
+        self.n_vocab = self.tokenizer.n_vocab
+        self.n_ctx = runtime.n_ctx
+        self.has_chat = self.template is not None
+
+    def banner(self):
+        """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`."""
+        isa = clib.load().kr_isa().decode("ascii")
+        model = self.runtime.model
+        template = self.template.name if self.template is not None else "none"
+        return (
+            f"# krafla {__version__}, isa {isa}: model {file_stem(model.path)}, context {self.n_ctx} of "
+            f"{model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}"
+        )
+
+    def prompt_tokens(self, completion):
+        """The prompt's token ids: the chat rendered turn by turn, the text encoded, or the ids as given."""
+        if completion.kind == "chat":
+            try:
+                return self.template.render(list(completion.messages), self.tokenizer, system=self.runtime.system)
+            except chat.ChatError as e:
+                raise InvalidRequest(str(e), param="messages") from None
+        if completion.prompt_tokens is not None:
+            return list(completion.prompt_tokens)
+        tokens = self.tokenizer.encode(completion.prompt_text)
+        if not tokens:
+            raise InvalidRequest("'prompt' is empty: it encodes to no tokens", param="prompt")
+        return tokens
+
+    def sampling(self, overrides):
+        """The server's default SamplingParams (its -T, -p, ... options) with the request's fields over them."""
+        changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)}
+        return dataclasses.replace(self.runtime.sampling, **{k: v for k, v in changes.items() if v is not None})
+
+    def complete(self, completion, on_text, cancelled):
+        """Generate the reply for a validated request. This must be called in the worker thread."""
+        param = "messages" if completion.kind == "chat" else "prompt"
+        prompt = self.prompt_tokens(completion)
+        stop = tuple(completion.stop)
+        if completion.kind == "chat":
+            stop += tuple(self.template.stop_strings)
+        max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
+        try:
+            return self.generator.generate(
+                prompt,
+                max_tokens=max_tokens,
+                sampling=self.sampling(completion.sampling),
+                stop_strings=stop,
+                on_text=on_text,
+                cancelled=cancelled,
+            )
+        except generate.ContextLengthExceeded as e:
+            raise ContextTooLong(str(e), param=param) from None
+        except ValueError as e:
+            # The request was validated; what the engine still refuses (a token id, an empty prompt) is the request's.
+            raise InvalidRequest(str(e), param=param) from None
+
+
+def file_stem(path):
+    return os.path.splitext(os.path.basename(os.fspath(path)))[0]
+
+
+def load_backend(config):
+    """Load the model the twistd options name (with none, the default model, pulled on first use)."""
+    if config.get("model") is None:
+        log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
+    runtime = generate.Runtime.from_options(config)
+    return Backend(runtime, model_id=config.get("alias") or file_stem(runtime.model.path))

@@ -1,0 +1,176 @@
+"""`twistd krafla`: the options and the service of the OpenAI-compatible server.
+
+    twistd -n krafla Qwen2.5-0.5B-Instruct-Q4_0.mlb -z tokenizer.mlt --chat qwen -t 4
+    twistd --pidfile krafla.pid --logfile krafla.log krafla MODEL.mlb -z TOK.mlt --port 8080
+
+Without a model argument the default model is used, pulled and converted on first use.
+"""
+
+import getopt
+import ipaddress
+import os
+import sys
+
+from twisted.application import service
+from twisted.internet import endpoints
+from twisted.logger import Logger
+from twisted.python import usage
+
+from krafla_twisted import options
+
+log = Logger(namespace="krafla")
+
+DEFAULT_PORT = 8080
+DEFAULT_HOST = "127.0.0.1"
+
+
+# -z, --chat, --system and every engine and sampling option: one table shared with `krafla run`.
+_ENGINE_PARAMETERS, _ENGINE_FLAGS = options.twistd_rows()
+
+
+class Options(usage.Options):
+    synopsis = "[options] [MODEL.mlb]"
+    longdesc = (
+        "Serve one model with the endpoints of the OpenAI API: /v1/chat/completions, /v1/completions, "
+        "/v1/models and /health. Without MODEL, the default model is pulled and served."
+    )
+    optParameters = [
+        ["host", None, DEFAULT_HOST, "IP address to listen on (0.0.0.0 for every IPv4 interface), or localhost."],
+        ["port", None, DEFAULT_PORT, "TCP port; 0 picks a free port, printed at start.", int],
+        ["api-key", None, None, "Require 'Authorization: Bearer KEY' (default: $KRAFLA_API_KEY if set)."],
+        ["alias", None, None, "Model id in responses and /v1/models (default: the file name without .mlb)."],
+        ["cors", None, None, "Let web pages from ORIGIN (* for any) call the server from a browser."],
+    ] + _ENGINE_PARAMETERS
+    optFlags = list(_ENGINE_FLAGS)
+
+    def parseOptions(self, options=None):
+        """Accept the model path before or after the options, as `krafla run` does (getopt stops at it)."""
+        if options is None:
+            options = sys.argv[1:]
+        try:
+            pairs, positional = getopt.gnu_getopt(options, self.shortOpt, self.longOpt)
+        except getopt.error as e:
+            raise usage.UsageError(str(e)) from None
+        ordered = []
+        for name, value in pairs:
+            ordered += [name, value] if self._takes_value(name) else [name]
+        super().parseOptions(ordered + ["--"] + positional)
+
+    def _takes_value(self, name):
+        if name.startswith("--"):
+            return name[2:] + "=" in self.longOpt
+        letter = self.shortOpt.index(name[1])
+        return self.shortOpt[letter + 1:letter + 2] == ":"
+
+    def parseArgs(self, model=None):
+        self["model"] = model
+
+    def postOptions(self):
+        self["host"] = parse_host(self["host"])
+        if not 0 <= self["port"] <= 65535:
+            raise usage.UsageError(f"--port must be 0 to 65535, not {self['port']}")
+        if self["api-key"] is None:
+            self["api-key"] = os.environ.get("KRAFLA_API_KEY") or None
+        if self["api-key"] is not None and not self["api-key"].strip():
+            raise usage.UsageError("--api-key must not be empty")
+        if self["cors"] is not None and not self["cors"].strip():
+            raise usage.UsageError("--cors takes an origin such as http://localhost:3000, or *")
+        try:
+            options.validate(options.values(self))
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
+        model = self["model"]
+        if model is not None and not os.path.isfile(model):
+            raise usage.UsageError(f"model file not found: {model}")
+        tokenizer = self.get("tokenizer")
+        if model is not None and tokenizer is None:
+            raise usage.UsageError("-z TOKENIZER.mlt is required with a model file")
+        if tokenizer is not None and not os.path.isfile(tokenizer):
+            raise usage.UsageError(f"tokenizer file not found: {tokenizer}")
+
+
+def parse_host(text):
+    """An IP address or "localhost" (127.0.0.1); other host names are refused (no DNS at start-up)."""
+    if text == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise usage.UsageError(f"--host takes an IP address or localhost, not {text!r}") from None
+
+
+def listen_url(host, port):
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
+
+
+class KraflaService(service.Service):
+    """Loads the model and listens when started; stops listening, cancels work and frees it when stopped.
+
+    Loading happens in startService, not in makeService, because twistd forks after makeService
+    when it daemonizes and the engine's own threads would not survive the fork.
+    """
+
+    name = "krafla"
+
+    def __init__(self, config, reactor):
+        self.config = config
+        self.reactor = reactor
+        self.runtime = None
+        self.worker = None
+        self.port = None
+
+    def startService(self):
+        from krafla_twisted.api.access import Access
+        from krafla_twisted.api.backend import load_backend
+        from krafla_twisted.api.resources import API, build_root
+        from krafla_twisted.api.site import APISite
+        from krafla_twisted.api.worker import EngineWorker
+
+        super().startService()
+        config = self.config
+        backend = load_backend(config)
+        self.runtime = backend.runtime
+        self.worker = EngineWorker(self.reactor, backend)
+        self.worker.start()
+        log.info("{banner}", banner=backend.banner())
+        cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
+        api = API(backend, self.worker, Access(config["api-key"], cors), self.reactor)
+        site = APISite(build_root(api), self.reactor)
+        host = config["host"]
+        if ":" in host:
+            endpoint = endpoints.TCP6ServerEndpoint(self.reactor, config["port"], interface=host)
+        else:
+            endpoint = endpoints.TCP4ServerEndpoint(self.reactor, config["port"], interface=host)
+        failures = []
+        d = endpoint.listen(site)
+        d.addCallbacks(self._listening, failures.append)
+        if failures:
+            # TCP listens synchronously: say why and exit non-zero instead of serving nothing.
+            self.stopService()
+            raise SystemExit(f"krafla: cannot listen on {host}:{config['port']}: {failures[0].getErrorMessage()}")
+
+    def _listening(self, port):
+        self.port = port
+        address = port.getHost()
+        log.info("{line}", line=f"# listening on {listen_url(address.host, address.port)}")
+        if self.config["host"] not in ("127.0.0.1", "::1") and not self.config["api-key"]:
+            log.warn("listening beyond this machine without an API key; set --api-key or KRAFLA_API_KEY")
+
+    def stopService(self):
+        super().stopService()
+        if self.port is not None:
+            self.port.stopListening()
+            self.port = None
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
+
+def makeService(config, reactor=None):
+    if reactor is None:
+        from twisted.internet import reactor
+    return KraflaService(config, reactor)
