@@ -142,7 +142,7 @@ void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, in
 // and are unrolled, so the accumulators live in registers.
 
 KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
-                         int64_t n_blocks, float *out, int64_t out_stride) {
+                         int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
     __m256 acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -154,6 +154,7 @@ KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_strid
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const kr_block_q4_0 *block = (const kr_block_q4_0 *)(w + r * w_stride) + b;
+            if (next) _mm_prefetch((const char *)((const kr_block_q4_0 *)(next + r * w_stride) + b), _MM_HINT_T0);
             nibbles[r] = q4_0_nibbles(block);
             w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
         }
@@ -177,7 +178,7 @@ KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_strid
 }
 
 KR_INLINE void tile_q8_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
-                         int64_t n_blocks, float *out, int64_t out_stride) {
+                         int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
     __m256 acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -189,6 +190,7 @@ KR_INLINE void tile_q8_0(const int R, const int T, const char *w, size_t w_strid
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const kr_block_q8_0 *block = (const kr_block_q8_0 *)(w + r * w_stride) + b;
+            if (next) _mm_prefetch((const char *)((const kr_block_q8_0 *)(next + r * w_stride) + b), _MM_HINT_T0);
             weights[r] = _mm256_loadu_si256((const __m256i *)block->q);
             magnitudes[r] = _mm256_abs_epi8(weights[r]);
             w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
@@ -233,7 +235,7 @@ KR_INLINE float load1(const int kind, const char *row, int64_t k) {
 }
 
 KR_INLINE void tile_float(const int kind, const int R, const int T, const char *w, size_t w_stride, const char *a,
-                          size_t a_stride, int64_t cols, float *out, int64_t out_stride) {
+                          size_t a_stride, int64_t cols, float *out, int64_t out_stride, const char *next) {
     __m256 acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -243,7 +245,10 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
     for (int64_t k = 0; k < cols8; k += 8) {
         __m256 weights[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) weights[r] = load8(kind, w + r * w_stride, k);
+        for (int r = 0; r < R; r++) {
+            weights[r] = load8(kind, w + r * w_stride, k);
+            if (next) _mm_prefetch(next + r * w_stride + k * (kind == WEIGHTS_F32 ? 4 : 2), _MM_HINT_T0);
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const __m256 x = _mm256_loadu_ps((const float *)(a + t * a_stride) + k);
@@ -277,27 +282,29 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
     default: break; \
     }
 
+// `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
+// alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
-                 int64_t cols, float *out, int64_t out_stride) {
+                 int64_t cols, float *out, int64_t out_stride, const char *next) {
     switch (weight_type) {
     case KR_Q4_0:
-#define CALL_Q4(r, t) tile_q4_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride)
+#define CALL_Q4(r, t) tile_q4_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q4)
         break;
     case KR_Q8_0:
-#define CALL_Q8(r, t) tile_q8_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride)
+#define CALL_Q8(r, t) tile_q8_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q8)
         break;
     case KR_F32:
-#define CALL_F32(r, t) tile_float(WEIGHTS_F32, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+#define CALL_F32(r, t) tile_float(WEIGHTS_F32, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
         KR_TILE_SHAPES(CALL_F32)
         break;
     case KR_F16:
-#define CALL_F16(r, t) tile_float(WEIGHTS_F16, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+#define CALL_F16(r, t) tile_float(WEIGHTS_F16, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
         KR_TILE_SHAPES(CALL_F16)
         break;
     case KR_BF16:
-#define CALL_BF16(r, t) tile_float(WEIGHTS_BF16, r, t, w, w_stride, a, a_stride, cols, out, out_stride)
+#define CALL_BF16(r, t) tile_float(WEIGHTS_BF16, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
         KR_TILE_SHAPES(CALL_BF16)
         break;
     default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
@@ -322,8 +329,10 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
         const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
         for (int64_t t0 = 0; t0 < n_tokens; t0 += max_tokens) {
             const int T = (int)(n_tokens - t0 < max_tokens ? n_tokens - t0 : max_tokens);
+            // the next row tile is fetched while the first token tile passes over this one
+            const char *next = t0 == 0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
             tile(weight_type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride,
-                 (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride);
+                 (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride, next);
         }
     }
 }
@@ -333,13 +342,13 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 
 float kr_dot_f32_avx2(const float *a, const float *b, int64_t n) {
     float out;
-    tile_float(WEIGHTS_F32, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0);
+    tile_float(WEIGHTS_F32, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0, NULL);
     return out;
 }
 
 float kr_dot_f16_f32_avx2(const kr_f16 *a, const float *b, int64_t n) {
     float out;
-    tile_float(WEIGHTS_F16, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0);
+    tile_float(WEIGHTS_F16, 1, 1, (const char *)a, 0, (const char *)b, 0, n, &out, 0, NULL);
     return out;
 }
 
