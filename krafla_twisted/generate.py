@@ -1,0 +1,387 @@
+"""One generation, shared by `krafla run` and the server: prefix reuse, sampling, stop tokens and
+stop strings, UTF-8 pieces.
+
+    runtime = Runtime.from_options(options)          # model + session + tokenizer + template
+    generator = Generator(runtime)
+    result = generator.generate(prompt_ids, max_tokens=64, sampling=SamplingParams(),
+                                stop_strings=("\\n\\n",), on_text=print)
+
+Everything here runs in one thread (the server's worker): the Runtime's session is not shared.
+
+KV prefix reuse: the Runtime remembers the tokens whose keys and values are in the session. A new
+prompt keeps their longest common prefix, truncates the rest and evaluates only the new tokens;
+the engine gives identical logits however a prefix got into the cache, so a warm request gets
+bitwise the reply a cold one gets.
+
+Stop strings: the reply ends before the first occurrence of any stop string, even one spread over
+several tokens. Text that could still turn out to be the start of a stop string is held back;
+`on_text` only ever sees text that will stay in the reply, in whole characters.
+"""
+
+import dataclasses
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from krafla_twisted import chat, clib, options
+from krafla_twisted.sampler import Sampler
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt does not fit the context (with room for at least one reply token)."""
+
+    def __init__(self, n_prompt, n_ctx):
+        super().__init__(f"the prompt has {n_prompt} tokens but the context holds {n_ctx} "
+                         f"(prompt and reply together; at most {n_ctx - 1} prompt tokens)")
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 0.9
+    top_k: int = 0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = None  # None: a new random seed for each generation
+
+    def check(self):
+        """Raise ValueError naming the first bad field; return self."""
+        def number(name, value, ok, expected):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not ok(value):
+                raise ValueError(f"{name} must be {expected}, not {value!r}")
+
+        def integer(name, value, ok, expected):
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"{name} must be {expected}, not {value!r}")
+
+        number("temperature", self.temperature, lambda v: v >= 0, "a number >= 0")
+        number("top_p", self.top_p, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+        integer("top_k", self.top_k, lambda v: 0 <= v < 2**31, "an integer >= 0")
+        number("repeat_penalty", self.repeat_penalty, lambda v: v > 0, "a number > 0")
+        integer("repeat_last_n", self.repeat_last_n, lambda v: -1 <= v < 2**31, "an integer >= -1")
+        if self.seed is not None:
+            integer("seed", self.seed, lambda v: 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
+        return self
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    finish_reason: str          # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int          # prompt tokens whose KV came from the previous generation
+    prompt_seconds: float
+    generation_seconds: float
+    tokens: tuple = ()          # the reply's token ids (a stop token is not included)
+    seed: int = None            # the seed the sampler used
+
+    @property
+    def prompt_tokens_per_second(self):
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / self.prompt_seconds if self.prompt_seconds > 0 else math.inf
+
+    @property
+    def completion_tokens_per_second(self):
+        return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else math.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop strings
+
+
+class StopStringFilter:
+    """Feeds text through, holding back any tail that could still become a stop string.
+
+    push(text) -> (text safe to emit, stopped). The reply is cut before the earliest occurrence
+    of any stop string in the whole text: a complete match is acted on only once no stop string
+    that would start earlier can still complete. `finish()` -> (rest, stopped) when the reply
+    ends for another reason. After a stop nothing more is accepted.
+    """
+
+    def __init__(self, stop_strings):
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text):
+        if self.stopped:
+            return "", True
+        self.pending += text
+        complete = self._first_complete()
+        partial = self._first_partial()
+        if complete is not None and (partial is None or partial > complete):
+            return self._stop_at(complete)
+        cut = len(self.pending) if partial is None else partial
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def finish(self):
+        """The held-back rest at the end of the reply, cut at a stop string if it has one."""
+        if self.stopped:
+            return "", True
+        complete = self._first_complete()
+        if complete is not None:
+            return self._stop_at(complete)
+        out, self.pending = self.pending, ""
+        return out, False
+
+    def _stop_at(self, position):
+        out, self.pending, self.stopped = self.pending[:position], "", True
+        return out, True
+
+    def _first_complete(self):
+        found = [i for i in (self.pending.find(s) for s in self.stop_strings) if i >= 0]
+        return min(found) if found else None
+
+    def _first_partial(self):
+        """The earliest position whose tail is a proper prefix of a stop string, or None."""
+        best = None
+        size = len(self.pending)
+        for stop in self.stop_strings:
+            for start in range(max(0, size - len(stop) + 1), size):
+                if best is not None and start >= best:
+                    break
+                if stop.startswith(self.pending[start:]):
+                    best = start
+                    break
+        return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime: the loaded model, its session and the tokens in it
+
+
+class Runtime:
+    """A Model, one Session over it, the Tokenizer, the chat Template (or None) and the defaults
+    from the options. It owns the model and closes it in close()."""
+
+    def __init__(self, model, tokenizer, template=None, *, ctx=None, kv="f32", batch=32, eos=None,
+                 sampling=SamplingParams(), max_tokens=0, system=None, threads=None):
+        if tokenizer.n_vocab != model.n_vocab:
+            raise ValueError(f"the tokenizer has {tokenizer.n_vocab} tokens but the model {model.n_vocab}: "
+                             "they do not belong together")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.kv = kv
+        self.batch = batch
+        self.threads = threads if threads is not None else getattr(model, "threads", None)
+        self.sampling = sampling.check()
+        self.max_tokens = max_tokens
+        self.system = system
+        self.session = model.session(ctx=ctx, kv=kv, batch=batch)
+        stops = set(tokenizer.eot_ids) if eos is None else {eos}
+        if eos is None and tokenizer.eos_id is not None:
+            stops.add(tokenizer.eos_id)
+        if template is not None:
+            stops |= template.stop_token_ids(tokenizer)
+        self.stop_token_ids = frozenset(stops)
+        self.cached = []            # token ids whose KV is in the session, in order
+        self.cached_logits = None   # logits after the last of them, when known
+
+    @classmethod
+    def from_options(cls, opts, *, progress=False):
+        """Load what the options name: `model` (a .mlb; None pulls the default model and uses its
+        chat template unless --chat says otherwise) and the ENGINE_OPTIONS. Raises ValueError
+        (options.OptionError) for a bad value, clib.KraflaError for a bad file."""
+        from krafla_twisted.engine import Model
+        from krafla_twisted.tokenizer import Tokenizer
+
+        config = options.validate(options.values(opts))
+        model_path = opts.get("model") if hasattr(opts, "keys") else getattr(opts, "model", None)
+        chat_name = config["chat"]
+        if model_path is None:
+            from krafla_twisted import models
+
+            pulled = models.pull(models.DEFAULT_MODEL, progress=progress)
+            model_path, config["tokenizer"] = str(pulled.mlb), str(pulled.mlt)
+            chat_name = chat_name or pulled.chat
+        if config["tokenizer"] is None:
+            raise options.OptionError(f"-z TOKENIZER.mlt is required with the model {model_path}")
+        if config["no_pack"] or config["pack_cache"]:
+            _require_packing_support(Model)
+        threads = config["threads"] or options.default_threads()
+        template = chat.get_template(chat_name) if chat_name else None
+        model = Model(model_path, threads=threads)
+        try:
+            tokenizer = Tokenizer(config["tokenizer"])
+            sampling = SamplingParams(
+                temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
+                repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
+            return cls(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], batch=config["batch"],
+                       eos=config["eos"], sampling=sampling, max_tokens=config["max_tokens"],
+                       system=config["system"], threads=threads)
+        except BaseException:
+            model.close()
+            raise
+
+    @property
+    def n_ctx(self):
+        return self.session.n_ctx
+
+    def reset(self):
+        """Forget the KV cache (the next prompt is evaluated from scratch)."""
+        self.session.truncate(0)
+        self.cached = []
+        self.cached_logits = None
+
+    def close(self):
+        self.session.close()
+        self.model.close()
+        close_tokenizer = getattr(self.tokenizer, "close", None)
+        if close_tokenizer:
+            close_tokenizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _require_packing_support(model_class):
+    import inspect
+
+    parameters = inspect.signature(model_class).parameters
+    if "pack" not in parameters:
+        raise options.OptionError("--no-pack and --pack-cache: this engine build always runs on the file's "
+                                  "weight layout, so they do not apply")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator
+
+
+class Generator:
+    """Generates replies with a Runtime; see the module docstring for the rules."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def generate(self, prompt_tokens, *, max_tokens=None, sampling=None, stop_strings=(), on_text=None,
+                 cancelled=lambda: False, on_prompt_progress=None):
+        """Generate after `prompt_tokens`. max_tokens None or 0: until the context is full.
+        `on_text(piece)` gets the reply's text as it becomes final; `cancelled()` is asked
+        between tokens (and between prompt batches); `on_prompt_progress(done, total)` after
+        each prompt batch. Must be called in the thread that owns the runtime."""
+        runtime = self.runtime
+        session = runtime.session
+        prompt = [int(t) for t in prompt_tokens]
+        sampling = (sampling or runtime.sampling).check()
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        n_vocab = runtime.model.n_vocab
+        bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
+        n_ctx = session.n_ctx
+        if len(prompt) >= n_ctx:
+            raise ContextLengthExceeded(len(prompt), n_ctx)
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        sampling = dataclasses.replace(sampling, seed=seed)
+
+        started = time.perf_counter()
+        logits, cached_count = self._prefill(prompt, cancelled, on_prompt_progress)
+        prompt_seconds = time.perf_counter() - started
+        if logits is None:
+            return GenerationResult("", "cancelled", len(prompt), 0, cached_count, prompt_seconds, 0.0, (), seed)
+
+        started = time.perf_counter()
+        decoder = runtime.tokenizer.streaming_decoder()
+        stops = StopStringFilter(stop_strings)
+        pieces, reply = [], []
+        limit = n_ctx - len(prompt)
+        if max_tokens:
+            limit = min(limit, max_tokens)
+
+        def emit(text):
+            if text:
+                pieces.append(text)
+                if on_text is not None:
+                    on_text(text)
+
+        history_size = sampling.repeat_last_n if sampling.repeat_last_n >= 0 else n_ctx
+        finish = None
+        with Sampler(sampling, n_vocab) as sampler:
+            while finish is None:
+                if cancelled():
+                    finish = "cancelled"
+                    break
+                history = runtime.cached[-history_size:] if history_size and sampling.repeat_penalty != 1.0 else ()
+                token = sampler.sample(logits, history)
+                if token in runtime.stop_token_ids:
+                    finish = "stop"
+                    break
+                reply.append(token)
+                text, stopped = stops.push(decoder.push(token))
+                emit(text)
+                if stopped:
+                    finish = "stop"
+                    break
+                if len(reply) >= limit:
+                    finish = "length"
+                    break
+                logits = self._eval([token])
+        if not stops.stopped:
+            text, stopped = stops.push(decoder.flush())
+            emit(text)
+            if not stopped:
+                text, stopped = stops.finish()
+                emit(text)
+            if stopped:
+                finish = "stop"  # the held-back end of the reply held a stop string
+        generation_seconds = time.perf_counter() - started
+        return GenerationResult("".join(pieces), finish, len(prompt), len(reply), cached_count, prompt_seconds,
+                                generation_seconds, tuple(reply), seed)
+
+    def _eval(self, tokens):
+        runtime = self.runtime
+        logits = runtime.session.eval(tokens)
+        runtime.cached.extend(tokens)
+        runtime.cached_logits = logits
+        return logits
+
+    def _prefill(self, prompt, cancelled, on_progress):
+        """Bring the session to exactly `prompt`, reusing the cached common prefix. Returns the
+        logits after the prompt (None if cancelled) and how many prompt tokens came from the cache."""
+        runtime = self.runtime
+        session = runtime.session
+        common = 0
+        for cached, wanted in zip(runtime.cached, prompt):
+            if cached != wanted:
+                break
+            common += 1
+        if common == len(prompt) == len(runtime.cached) and runtime.cached_logits is not None:
+            if on_progress:
+                on_progress(len(prompt), len(prompt))
+            return runtime.cached_logits, common
+        if common == len(prompt):
+            common -= 1  # the last prompt token runs again to give its logits
+        if common < session.n_tokens:
+            try:
+                session.truncate(common)
+            except clib.KraflaError:
+                # Some states cannot be cut back (Qwen3.5's linear attention): start over.
+                runtime.reset()
+                common = 0
+        del runtime.cached[common:]
+        runtime.cached_logits = None
+        logits = None
+        batch = max(1, runtime.batch)
+        position = common
+        while position < len(prompt):
+            if cancelled():
+                return None, common
+            step = prompt[position:position + batch]
+            logits = self._eval(step)
+            position += len(step)
+            if on_progress:
+                on_progress(position, len(prompt))
+        return logits, common

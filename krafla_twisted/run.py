@@ -1,0 +1,122 @@
+"""`krafla run`: generate from the command line (the original's ml_run).
+
+    krafla run MODEL.mlb -z TOK.mlt -p "Once upon a time" -n 64
+    krafla run --chat smollm -T 0 -p "What is the capital of France?"   # the default model
+    echo "Summarise: ..." | krafla run MODEL.mlb -z TOK.mlt --chat qwen
+
+The reply streams to stdout as it is generated; stderr gets a one-line status while a long
+prompt runs (on a terminal) and one stats line at the end. With --chat the prompt is one user
+message rendered by the template, as the server renders a chat request; without it, plain text
+(with BOS if the tokenizer adds one). Without MODEL the default model is pulled on first use and
+its own chat template applies. A prompt read from stdin loses one trailing newline (what echo
+adds). Same seed (or -T 0), same options: same output.
+"""
+
+import sys
+
+from krafla_twisted import chat, clib, generate, options
+
+
+def add_arguments(parser):
+    parser.add_argument("model", nargs="?", metavar="MODEL.mlb",
+                        help="model file (default: the default model, pulled and converted on first use)")
+    parser.add_argument("-p", "--prompt", help="the prompt (default: read from stdin)")
+    options.add_arguments(parser, prompt_short_p=True)
+
+
+def read_prompt(args, stdin):
+    if args.prompt is not None:
+        return args.prompt
+    text = stdin.read()
+    return text[:-1] if text.endswith("\n") else text
+
+
+class PromptStatus:
+    """`# prompt 512/2048 tokens` on one rewritten stderr line, only on a terminal."""
+
+    def __init__(self, stream, enabled):
+        self.stream = stream
+        self.enabled = enabled
+        self.shown = False
+
+    def __call__(self, done, total):
+        if not self.enabled or total <= 0:
+            return
+        if done < total:
+            self.stream.write(f"\r# prompt {done}/{total} tokens")
+            self.stream.flush()
+            self.shown = True
+        else:
+            self.clear()
+
+    def clear(self):
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def stats_line(result):
+    """`# prompt 12 tokens (0 cached), 250.3 tokens/s; reply 64 tokens, 40.1 tokens/s; length`."""
+    def rate(value):
+        return "-" if value == float("inf") else f"{value:.1f}"
+
+    return (f"# prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached), "
+            f"{rate(result.prompt_tokens_per_second)} tokens/s; "
+            f"reply {result.completion_tokens} tokens, {rate(result.completion_tokens_per_second)} tokens/s; "
+            f"{result.finish_reason}")
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def main(args, stdin=None, stdout=None, stderr=None):
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    try:
+        prompt = read_prompt(args, stdin)
+        if not prompt:
+            raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
+        runtime = generate.Runtime.from_options(args, progress=True)
+    except (ValueError, OSError, clib.KraflaError) as e:
+        print(f"krafla run: {e}", file=stderr)
+        return 1
+    status = PromptStatus(stderr, _is_terminal(stderr))
+    ended_with_newline = [True]
+
+    def write(piece):
+        status.clear()
+        stdout.write(piece)
+        stdout.flush()
+        ended_with_newline[0] = piece.endswith("\n")
+
+    try:
+        with runtime:
+            if runtime.template is not None:
+                prompt_ids = runtime.template.render([{"role": "user", "content": prompt}], runtime.tokenizer,
+                                                     system=runtime.system)
+                stop_strings = runtime.template.stop_strings
+            else:
+                prompt_ids = runtime.tokenizer.encode(prompt)
+                stop_strings = ()
+            result = generate.Generator(runtime).generate(
+                prompt_ids, max_tokens=runtime.max_tokens, sampling=runtime.sampling, stop_strings=stop_strings,
+                on_text=write, on_prompt_progress=status)
+    except KeyboardInterrupt:
+        status.clear()
+        print("\nkrafla run: interrupted", file=stderr)
+        return 130
+    except (ValueError, OSError, clib.KraflaError, chat.ChatError) as e:
+        status.clear()
+        print(f"krafla run: {e}", file=stderr)
+        return 1
+    if not ended_with_newline[0]:
+        stdout.write("\n")
+        stdout.flush()
+    print(stats_line(result), file=stderr)
+    return 0
