@@ -46,6 +46,12 @@ def _declare(lib):
     clib.declare(lib, "kr_test_dot", _int, _int, _i32, _p, _p, _i64, _p, _err)
     # int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_axpy", _int, _int, _i32, ctypes.c_float, _p, _p, _i64, _err)
+    # int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_stride, int64_t n_rows,
+    #                      const float *x, int64_t n, float *out, kr_error *err);
+    clib.declare(lib, "kr_test_dot_rows", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _p, _err)
+    # int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride,
+    #                       int64_t n_rows, float *y, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_axpy_rows", _int, _int, _i32, _p, _p, _i64, _i64, _p, _i64, _err)
     # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
     #                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
     clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _i32, _p, _err)
@@ -190,6 +196,38 @@ def axpy(alpha, x, y, impl="dispatch"):
     if x.shape != out.shape or x.ndim != 1:
         raise ValueError(f"axpy needs two vectors of one length, got {x.shape} and {out.shape}")
     _call(clib.load().kr_test_axpy, _impl(impl), _weight_type(type_name), ctypes.c_float(alpha), _ptr(x), _ptr(out), x.size)
+    return out
+
+
+def _cache_rows(rows, n):
+    """A (n_rows, stride) float32/float16 array whose first n columns are the rows (as a KV cache
+    holds one head's slice of a wider row): the array, its type name and its row stride in bytes."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.dtype not in (np.float32, np.float16) or rows.shape[1] < n:
+        raise ValueError(f"rows must be a 2-d float32 or float16 array at least {n} wide, got {rows.dtype} {rows.shape}")
+    rows = np.ascontiguousarray(rows)
+    return rows, "f16" if rows.dtype == np.float16 else "f32", rows.shape[1] * rows.itemsize
+
+
+def dot_rows(rows, x, impl="dispatch"):
+    """dot(rows[i, :n], x) for every row, n = len(x): float32 (n_rows,)."""
+    x = _array(x, np.float32)
+    rows, type_name, stride = _cache_rows(rows, x.size)
+    out = np.empty(rows.shape[0], np.float32)
+    _call(clib.load().kr_test_dot_rows, _impl(impl), _weight_type(type_name), _ptr(rows), stride, rows.shape[0], _ptr(x),
+          x.size, _ptr(out))
+    return out
+
+
+def axpy_rows(weights, rows, y, impl="dispatch"):
+    """y + sum_i weights[i] * rows[i, :n] (added row after row), n = len(y); returns a new y."""
+    out = np.array(y, dtype=np.float32, copy=True, order="C")
+    rows, type_name, stride = _cache_rows(rows, out.size)
+    weights = _array(weights, np.float32)
+    if weights.shape != (rows.shape[0],):
+        raise ValueError(f"one weight per row: {rows.shape[0]} rows, weights {weights.shape}")
+    _call(clib.load().kr_test_axpy_rows, _impl(impl), _weight_type(type_name), _ptr(weights), _ptr(rows), stride,
+          rows.shape[0], _ptr(out), out.size)
     return out
 
 

@@ -428,3 +428,32 @@ class VectorTests:
         assert np.all(np.abs(reference - exact) <= np.spacing(np.abs(exact).astype(np.float32)))
         if kernels.has_avx2():
             assert same_bits(kernels.axpy(alpha, x, y, "avx2"), reference)
+
+    @KERNEL_SETTINGS
+    @given(n=st.integers(1, 140), n_rows=st.integers(0, 11), extra=st.integers(0, 9), half=st.booleans(),
+           seed=st.integers(0, 2**32 - 1))
+    def test_dot_rows_is_one_dot_per_row(self, n, n_rows, extra, half, seed):
+        """kr_dot_rows over a strided KV-cache-like block gives, bit for bit, kr_dot of each row
+        (the reference's and the AVX2 one's alike)."""
+        rng = np.random.default_rng(seed)
+        rows = random_float32(rng, (n_rows, n + extra)) if n_rows else np.zeros((0, n + extra), np.float32)
+        rows = rows.astype(np.float16) if half else rows
+        x = random_float32(rng, (n,))
+        for impl in ("reference", "dispatch") + (("avx2",) if kernels.has_avx2() else ()):
+            expected = [kernels.dot(row[:n], x, impl) for row in rows]
+            assert same_bits(kernels.dot_rows(rows, x, impl), np.array(expected, np.float32).reshape(n_rows))
+
+    @KERNEL_SETTINGS
+    @given(n=st.integers(1, 140), n_rows=st.integers(0, 11), extra=st.integers(0, 9), half=st.booleans(),
+           seed=st.integers(0, 2**32 - 1))
+    def test_axpy_rows_is_one_axpy_per_row(self, n, n_rows, extra, half, seed):
+        """kr_axpy_rows equals, bit for bit, kr_axpy applied row after row, in each implementation."""
+        rng = np.random.default_rng(seed)
+        rows = rng.standard_normal((n_rows, n + extra)).astype(np.float16 if half else np.float32)
+        weights = rng.random(n_rows).astype(np.float32)
+        y = rng.standard_normal(n).astype(np.float32)
+        for impl in ("reference", "dispatch") + (("avx2",) if kernels.has_avx2() else ()):
+            expected = y
+            for weight, row in zip(weights, rows):
+                expected = kernels.axpy(weight, row[:n], expected, impl)
+            assert same_bits(kernels.axpy_rows(weights, rows, y, impl), expected)

@@ -287,6 +287,12 @@ int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t r
 // dot(a, b) for a of KR_F32 or KR_F16 and b f32; and y += alpha * x for x of KR_F32 or KR_F16.
 int kr_test_dot(int impl, int32_t type, const void *a, const float *b, int64_t n, float *result, kr_error *err);
 int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, int64_t n, kr_error *err);
+// kr_dot_rows / kr_axpy_rows: rows of n values of `type` (KR_F32 or KR_F16), row i at byte
+// offset i * row_stride; out (n_rows) = the dots with x; y (n) += sum weights[i] * row i.
+int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_stride, int64_t n_rows, const float *x,
+                     int64_t n, float *out, kr_error *err);
+int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride, int64_t n_rows,
+                      float *y, int64_t n, kr_error *err);
 // For bench/kernels.py: prepare the activations and run kr_matmul over all rows `repeat` times;
 // *best_seconds is the fastest repetition (monotonic clock). Arguments as kr_test_matmul.
 int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,

@@ -39,6 +39,13 @@ float kr_dot_f32(const float *a, const float *b, int64_t n) { return KR_KERNEL(k
 float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n) { return KR_KERNEL(kr_dot_f16_f32)(a, b, n); }
 void kr_axpy_f32(float a, const float *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f32)(a, x, y, n); }
 void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f16_f32)(a, x, y, n); }
+void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {
+    KR_KERNEL(kr_dot_rows)(type, rows, row_stride, n_rows, x, n, out);
+}
+void kr_axpy_rows(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
+                  int64_t n) {
+    KR_KERNEL(kr_axpy_rows)(type, weights, rows, row_stride, n_rows, y, n);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Test entry points (krafla.h, "Kernels (tests)"): one kernel on caller buffers, arguments checked
@@ -260,6 +267,40 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t 
     free(prepared);
     free(out);
     *best_seconds = best;
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_stride, int64_t n_rows, const float *x,
+                     int64_t n, float *out, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_vector_type(type, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_count("n_rows", n_rows, 1, err);
+    if (!status) status = check_pointers(rows, x, err);
+    if (!status) status = check_pointers(out, out, err);
+    if (!status && n_rows > 0 && row_stride < n * (type == KR_F32 ? 4 : 2))
+        status = kr_fail(err, KR_ERR_ARGUMENT, "row stride %lld bytes is shorter than a row of %lld values",
+                         (long long)row_stride, (long long)n);
+    if (status) return status;
+    KR_PICK(impl, kr_dot_rows)(type, rows, (size_t)row_stride, n_rows, x, n, out);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride, int64_t n_rows,
+                      float *y, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_vector_type(type, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_count("n_rows", n_rows, 1, err);
+    if (!status) status = check_pointers(rows, y, err);
+    if (!status) status = check_pointers(weights, weights, err);
+    if (!status && n_rows > 0 && row_stride < n * (type == KR_F32 ? 4 : 2))
+        status = kr_fail(err, KR_ERR_ARGUMENT, "row stride %lld bytes is shorter than a row of %lld values",
+                         (long long)row_stride, (long long)n);
+    if (status) return status;
+    KR_PICK(impl, kr_axpy_rows)(type, weights, rows, (size_t)row_stride, n_rows, y, n);
     kr_ok(err);
     return KR_OK;
 }

@@ -99,6 +99,20 @@ void kr_axpy_f16_f32_ref(float a, const kr_f16 *x, float *y, int64_t n);
 void kr_axpy_f32_avx2(float a, const float *x, float *y, int64_t n);
 void kr_axpy_f16_f32_avx2(float a, const kr_f16 *x, float *y, int64_t n);
 
+// Attention over a KV cache, several rows per call (rows of n values, type KR_F32 or KR_F16, row i
+// at `rows + i * row_stride` bytes):
+//   kr_dot_rows:  out[i] = dot(row i, x), bit for bit what kr_dot_f32 / kr_dot_f16_f32 give per row;
+//   kr_axpy_rows: y += weights[i] * row i for i = 0, 1, ..., bit for bit n_rows kr_axpy_* calls.
+// Faster than a call per row: independent rows overlap, and y stays in registers.
+void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out);
+void kr_dot_rows_ref(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out);
+void kr_dot_rows_avx2(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out);
+void kr_axpy_rows(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y, int64_t n);
+void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
+                      int64_t n);
+void kr_axpy_rows_avx2(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
+                       int64_t n);
+
 // The pieces of the fixed reduction order (quant_ref.c explains it): the horizontal sum of 8
 // lanes, and the exact integer sums of one block pair, 4 products per lane.
 float kr_lanes_sum(const float lanes[8]);

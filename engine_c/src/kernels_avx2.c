@@ -369,6 +369,60 @@ void kr_axpy_f16_f32_avx2(float a, const kr_f16 *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] = fmaf(a, f16_to_f32(x[i]), y[i]);
 }
 
+void kr_dot_rows_avx2(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {
+    // the matmul tiles with one token: each row goes through kr_dot_*'s exact sequence
+    for (int64_t i = 0; i < n_rows; i += 4) {
+        const int R = (int)(n_rows - i < 4 ? n_rows - i : 4);
+        const char *first = (const char *)rows + (size_t)i * row_stride;
+        const char *next = i + 4 < n_rows ? first + 4 * row_stride : NULL;
+        tile(type == KR_F16 ? KR_F16 : KR_F32, R, 1, first, row_stride, (const char *)x, 0, n, out + i, 1, next);
+    }
+}
+
+// y[e] = fma(weights[i], row_i[e], y[e]) for i in order; y is kept in registers across the rows,
+// `width` vectors of 8 at a time.
+KR_INLINE void axpy_rows_chunk(const int half, const int width, const float *weights, const char *rows, size_t row_stride,
+                               int64_t n_rows, float *y) {
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < width; v++) acc[v] = _mm256_loadu_ps(y + 8 * v);
+    for (int64_t i = 0; i < n_rows; i++) {
+        const __m256 weight = _mm256_set1_ps(weights[i]);
+        const char *row = rows + (size_t)i * row_stride;
+#pragma GCC unroll 4
+        for (int v = 0; v < width; v++) {
+            const __m256 value = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + 8 * v)))
+                                      : _mm256_loadu_ps((const float *)row + 8 * v);
+            acc[v] = _mm256_fmadd_ps(weight, value, acc[v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < width; v++) _mm256_storeu_ps(y + 8 * v, acc[v]);
+}
+
+void kr_axpy_rows_avx2(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
+                       int64_t n) {
+    const int half = type == KR_F16;
+    const size_t elem = half ? 2 : 4;
+    int64_t e = 0;
+    for (; e + 32 <= n; e += 32) {
+        if (half) axpy_rows_chunk(1, 4, weights, (const char *)rows + e * elem, row_stride, n_rows, y + e);
+        else axpy_rows_chunk(0, 4, weights, (const char *)rows + e * elem, row_stride, n_rows, y + e);
+    }
+    for (; e + 8 <= n; e += 8) {
+        if (half) axpy_rows_chunk(1, 1, weights, (const char *)rows + e * elem, row_stride, n_rows, y + e);
+        else axpy_rows_chunk(0, 1, weights, (const char *)rows + e * elem, row_stride, n_rows, y + e);
+    }
+    for (; e < n; e++) {
+        float sum = y[e];
+        for (int64_t i = 0; i < n_rows; i++) {
+            const char *row = (const char *)rows + (size_t)i * row_stride;
+            sum = fmaf(weights[i], half ? f16_to_f32(((const kr_f16 *)row)[e]) : ((const float *)row)[e], sum);
+        }
+        y[e] = sum;
+    }
+}
+
 #else
 typedef int kr_kernels_avx2_not_built;  // ISA=generic: this file is empty
 #endif

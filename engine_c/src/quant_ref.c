@@ -293,6 +293,24 @@ void kr_axpy_f16_f32_ref(float a, const kr_f16 *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, kr_f16_to_f32_ref(x[i]), y[i]);
 }
 
+void kr_dot_rows_ref(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n_rows; i++) {
+        const void *row = (const char *)rows + (size_t)i * row_stride;
+        out[i] = type == KR_F16 ? kr_dot_f16_f32_ref(row, x, n) : kr_dot_f32_ref(row, x, n);
+    }
+}
+
+void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
+                      int64_t n) {
+    for (int64_t i = 0; i < n_rows; i++) {
+        const void *row = (const char *)rows + (size_t)i * row_stride;
+        if (type == KR_F16)
+            kr_axpy_f16_f32_ref(weights[i], row, y, n);
+        else
+            kr_axpy_f32_ref(weights[i], row, y, n);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Matmul: one dot product per (token, row), in the order above
 
