@@ -203,11 +203,10 @@ class Runtime:
             chat_name = chat_name or pulled.chat
         if config["tokenizer"] is None:
             raise options.OptionError(f"-z TOKENIZER.mlt is required with the model {model_path}")
-        if config["no_pack"] or config["pack_cache"]:
-            _require_packing_support(Model)
+        packing = _packing_arguments(Model, config)
         threads = config["threads"] or options.default_threads()
         template = chat.get_template(chat_name) if chat_name else None
-        model = Model(model_path, threads=threads)
+        model = Model(model_path, threads=threads, **packing)
         try:
             tokenizer = Tokenizer(config["tokenizer"])
             sampling = SamplingParams(
@@ -244,13 +243,19 @@ class Runtime:
         self.close()
 
 
-def _require_packing_support(model_class):
+def _packing_arguments(model_class, config):
+    """Model keyword arguments for --no-pack / --pack-cache. An engine without weight repacking
+    already runs on the file's layout (what --no-pack asks for); --pack-cache is refused there
+    rather than silently ignored."""
     import inspect
 
     parameters = inspect.signature(model_class).parameters
-    if "pack" not in parameters:
-        raise options.OptionError("--no-pack and --pack-cache: this engine build always runs on the file's "
-                                  "weight layout, so they do not apply")
+    if "pack" in parameters:
+        return {"pack": not config["no_pack"], "pack_cache": config["pack_cache"]}
+    if config["pack_cache"] and not config["no_pack"]:
+        raise options.OptionError("--pack-cache: this engine build does not repack weights, so there is "
+                                  "nothing to cache; leave the option out")
+    return {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,8 +140,20 @@ def add_arguments(parser, *, prompt_short_p=True):
             group.add_argument(*flags, dest=option.name, action="store_true", help=option.help)
             continue
         group.add_argument(*flags, dest=option.name, default=option.default, metavar=option.metavar,
-                           type=option.coerce or str, help=option.help)
+                           type=_argparse_type(option.coerce) if option.coerce else str, help=option.help)
     return group
+
+
+def _argparse_type(coerce):
+    """argparse shows only ArgumentTypeError messages; ours name the option and the limit."""
+    import argparse
+
+    def convert(text):
+        try:
+            return coerce(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def twistd_rows():

@@ -371,3 +371,58 @@ class PrefixReuseTests:
         assert first.seed != second.seed
         again, _ = run(runtime, sampling=SamplingParams(temperature=1.0, seed=first.seed), max_tokens=6)
         assert again.tokens == first.tokens
+
+
+# ------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct (pulled once into the krafla cache)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from tests.support.real_models import real_model
+
+    return real_model("smollm2-135m")
+
+
+def real_runtime(pulled, *, threads=1, batch=32, ctx=512):
+    from krafla_twisted.engine import Model
+    from krafla_twisted.tokenizer import Tokenizer
+
+    return Runtime(Model(str(pulled.mlb), threads=threads), Tokenizer(str(pulled.mlt)), chat.get_template("smollm"),
+                   ctx=ctx, batch=batch)
+
+
+class RealModelTests:
+    def test_greedy_answer(self, smollm):
+        """Greedy chat with SmolLM2: the capital of France is Paris, ended by <|im_end|>."""
+        with real_runtime(smollm) as runtime:
+            prompt = runtime.template.render([{"role": "user", "content": "What is the capital of France?"}],
+                                             runtime.tokenizer)
+            result = Generator(runtime).generate(prompt, max_tokens=40, sampling=SamplingParams())
+            assert result.text == runtime.tokenizer.decode(list(result.tokens)).decode()
+        assert "Paris" in result.text
+        assert result.finish_reason == "stop"
+
+    def test_warm_cache_reply_equals_cold(self, smollm):
+        """Second turn of a sampled chat: the reply from the warm KV cache (which reused the first
+        turn's prompt and reply) is bitwise the reply from an empty cache with another batch size
+        and thread count; the next prompt starts with prompt + reply tokens + <|im_end|>."""
+        sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, repeat_penalty=1.1, seed=1234)
+        conversation = [{"role": "user", "content": "Name three fruits."}]
+        with real_runtime(smollm, threads=2, batch=32) as warm:
+            template, tokenizer = warm.template, warm.tokenizer
+            first_prompt = template.render(conversation, tokenizer)
+            first = Generator(warm).generate(first_prompt, max_tokens=24, sampling=sampling)
+            conversation += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And two more?"}]
+            second_prompt = template.render(conversation, tokenizer)
+            reply_ids = tokenizer.encode(first.text, add_bos=False)
+            assert second_prompt[:len(first_prompt)] == first_prompt
+            assert second_prompt[len(first_prompt):len(first_prompt) + len(reply_ids)] == reply_ids
+            assert second_prompt[len(first_prompt) + len(reply_ids)] == tokenizer.token_id("<|im_end|>")
+            warm_second = Generator(warm).generate(second_prompt, max_tokens=24, sampling=sampling)
+        assert warm_second.cached_tokens >= len(first_prompt)
+        with real_runtime(smollm, threads=1, batch=5) as cold:
+            cold_second = Generator(cold).generate(second_prompt, max_tokens=24, sampling=sampling)
+        assert cold_second.cached_tokens == 0
+        assert warm_second.tokens == cold_second.tokens
+        assert warm_second.text == cold_second.text

@@ -1,0 +1,198 @@
+"""`krafla run` and the shared option table (krafla_twisted/options.py): argparse and twistd
+read the same options with the same defaults and limits; `krafla run` on the real SmolLM2 model
+streams a reply, prints the stats line, and repeats itself for a seed."""
+
+import argparse
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from twisted.python import usage
+
+from krafla_twisted import options, run
+from krafla_twisted.generate import GenerationResult
+
+# ------------------------------------------------------------------------------------------
+# Options
+
+
+def run_parser():
+    parser = argparse.ArgumentParser(prog="krafla run", exit_on_error=False)
+    run.add_arguments(parser)
+    return parser
+
+
+class TwistdOptions(usage.Options):
+    optParameters, optFlags = options.twistd_rows()
+
+
+ALL = ["-z", "t.mlt", "--chat", "qwen", "--system", "Be brief.", "-t", "2", "--ctx", "128", "--kv", "f16",
+       "--batch", "8", "--no-pack", "--eos", "7", "-T", "0.5", "--top-k", "5", "--repeat-penalty", "1.2",
+       "--repeat-last-n", "32", "-s", "3", "-n", "10"]
+EXPECTED = {"tokenizer": "t.mlt", "chat": "qwen", "system": "Be brief.", "threads": 2, "ctx": 128, "kv": "f16",
+            "batch": 8, "no_pack": True, "pack_cache": False, "eos": 7, "temperature": 0.5, "top_k": 5,
+            "repeat_penalty": 1.2, "repeat_last_n": 32, "seed": 3, "max_tokens": 10}
+
+
+class OptionTableTests:
+    def test_defaults_agree(self):
+        """With no options, argparse and twistd give the documented defaults, the same for both."""
+        from_run = options.values(run_parser().parse_args([]))
+        twistd = TwistdOptions()
+        twistd.parseOptions([])
+        assert from_run == options.values(twistd)
+        assert from_run == {"tokenizer": None, "chat": None, "system": None, "threads": None, "ctx": None,
+                            "kv": "f32", "batch": 32, "no_pack": False, "pack_cache": False, "eos": None,
+                            "temperature": 0.0, "top_p": 0.9, "top_k": 0, "repeat_penalty": 1.0,
+                            "repeat_last_n": 64, "seed": None, "max_tokens": 0}
+
+    def test_every_option_parses_the_same(self):
+        """Every option, typed the same way, gives the same values through argparse and twistd."""
+        from_run = options.values(run_parser().parse_args(ALL + ["--top-p", "0.5"]))
+        twistd = TwistdOptions()
+        twistd.parseOptions(ALL + ["-p", "0.5"])
+        assert from_run == options.values(twistd) == dict(EXPECTED, top_p=0.5)
+
+    def test_p_is_the_prompt_for_run_and_top_p_for_the_server(self):
+        """`krafla run -p TEXT` is the prompt (as ml_run's), the server's -p is top-p."""
+        args = run_parser().parse_args(["-p", "Hello there", "--top-p", "0.3"])
+        assert (args.prompt, args.top_p) == ("Hello there", 0.3)
+        twistd = TwistdOptions()
+        twistd.parseOptions(["-p", "0.3"])
+        assert twistd["top-p"] == 0.3
+
+    @pytest.mark.parametrize("argv, fragment", [
+        (["-t", "0"], "--threads must be at least 1"),
+        (["--ctx", "-5"], "--ctx must be at least 1"),
+        (["--kv", "q4_0"], "--kv must be one of f32, f16, q8_0"),
+        (["-T", "nan"], "--temperature must be a finite number"),
+        (["-T", "-1"], "--temperature must be at least 0.0"),
+        (["--top-p", "1.5"], "--top-p must be at most 1.0"),
+        (["--top-k", "x"], "--top-k takes an integer"),
+        (["--repeat-penalty", "0"], "--repeat-penalty must be at least"),
+        (["-s", "-1"], "--seed must be at least 0"),
+        (["-n", "-2"], "--max-tokens must be at least 0"),
+        (["--chat", "alpaca"], "--chat must be one of llama3"),
+    ])
+    def test_bad_values_are_refused_by_both(self, argv, fragment):
+        """A bad value is refused with a message naming the option, by argparse and by twistd."""
+        with pytest.raises(argparse.ArgumentError, match=re.escape(fragment)):
+            run_parser().parse_args(argv)
+        with pytest.raises(usage.UsageError, match=re.escape(fragment)):
+            TwistdOptions().parseOptions([a.replace("--top-p", "-p") for a in argv])
+
+    def test_validate_checks_values_set_in_code(self):
+        """validate() applies the same limits to values that did not come through a parser."""
+        good = options.values(run_parser().parse_args([]))
+        assert options.validate(good) == good
+        with pytest.raises(options.OptionError, match="--batch"):
+            options.validate(dict(good, batch=0))
+        with pytest.raises(options.OptionError, match="--temperature takes a number"):
+            options.validate(dict(good, temperature="hot"))
+
+
+class StatsLineTests:
+    def test_format(self):
+        """The stats line gives prompt and reply token counts and speeds, cached tokens, finish."""
+        result = GenerationResult("x", "length", 12, 64, 2, 0.5, 2.0)
+        assert run.stats_line(result) == ("# prompt 12 tokens (2 cached), 20.0 tokens/s; "
+                                          "reply 64 tokens, 32.0 tokens/s; length")
+
+    def test_prompt_status_only_on_a_terminal(self):
+        """The prompt status line is drawn and erased on a terminal, and absent otherwise."""
+        stream = io.StringIO()
+        status = run.PromptStatus(stream, enabled=True)
+        status(32, 96)
+        status(96, 96)
+        assert stream.getvalue() == "\r# prompt 32/96 tokens\r\x1b[K"
+        quiet = io.StringIO()
+        run.PromptStatus(quiet, enabled=False)(32, 96)
+        assert quiet.getvalue() == ""
+
+
+# ------------------------------------------------------------------------------------------
+# krafla run on the real model
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from tests.support.real_models import real_model
+
+    return real_model("smollm2-135m")
+
+
+def krafla_run(*argv, stdin=None, env=None):
+    return subprocess.run([sys.executable, "-m", "krafla_twisted.cli", "run", *argv], input=stdin,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+STATS = re.compile(r"^# prompt (\d+) tokens \((\d+) cached\), [\d.]+ tokens/s; "
+                   r"reply (\d+) tokens, [\d.]+ tokens/s; (stop|length)$")
+
+
+class RunTests:
+    def test_chat_reply_twice_the_same(self, smollm):
+        """`krafla run --chat smollm -T 0 -p "What is the capital of France?"` prints a reply
+        naming Paris and one stats line; a second run prints the same reply."""
+        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-T", "0", "-t", "2",
+                "-p", "What is the capital of France?"]
+        first = krafla_run(*argv)
+        assert first.returncode == 0, first.stderr
+        assert "Paris" in first.stdout
+        stats = [line for line in first.stderr.splitlines() if line.startswith("# prompt")]
+        assert len(stats) == 1 and STATS.match(stats[0]), first.stderr
+        assert int(STATS.match(stats[0]).group(3)) > 0
+        second = krafla_run(*argv)
+        assert second.stdout == first.stdout
+
+    def test_seeded_sampling_from_stdin_repeats(self, smollm):
+        """With -T 0.9 -s 7 and the prompt on stdin, two runs give the same text; -n caps it;
+        another seed gives another text."""
+        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "-T", "0.9", "-s", "7", "-n", "20"]
+        first = krafla_run(*argv, stdin="Once upon a time\n")
+        assert first.returncode == 0, first.stderr
+        assert krafla_run(*argv, stdin="Once upon a time\n").stdout == first.stdout
+        match = STATS.match(first.stderr.strip().splitlines()[-1])
+        assert match and match.group(3) == "20" and match.group(4) == "length"
+        other = krafla_run(*argv[:-4], "-s", "8", "-n", "20", stdin="Once upon a time\n")
+        assert other.stdout != first.stdout
+
+    def test_default_model(self, smollm):
+        """Without a model argument the default model (already pulled) is used, with its own chat
+        template: the same reply as naming its files with --chat smollm."""
+        named = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-n", "12", "-p", "Hi!")
+        default = krafla_run("-n", "12", "-p", "Hi!")
+        assert default.returncode == 0, default.stderr
+        assert default.stdout == named.stdout and default.stdout.strip()
+
+    @pytest.mark.parametrize("argv, fragment", [
+        (["/nonexistent/model.mlb", "-z", "/nonexistent/tok.mlt", "-p", "x"], "/nonexistent/model.mlb"),
+        (["MODEL", "-p", "x"], "-z TOKENIZER.mlt is required"),
+        (["MODEL", "-z", "TOK", "-p", ""], "the prompt is empty"),
+        (["MODEL", "-z", "TOK", "--pack-cache", "-p", "x"], "--pack-cache"),
+    ])
+    def test_errors_are_one_line(self, smollm, argv, fragment):
+        """Bad files and arguments exit 1 with one `krafla run:` line naming the problem."""
+        argv = [str(smollm.mlb) if a == "MODEL" else str(smollm.mlt) if a == "TOK" else a for a in argv]
+        result = krafla_run(*argv)
+        assert result.returncode == 1
+        assert result.stderr.startswith("krafla run: ") and fragment in result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_context_too_small(self, smollm):
+        """A prompt longer than --ctx is refused before any work, with the sizes in the message."""
+        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--ctx", "4", "-p", "one two three four five six")
+        assert result.returncode == 1
+        assert "context holds 4" in result.stderr
+
+
+@pytest.fixture(autouse=True)
+def _library_env(monkeypatch):
+    """Subprocesses find the same library as this process."""
+    if "KRAFLA_LIB" not in os.environ:
+        from krafla_twisted import clib
+
+        monkeypatch.setenv("KRAFLA_LIB", clib.library_path())
