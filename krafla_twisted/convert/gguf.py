@@ -241,12 +241,16 @@ def _encode(values, tensor_type):
     return quantize.QUANTIZERS[tensor_type.name](values)
 
 
-def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
-    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes."""
+def _check_readable(tensor, name, path):
     gguf_type = tensor.tensor_type.name
     if gguf_type not in quantize.SUPPORTED:
         raise ConvertError(f"{path}: tensor {name} has type {gguf_type}, which krafla cannot read "
                            f"(supported: {', '.join(quantize.SUPPORTED)})")
+
+
+def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
+    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes."""
+    gguf_type = tensor.tensor_type.name
     n_per_row = shape[-1]
     raw = np.asarray(tensor.data)
     raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
@@ -325,8 +329,12 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
         if sources[tensor_name][1] != shape:
             raise ConvertError(f"{src}: tensor {tensor_name} has shape {sources[tensor_name][1]}, "
                                f"expected {shape} from the hyperparameters")
+        _check_readable(sources[tensor_name][0], tensor_name, src)
 
-    tokenizer = _tokenizer_container(reader)
+    try:
+        tokenizer = _tokenizer_container(reader)
+    except ValueError as e:
+        raise ConvertError(f"{src}: tokenizer: {e}") from e
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or model_base_name(out_mlb)
     model.metadata.update(metadata)
