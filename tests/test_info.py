@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from krafla_twisted import formats, info
+from tests.support import real_models
 from tests.support.tiny_models import write_tiny_model
 from tests.test_container import REPO, corruptions, valid_file, write_corpus
 
@@ -132,3 +134,23 @@ class InfoRejectionTests:
             printed = json.loads(out)
             assert [t["name"] for t in printed["tensors"]] == list(expected.tensors)
             assert list(printed["metadata"]) == list(expected.metadata)
+
+
+class InfoRealModelTests:
+    @pytest.mark.parametrize("name", real_models.NAMES)
+    def test_pulled_model_and_tokenizer(self, name):
+        """`krafla info` on each pulled model and its tokenizer prints every tensor (for the model:
+        every block's tensors) exactly as the Python reader reads them."""
+        pulled = real_models.real_model(name)
+        for path in (pulled.mlb, pulled.mlt):
+            expected = formats.read(path)
+            status, out, err = run_info(path)
+            assert (status, err) == (0, ""), path
+            rows = out.splitlines()[out.splitlines().index("tensors") + 2:-2]
+            assert [row.split()[0] for row in rows] == list(expected.tensors)
+            for row, tensor in zip(rows, expected.tensors.values()):
+                assert row.split()[1] == tensor.type.name and row.split()[-1] == str(tensor.nbytes)
+        model = formats.read(pulled.mlb)
+        n_layers = model.metadata["n_layers"]
+        assert f"blk.{n_layers - 1}.ffn_down.weight" in model.tensors
+        assert f"blk.{n_layers}.ffn_down.weight" not in model.tensors
