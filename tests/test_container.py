@@ -15,6 +15,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -556,17 +557,13 @@ def corruptions(draw):
     return data, bytes(corrupted)
 
 
-_scratch = {}
-
-
 def _container_bytes(original):
-    import tempfile
-
-    directory = _scratch.setdefault("dir", tempfile.mkdtemp(prefix="kr-corrupt-"))
-    path = os.path.join(directory, "base.mlb")
-    formats.write(path, original)
-    with open(path, "rb") as f:
-        return f.read()
+    """The bytes formats.write makes of `original`."""
+    with tempfile.TemporaryDirectory(prefix="kr-corrupt-") as directory:
+        path = os.path.join(directory, "base.mlb")
+        formats.write(path, original)
+        with open(path, "rb") as f:
+            return f.read()
 
 
 class CorruptionTests:
