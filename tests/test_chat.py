@@ -365,3 +365,90 @@ class TurnTests:
         assert chat.get_template("zephyr").render(messages, ContextTokenizer())[0] != 1
         assert chat.get_template("zephyr").render(messages, ContextTokenizer(add_bos=True))[0] == 1
         assert chat.get_template("gemma").render(messages, ContextTokenizer(add_bos=True)).count(1) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Real tokenizers: llama.cpp's vocabularies and the pulled SmolLM2 / Gemma 3
+
+
+REAL_PAIRS = {
+    # template: ("vocab", name) for testdata/vocab, ("real", name) for a real model's tokenizer
+    "llama3": ("vocab", "llama-bpe"),
+    "chatml": ("vocab", "qwen2"),
+    "qwen": ("vocab", "qwen2"),
+    "qwen3.5": ("vocab", "qwen35"),
+    "qwen3.5-nothink": ("vocab", "qwen35"),
+    "llama2": ("vocab", "llama-spm"),
+    "zephyr": ("vocab", "llama-spm"),
+    "smollm": ("real", "smollm2-135m"),
+    "gemma": ("real", "gemma3-270m"),
+}
+_tokenizers = {}
+
+
+def real_tokenizer(template_name):
+    from krafla_twisted.tokenizer import Tokenizer
+    from tests.support import real_models, testdata
+
+    kind, name = REAL_PAIRS[template_name]
+    if (kind, name) not in _tokenizers:
+        if kind == "vocab":
+            path = testdata.vocab_mlt(name)
+        elif name == "smollm2-135m":
+            path = real_models.real_model(name).mlt
+        else:
+            path = testdata.converted_mlt(real_models.source_gguf(name), f"real-{name}")
+        _tokenizers[kind, name] = Tokenizer(path)
+    return _tokenizers[kind, name]
+
+
+class RealTokenizerTests:
+    @pytest.mark.parametrize("name", list(REAL_PAIRS))
+    def test_markers_are_single_tokens(self, name):
+        """Each template's markers are single tokens in its model's vocabulary, so render()
+        inserts them by id (Llama 2 and Zephyr have only BOS/EOS as tokens)."""
+        tokenizer = real_tokenizer(name)
+        template = chat.get_template(name)
+        markers = {text for kind, text in template.segments([{"role": "user", "content": "x"}]) if kind == chat.SPECIAL}
+        if name.startswith("qwen3.5"):
+            # llama.cpp's qwen35 test vocabulary has [PAD] entries where Qwen has <think>/</think>;
+            # render() then spells them as text, which test_typed_markers_stay_text covers.
+            markers -= {"<think>", "</think>"}
+        assert all(tokenizer.token_id(marker) is not None for marker in markers), markers
+        assert template.stop_token_ids(tokenizer), "no stop token"
+
+    @pytest.mark.parametrize("name", list(REAL_PAIRS))
+    def test_typed_markers_stay_text(self, name):
+        """A user message spelling out every marker renders to exactly the control tokens of a
+        plain message: typed markers never become control tokens."""
+        tokenizer = real_tokenizer(name)
+        template = chat.get_template(name)
+        sneaky = " ".join(MARKERS + ["<|begin_of_text|>", "<bos>", "<eos>", "<|endoftext|>", "<end_of_turn>"])
+        plain = template.render([{"role": "user", "content": "plain"}], tokenizer)
+        typed = template.render([{"role": "user", "content": sneaky}], tokenizer)
+        controls = [t for t in typed if tokenizer.is_control(t)]
+        assert controls == [t for t in plain if tokenizer.is_control(t)]
+
+    @pytest.mark.parametrize("name", [n for n in REAL_PAIRS if not n.startswith("qwen3.5")])
+    @settings(max_examples=15, deadline=None)
+    @given(conversation=conversations(), reply=contents, next_user=contents)
+    def test_next_prompt_starts_with_prompt_reply_and_stop(self, name, conversation, reply, next_user):
+        """With the model's real tokenizer, turn N+1's tokens start with turn N's prompt, the
+        reply encoded on its own, and the template's stop token (Llama 2: a space, then </s>)."""
+        tokenizer = real_tokenizer(name)
+        template = chat.get_template(name)
+        reply = reply.strip() or "ok"
+        if conversation[-1]["role"] == "assistant":
+            conversation = conversation[:-1]
+        prompt = template.render(conversation, tokenizer)
+        following = template.render(conversation + [{"role": "assistant", "content": reply},
+                                                     {"role": "user", "content": next_user}], tokenizer)
+        reply_tokens = tokenizer.encode(REPLY_SEGMENT.get(name, lambda r: r)(reply), add_bos=False)
+        assert following[:len(prompt)] == prompt
+        assert following[len(prompt):len(prompt) + len(reply_tokens)] == reply_tokens
+        after_reply = following[len(prompt) + len(reply_tokens):]
+        stops = template.stop_token_ids(tokenizer)
+        if name == "llama2":
+            assert tokenizer.decode(after_reply[:after_reply.index(tokenizer.eos_id)]) in (b" ", b"  ")
+        else:
+            assert after_reply[0] in stops
