@@ -5,7 +5,7 @@
 Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
 4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
 tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
-quantization), timed in C: the best of --repeat runs.
+quantization), timed in C in thread CPU time: the best of --repeat runs.
 """
 
 import argparse

@@ -294,7 +294,8 @@ int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_strid
 int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride, int64_t n_rows,
                       float *y, int64_t n, kr_error *err);
 // For bench/kernels.py: prepare the activations and run kr_matmul over all rows `repeat` times;
-// *best_seconds is the fastest repetition (monotonic clock). Arguments as kr_test_matmul.
+// *best_seconds is the fastest repetition in CPU time of the calling thread (so a busy machine
+// slows it less than wall time). Arguments as kr_test_matmul.
 int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
                     int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
 // --- end Kernels (tests)

@@ -319,20 +319,30 @@ static int tile_rows(int32_t weight_type, int64_t n_tokens) {
 }
 static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
+// Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each row tile
+// finds them there; the weights are read once per block.
+#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
+
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_rows = tile_rows(weight_type, n_tokens), max_tokens = tile_tokens(weight_type);
-    // Rows outside, tokens inside: a tile's weight rows stay in L1 while every token passes over them.
-    for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
-        const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
-        for (int64_t t0 = 0; t0 < n_tokens; t0 += max_tokens) {
-            const int T = (int)(n_tokens - t0 < max_tokens ? n_tokens - t0 : max_tokens);
-            // the next row tile is fetched while the first token tile passes over this one
-            const char *next = t0 == 0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
-            tile(weight_type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride,
-                 (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride, next);
+    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
+    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
+        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
+        // Rows outside, tokens inside: a tile's weight rows stay in L1 while the block's tokens pass over them.
+        for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
+            const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
+            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
+                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
+                // the next row tile is fetched while the first token tile passes over this one
+                const char *next = t0 == b0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
+                tile(weight_type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride,
+                     (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride,
+                     next);
+            }
         }
     }
 }
