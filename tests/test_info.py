@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -15,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from krafla_twisted import formats, info
 from tests.support import real_models
 from tests.support.tiny_models import write_tiny_model
-from tests.test_container import REPO, corruptions, valid_file, write_corpus
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.support.corpus import corruptions, valid_file, write_corpus
 
 
 def run_info(*argv):
