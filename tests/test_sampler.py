@@ -54,6 +54,15 @@ class GreedyTests:
         logits = np.array([0.5, 2.0, 1.0, 2.0, 2.0], dtype=np.float32)
         assert draws(Params(), logits, 3) == [1, 1, 1]
 
+    @given(logits=logit_rows, seed=st.integers(0, 2**64 - 1))
+    def test_vanishing_temperature_and_top_p(self, logits, seed):
+        """The smallest positive temperature gives one of the best tokens (no NaN from
+        1/temperature; equal logits stay equally likely), and a top-p that rounds to nothing
+        keeps exactly the best one (never an empty nucleus)."""
+        best = np.flatnonzero(logits == logits.max()).tolist()
+        assert draws(Params(temperature=1e-45, seed=seed), logits, 1)[0] in best
+        assert draws(Params(temperature=1.0, top_p=1e-45, seed=seed), logits, 1) == [best[0]]
+
     @given(logits=logit_rows, temperature=st.floats(0.05, 5), seed=st.integers(0, 2**64 - 1))
     def test_top_k_one_is_greedy(self, logits, temperature, seed):
         """top_k=1 gives the argmax at any temperature and seed."""

@@ -13,6 +13,7 @@
 // batch size. Exactly one random number is drawn per non-greedy call.
 #include "internal.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,7 +197,7 @@ static void select_best_count(kr_candidate *c, int32_t n, int32_t k) {
 // no particular order, and return its length. Expected O(n): no full sort.
 static int32_t select_best_mass(kr_candidate *c, int32_t n, double goal) {
     int32_t lo = 0, hi = n;
-    double need = goal;
+    double need = goal > 0.0 ? goal : DBL_MIN;  // a goal that underflowed still keeps the best token
     while (lo < hi) {
         double above;
         int32_t p = partition(c, lo, hi, &above);
