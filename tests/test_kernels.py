@@ -376,20 +376,22 @@ class MatmulTests:
         assert same_bits(np.concatenate([left[:, :cut], right[:, cut:]], axis=1), whole)
         assert np.isnan(left[:, cut:]).all() and np.isnan(right[:, :cut]).all()
 
-    def test_large_shapes_agree(self):
-        """A projection-sized problem (576 x 1536, 35 tokens) of each quantized type: AVX2 equals
-        the reference, and the batch equals its tokens one at a time."""
+    @pytest.mark.parametrize("type_name, rows, cols, n_tokens", [
+        ("q4_0", 576, 1536, 35), ("q8_0", 576, 1536, 35),
+        # enough tokens that the AVX2 matmul takes them in several L2-sized blocks
+        ("q4_0", 37, 4864, 53), ("q8_0", 29, 4864, 53), ("f32", 11, 4864, 29), ("f16", 13, 4864, 29)])
+    def test_large_shapes_agree(self, type_name, rows, cols, n_tokens):
+        """Projection-sized problems: AVX2 equals the reference, and the batch equals each token
+        computed alone, also when the tokens are processed in several cache-sized blocks."""
         rng = np.random.default_rng(3)
-        rows, cols, n_tokens = 576, 1536, 35
         x = random_float32(rng, (n_tokens, cols))
-        for type_name in QUANTIZED:
-            weights = weights_of(type_name, random_float32(rng, (rows, cols)))
-            whole = kernels.matmul(type_name, weights, rows, cols, x)
-            if kernels.has_avx2():
-                assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, "avx2"), whole)
-            assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, "reference"), whole)
-            one = kernels.matmul(type_name, weights, rows, cols, x[17:18])
-            assert same_bits(one, whole[17:18])
+        weights = weights_of(type_name, random_float32(rng, (rows, cols)))
+        whole = kernels.matmul(type_name, weights, rows, cols, x)
+        if kernels.has_avx2():
+            assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, "avx2"), whole)
+        assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, "reference"), whole)
+        for t in (0, 17, n_tokens - 1):
+            assert same_bits(kernels.matmul(type_name, weights, rows, cols, x[t:t + 1]), whole[t:t + 1])
 
 
 # ---------------------------------------------------------------------------------------------
