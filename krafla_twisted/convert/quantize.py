@@ -246,7 +246,7 @@ def quantize_q8_0(x):
     rows = x.shape[0]
     amax = np.abs(blocks).max(axis=1, keepdims=True)
     d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # 1 / subnormal d is inf, as in ggml
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):  # a subnormal d gives inf/NaN, as in ggml
         q = _roundf(blocks * inverse).astype(np.int8)
@@ -267,7 +267,7 @@ def quantize_q4_0(x):
     first_largest = np.abs(blocks).argmax(axis=1)[:, None]
     signed_max = np.take_along_axis(blocks, first_largest, axis=1)
     d = signed_max / np.float32(-8)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # 1 / subnormal d is inf, as in ggml
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         q = np.minimum(np.trunc(blocks * inverse + np.float32(8.5)), np.float32(15)).astype(np.uint8)
