@@ -17,8 +17,10 @@ weight converter the model is converted again, after one that changes only the t
 converter only the .mlt is rewritten; neither downloads again.
 """
 
+import ast
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -115,6 +117,7 @@ def _paths(model, folder, type_name):
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt", folder / f"pulled-{type_name}.json"
 
 
+@functools.lru_cache(maxsize=1)
 def converter_fingerprints():
     """Digests of the code that writes .mlb and .mlt files: a change means cached files are stale."""
     from krafla_twisted import formats
@@ -122,9 +125,10 @@ def converter_fingerprints():
     from krafla_twisted.convert import quantize, tokenizer
 
     def digest(*modules):
+        # The syntax tree, not the text: comments and layout do not make a cached file stale.
         h = hashlib.sha256()
         for module in modules:
-            h.update(Path(module.__file__).read_bytes())
+            h.update(ast.dump(ast.parse(Path(module.__file__).read_bytes())).encode())
         return h.hexdigest()[:16]
 
     return {"weights": digest(formats, gguf_converter, quantize), "tokenizer": digest(formats, tokenizer)}
