@@ -115,6 +115,8 @@ class ContainerFile:
     def __init__(self, path, magic=None):
         self._handle = None
         self.path = path
+        if magic is not None and magic not in (MODEL_MAGIC, TOKENIZER_MAGIC):
+            raise ValueError(f"magic must be {MODEL_MAGIC!r}, {TOKENIZER_MAGIC!r} or None, not {magic!r}")
         self._lib = clib.load()
         err = clib.kr_error()
         handle = self._lib.kr_file_open(os.fsencode(path), magic, ctypes.byref(err))

@@ -212,6 +212,8 @@ class ContainerFileTests:
             ContainerFile(tokenizer, container.MODEL_MAGIC)
         with pytest.raises(formats.FormatError):
             formats.read(tokenizer, formats.MODEL_MAGIC)
+        with pytest.raises(ValueError, match="magic must be"):
+            ContainerFile(model, b"KRAF")  # the C loader compares 8 bytes
 
     def test_close_and_context_manager(self, tmp_path):
         """close() releases the file once (twice is harmless); a closed file refuses reads."""
