@@ -200,3 +200,19 @@ _tokenizer_pieces = st.one_of(
     st.text(alphabet="abcXYZ019 \n\t'.,-_", max_size=12),
 )
 tokenizer_texts = st.lists(_tokenizer_pieces, max_size=10).map("".join)
+
+# ------------------------------------------------------------------------------------------
+# Weights for the quantizers (krafla_twisted/convert/quantize.py)
+
+
+@st.composite
+def weight_rows(draw, max_rows=4, max_blocks=4):
+    """float32 (rows, 32·k): values in [-1, 1] with exact ties and halves, times one scale from
+    1e-30 (scales that underflow f16) to 1e30 (scales that overflow it)."""
+    from hypothesis.extra import numpy as hnp
+
+    shape = (draw(st.integers(1, max_rows)), 32 * draw(st.integers(1, max_blocks)))
+    elements = st.one_of(st.floats(-1, 1, width=32), st.sampled_from([0.0, 0.5, -0.5, 1.0, -1.0, 0.25]))
+    values = draw(hnp.arrays(np.float32, shape, elements=elements))
+    scale = draw(st.sampled_from([1e-30, 1e-6, 1.0, 127.0, 1e3, 1e7, 1e30]))
+    return values * np.float32(scale)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from krafla_twisted.convert import quantize
+from tests.strategies import weight_rows
 from tests.support.real_models import NAMES, gguf_reader
 
 GGML = gguf.GGMLQuantizationType
@@ -30,7 +30,8 @@ def as_bits(values):
 
 def edge_cases():
     rng = np.random.default_rng(7)
-    halves = np.arange(-64, 64, dtype=np.float32).reshape(2, 64) + np.float32(0.5)  # x/d lands on k+0.5
+    halves = np.arange(-64, 64, dtype=np.float32).reshape(2, 64) + np.float32(0.5)
+    halves[:, ::32] = 127.0  # q8_0 d = 1 exactly, so x/d lands on k + 0.5
     ties = np.zeros((1, 32), np.float32)
     ties[0, 3], ties[0, 9] = 2.0, -2.0  # equal magnitudes: the first one sets q4_0's sign
     negative_max = rng.standard_normal((3, 64)).astype(np.float32)
@@ -65,14 +66,20 @@ class QuantizerTests:
         assert ours.dtype == np.uint8
         np.testing.assert_array_equal(ours, reference_quantize(values, type_name).view(np.uint8).reshape(ours.shape))
 
-    @settings(max_examples=60, deadline=None)
-    @given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 4).map(lambda n: 32 * n)),
-                      elements=st.floats(-1e6, 1e6, width=32)),
-           st.sampled_from(["q8_0", "q4_0"]))
+    @settings(max_examples=80, deadline=None)
+    @given(weight_rows(), st.sampled_from(["q8_0", "q4_0", "f16"]))
     def test_any_finite_rows_match_gguf_py(self, values, type_name):
-        """Any finite float32 rows (hypothesis) give gguf-py's blocks bit for bit."""
+        """Finite float32 rows of any scale, with ties and halves (hypothesis), give gguf-py's bytes."""
         ours = quantize.QUANTIZERS[type_name](values)
-        np.testing.assert_array_equal(ours, reference_quantize(values, type_name))
+        np.testing.assert_array_equal(ours, reference_quantize(values, type_name).view(np.uint8).reshape(ours.shape))
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.integers(-127, 126), min_size=31, max_size=31), st.sampled_from([1.0, -1.0, 0.25, 4.0]))
+    def test_exact_halves_match_gguf_py(self, steps, scale):
+        """Blocks whose x/d are exactly k + 0.5 (d a power of two): q8_0 rounds them as ggml does."""
+        values = np.array([[127.0] + [k + 0.5 for k in steps]], np.float32) * np.float32(scale)
+        for type_name in ("q8_0", "q4_0"):
+            np.testing.assert_array_equal(quantize.QUANTIZERS[type_name](values), reference_quantize(values, type_name))
 
     def test_roundf_rounds_halves_away_from_zero(self):
         """q8_0 rounds like C's roundf (2.5 -> 3, -2.5 -> -3, 0.49999997 -> 0), not to even."""
