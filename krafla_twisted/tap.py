@@ -16,7 +16,7 @@ from twisted.internet import endpoints
 from twisted.logger import Logger
 from twisted.python import usage
 
-from krafla_twisted import options
+from krafla_twisted import clib, options
 
 log = Logger(namespace="krafla")
 
@@ -104,6 +104,10 @@ def listen_url(host, port):
     return f"http://{shown}:{port}/v1"
 
 
+class StartupError(Exception):
+    """The server cannot start (the model does not load, the port is taken)."""
+
+
 class KraflaService(service.Service):
     """Loads the model and listens when started; stops listening, cancels work and frees it when stopped.
 
@@ -129,7 +133,10 @@ class KraflaService(service.Service):
 
         super().startService()
         config = self.config
-        backend = load_backend(config)
+        try:
+            backend = load_backend(config)
+        except (clib.KraflaError, OSError, ValueError, RuntimeError) as e:  # also OptionError, ChatError, PullError
+            self._fail(f"cannot load the model: {e}")
         self.runtime = backend.runtime
         self.worker = EngineWorker(self.reactor, backend)
         self.worker.start()
@@ -148,7 +155,15 @@ class KraflaService(service.Service):
         if failures:
             # TCP listens synchronously: say why and exit non-zero instead of serving nothing.
             self.stopService()
-            raise SystemExit(f"krafla: cannot listen on {host}:{config['port']}: {failures[0].getErrorMessage()}")
+            self._fail(f"cannot listen on {host}:{config['port']}: {failures[0].getErrorMessage()}")
+
+    def _fail(self, message):
+        twistd = getattr(self.config, "parent", None)
+        if twistd is not None and twistd.get("nodaemon"):
+            raise SystemExit(f"krafla: {message}")
+        # Daemonized, twistd passes an Exception (not SystemExit) to the parent process waiting for
+        # the start, which prints it and exits 1.
+        raise StartupError(message)
 
     def _listening(self, port):
         self.port = port

@@ -63,7 +63,8 @@ class ServerProcess:
         self.port = None
 
     def start(self, timeout=START_TIMEOUT):
-        command = [TWISTD, "-n", *self.twistd_args, "krafla", *self.args, "--port", "0"]
+        # --pidfile= : no twistd.pid in the working directory, so servers can run side by side.
+        command = [TWISTD, "-n", "--pidfile=", *self.twistd_args, "krafla", *self.args, "--port", "0"]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, text=True,
             encoding="utf-8", errors="replace",

@@ -1,0 +1,403 @@
+"""A real `twistd -n krafla` process with the real SmolLM2-135M-Instruct model, driven with treq.
+
+One server for the whole module (starting one loads the model), greedy decoding and short replies
+keep it fast. What the in-memory tests cannot show is pinned here: the real model's replies through
+every endpoint, KV-cache reuse giving the same reply as a cold run, stop strings cut across token
+boundaries, multi-byte characters in streams, queueing and cancellation on a real socket, the
+limits of the real listener, the log lines, and three real clients: the openai Python library, the
+openai npm package under node, and `krafla run`.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import treq
+from twisted.internet import defer
+
+from tests.support.real_models import real_model
+from tests.support.server import REPO, ServerProcess, in_reactor
+
+MODEL = "smollm2-135m"
+ORIGIN = "http://app.example"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return real_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--cors", ORIGIN])
+    process.start()
+    yield process
+    # twistd ends by re-raising SIGTERM on itself once shut down, so the status is -SIGTERM.
+    assert process.stop() in (0, -signal.SIGTERM), "\n".join(process.lines[-30:])
+    assert "Server Shut Down." in process.lines[-1]
+
+
+def call(method, url, body=None, headers=None):
+    """(status, headers, body bytes) of one request, made by treq in the reactor thread."""
+
+    @defer.inlineCallbacks
+    def go():
+        kwargs = {"headers": headers or {}}
+        if body is not None:
+            kwargs["data"] = body if isinstance(body, bytes) else json.dumps(body).encode()
+            kwargs["headers"] = dict({"Content-Type": "application/json"}, **kwargs["headers"])
+        response = yield treq.request(method, url, persistent=False, **kwargs)
+        content = yield response.content()
+        return response.code, response.headers, content
+
+    return in_reactor(go)
+
+
+def post(server, path, body, **kwargs):
+    status, headers, content = call("POST", server.url(path), body, **kwargs)
+    return status, headers, json.loads(content) if content else None
+
+
+def stream(server, path, body):
+    """(status, [data payloads as received, JSON-decoded or "[DONE]"], raw pieces as they arrived)."""
+    pieces = []
+
+    @defer.inlineCallbacks
+    def go():
+        response = yield treq.post(server.url(path), data=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"}, persistent=False, unbuffered=True)
+        yield treq.collect(response, pieces.append)
+        return response.code
+
+    status = in_reactor(go)
+    raw = b"".join(pieces)
+    events = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return status, events, pieces
+
+
+def chat_body(content, **extra):
+    return dict({"model": "local", "messages": [{"role": "user", "content": content}], "max_tokens": 16}, **extra)
+
+
+def streamed_text(events):
+    text = ""
+    for event in events[:-1]:
+        if event.get("choices"):
+            choice = event["choices"][0]
+            text += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+    return text
+
+
+class EndpointTests:
+    """Every endpoint of the original, with the real model."""
+
+    def test_health_models(self, server, model):
+        """/health, /v1/models and /v1/models/{id} (the file name without .mlb), with and without /v1."""
+        assert call("GET", server.root_url("/health"))[2] == b'{"status": "ok"}'
+        model_id = os.path.splitext(os.path.basename(str(model.mlb)))[0]
+        for url in (server.url("/models"), server.root_url("/models")):
+            status, _, body = call("GET", url)
+            assert status == 200
+            assert [m["id"] for m in json.loads(body)["data"]] == [model_id]
+        status, _, body = call("GET", server.url("/models/" + model_id))
+        assert (status, json.loads(body)["id"]) == (200, model_id)
+        assert call("GET", server.url("/models/gpt-4"))[0] == 404
+
+    def test_chat(self, server):
+        """A chat reply names Paris, has OpenAI's shape and a finish_reason of stop or length."""
+        status, headers, reply = post(server, "/chat/completions", chat_body(QUESTION, max_tokens=24))
+        assert status == 200
+        assert reply["object"] == "chat.completion"
+        message = reply["choices"][0]["message"]
+        assert message["role"] == "assistant"
+        assert "Paris" in message["content"]
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+        usage = reply["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert 0 < usage["completion_tokens"] <= 24
+
+    def test_completion_string_and_ids(self, server, model):
+        """A prompt string and the same prompt's token ids (with BOS when the tokenizer adds one) continue alike."""
+        from krafla_twisted.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(str(model.mlt))
+        prompt = "The capital of France is"
+        status, _, by_text = post(server, "/completions", {"prompt": prompt, "max_tokens": 8})
+        assert status == 200 and by_text["object"] == "text_completion"
+        ids = tokenizer.encode(prompt)
+        status, _, by_ids = post(server, "/completions", {"prompt": ids, "max_tokens": 8})
+        assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+        assert by_ids["usage"]["prompt_tokens"] == by_text["usage"]["prompt_tokens"] == len(ids)
+        assert by_text["choices"][0]["finish_reason"] == "length"
+        assert by_text["usage"]["completion_tokens"] == 8
+
+    def test_max_completion_tokens_and_seeded_sampling(self, server):
+        """max_completion_tokens limits the reply; a seed with temperature > 0 repeats its reply exactly."""
+        body = chat_body("Write a word.", max_tokens=None, max_completion_tokens=5, temperature=1.0, top_p=0.95,
+                         top_k=40, seed=1234, repeat_penalty=1.1, repeat_last_n=16)
+        first = post(server, "/chat/completions", body)[2]
+        second = post(server, "/chat/completions", body)[2]
+        assert first["usage"]["completion_tokens"] <= 5
+        assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+    def test_errors(self, server):
+        """400 invalid field, 400 context_length_exceeded (stream or not, as plain JSON), 404, 405."""
+        status, _, body = post(server, "/chat/completions", {"messages": "hi"})
+        assert (status, body["error"]["param"]) == (400, "messages")
+        huge = "hello " * 5000
+        for streaming in (False, True):
+            status, headers, body = post(server, "/chat/completions", chat_body(huge, stream=streaming))
+            assert status == 400
+            assert headers.getRawHeaders("content-type") == ["application/json"]
+            assert body["error"]["code"] == "context_length_exceeded"
+        assert post(server, "/embeddings", {"input": "x"})[0] == 404
+        assert call("GET", server.url("/chat/completions"))[0] == 405
+
+    def test_refusals(self, server):
+        """The original's refusals reach a real client as 400 naming the field."""
+        for path, body, param in (
+            ("/chat/completions", chat_body("x", logprobs=True), "logprobs"),
+            ("/chat/completions", chat_body("x", tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+            ("/chat/completions", chat_body("x", response_format={"type": "json_object"}), "response_format"),
+            ("/chat/completions", chat_body("x", n=2), "n"),
+            ("/completions", {"prompt": "x", "echo": True}, "echo"),
+            ("/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+            ("/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ):
+            status, _, reply = post(server, path, body)
+            assert (status, reply["error"]["param"]) == (400, param)
+
+
+class StreamingTests:
+    """Server-sent events from the real model."""
+
+    def test_chat_stream_equals_plain_reply(self, server):
+        """The streamed chunks join to the non-streamed reply; include_usage adds the usage chunk; [DONE] last."""
+        plain = post(server, "/chat/completions", chat_body(QUESTION))[2]
+        status, events, _ = stream(server, "/chat/completions",
+                                   chat_body(QUESTION, stream=True, stream_options={"include_usage": True}))
+        assert status == 200
+        assert events[-1] == "[DONE]"
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert streamed_text(events) == plain["choices"][0]["message"]["content"]
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+        assert events[-3]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+
+    def test_text_stream(self, server):
+        """Text completion chunks join to the plain completion."""
+        body = {"prompt": "Once upon a time", "max_tokens": 12}
+        plain = post(server, "/completions", body)[2]
+        status, events, _ = stream(server, "/completions", dict(body, stream=True))
+        assert events[0]["object"] == "text_completion"
+        assert streamed_text(events) == plain["choices"][0]["text"]
+
+    def test_stop_string_across_token_boundary(self, server, model):
+        """A stop string that spans two tokens ends the reply before it, streamed or not, and never leaks."""
+        from krafla_twisted.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(str(model.mlt))
+        body = {"prompt": "The capital of France is", "max_tokens": 16}
+        full = post(server, "/completions", body)[2]["choices"][0]["text"]
+        ids = tokenizer.encode(full, add_bos=False)
+        pieces = [tokenizer.decode([i]).decode("utf-8", "replace") for i in ids]
+        stop = None
+        for k in range(2, len(pieces)):
+            left, right = pieces[k - 1], pieces[k]
+            candidate = left[-2:] + right[:2]
+            if len(left) >= 2 and len(right) >= 2 and full.find(candidate) == len("".join(pieces[:k])) - 2:
+                stop = candidate
+                break
+        assert stop is not None, f"no token boundary to cut in {full!r}"
+        expected = full[: full.index(stop)]
+        reply = post(server, "/completions", dict(body, stop=[stop, "never-seen"]))[2]
+        assert reply["choices"][0]["text"] == expected
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        status, events, _ = stream(server, "/completions", dict(body, stop=stop, stream=True))
+        assert streamed_text(events) == expected
+        assert all(stop not in (e["choices"][0]["text"] if e != "[DONE]" and e["choices"] else "") for e in events)
+
+    def test_multibyte_characters_in_stream(self, server):
+        """Non-ASCII replies stream as whole characters: each raw event decodes alone, the join equals the plain reply."""
+        body = chat_body("Write three emoji and the French word for summer, with its accent.", max_tokens=24)
+        plain = post(server, "/chat/completions", body)[2]["choices"][0]["message"]["content"]
+        assert any(ord(c) > 127 for c in plain), plain
+        status, events, raw_pieces = stream(server, "/chat/completions", dict(body, stream=True))
+        text = streamed_text(events)
+        assert text == plain
+        assert "\ufffd" not in text
+        for event in events[1:-2]:
+            delta = event["choices"][0]["delta"].get("content", "")
+            delta.encode("utf-8")  # a lone surrogate (half a character) would raise
+
+
+class CacheTests:
+    """The KV cache across requests."""
+
+    def test_second_turn_reuses_cache_with_same_reply_as_cold(self, server):
+        """Turn two's prompt starts with turn one's: cached_tokens covers it, and the reply equals a cold run's."""
+        first_messages = [{"role": "user", "content": "Name a fruit."}]
+        first = post(server, "/chat/completions", {"messages": first_messages, "max_tokens": 12})[2]
+        turn_two = first_messages + [first["choices"][0]["message"], {"role": "user", "content": "And a colour?"}]
+        warm = post(server, "/chat/completions", {"messages": turn_two, "max_tokens": 12})[2]
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+        post(server, "/completions", {"prompt": "Unrelated text to push the cache elsewhere", "max_tokens": 1})
+        cold = post(server, "/chat/completions", {"messages": turn_two, "max_tokens": 12})[2]
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] < first["usage"]["prompt_tokens"]
+        assert cold["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
+
+
+def raw_request(server, body, path="/v1/completions"):
+    """An open socket that has sent a POST; the caller reads and closes it."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def read_all(sock):
+    chunks = []
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+class QueueTests:
+    """One request at a time, in order; clients that leave."""
+
+    def test_two_concurrent_requests_answered_in_order(self, server):
+        """Two requests sent together: the first sent is answered first, the second waits for it."""
+        first = raw_request(server, {"prompt": "Count: one, two,", "max_tokens": 24})
+        time.sleep(0.3)
+        second = raw_request(server, {"prompt": "Colors: red, green,", "max_tokens": 4})
+        first_reply = read_all(first)
+        first_done = time.monotonic()
+        second_reply = read_all(second)
+        second_done = time.monotonic()
+        assert first_reply.startswith(b"HTTP/1.1 200") and second_reply.startswith(b"HTTP/1.1 200")
+        assert first_done <= second_done
+        lines = [l for l in server.lines if "POST /v1/completions 200" in l]
+        assert "reply 24 tokens" in lines[-2] and "reply 4 tokens" in lines[-1]
+
+    def test_cancel_running_and_queued(self, server):
+        """A streaming client that leaves stops generation at the next token; a queued one that leaves never runs."""
+        start = len(server.lines)
+        running = raw_request(server, {"prompt": "Write a long story.", "max_tokens": 400, "stream": True})
+        received = b""
+        while b"data: " not in received:
+            received += running.recv(4096)
+        queued = raw_request(server, {"prompt": "queued and gone", "max_tokens": 8})
+        time.sleep(0.3)
+        queued.close()
+        running.close()
+        after = post(server, "/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert after[0] == 200
+        gone = [l for l in server.lines[start:] if "client gone" in l]
+        assert len(gone) == 2, server.lines[start:]
+        stopped_reply = int(gone[0].split("reply ")[1].split(" tokens")[0])
+        assert 0 < stopped_reply < 400
+        assert "prompt" not in gone[1], "the queued request ran"
+
+
+class AccessTests:
+    """CORS and the listener's limits on the real server (the API key has its own servers)."""
+
+    def test_cors(self, server):
+        """The --cors origin gets Access-Control-Allow-Origin and a preflight answer; another origin does not."""
+        status, headers, _ = call("GET", server.url("/models"), headers={"Origin": ORIGIN})
+        assert headers.getRawHeaders("access-control-allow-origin") == [ORIGIN]
+        status, headers, _ = call("OPTIONS", server.url("/chat/completions"),
+                                  headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                                           "Access-Control-Request-Headers": "content-type"})
+        assert status == 204
+        assert headers.getRawHeaders("access-control-allow-origin") == [ORIGIN]
+        status, headers, _ = call("GET", server.url("/models"), headers={"Origin": "http://other.example"})
+        assert headers.getRawHeaders("access-control-allow-origin") is None
+
+    def test_body_and_header_limits(self, server):
+        """A 9 MiB body gets 413 and a 17 KiB header 431, from the real listener; the server goes on."""
+        status, _, body = post(server, "/completions", {"prompt": "a" * (9 * 1024 * 1024)})
+        assert (status, body["error"]["code"]) == (413, "request_too_large")
+        status, _, body = call("GET", server.url("/models"), headers={"X-Big": "a" * (17 * 1024)})
+        assert status == 431
+        assert call("GET", server.root_url("/health"))[0] == 200
+
+    def test_connection_close_and_idle_socket(self, server):
+        """A response says Connection: close and the server closes the socket; a silent socket stays open under 60 s."""
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+        reply = read_all(sock)  # returns only because the server closes
+        assert b"\r\nConnection: close\r\n" in reply
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=2)
+        with pytest.raises(socket.timeout):
+            silent.recv(1)
+        silent.close()
+
+    def test_request_log_lines(self, server):
+        """One line per request: client, method and path, status, and token counts with t/s for completions."""
+        start = len(server.lines)
+        post(server, "/completions", {"prompt": "Hi", "max_tokens": 3})
+        call("GET", server.url("/nope"))
+        line = server.wait_for(lambda l: "POST /v1/completions 200" in l, start=start)
+        assert "127.0.0.1 POST /v1/completions 200 prompt " in line
+        assert "reply 3 tokens" in line and line.endswith("t/s")
+        server.wait_for(lambda l: "127.0.0.1 GET /v1/nope 404" in l, start=start)
+
+
+class ClientTests:
+    """Real client libraries and `krafla run` against the server."""
+
+    def test_openai_python(self, server):
+        """The openai Python library: chat and completions, plain and streamed."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        reply = client.chat.completions.create(model="local", messages=messages, max_tokens=16)
+        assert "Paris" in reply.choices[0].message.content
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                           client.chat.completions.create(model="local", messages=messages, max_tokens=16, stream=True)
+                           if chunk.choices)
+        assert streamed == reply.choices[0].message.content
+        completion = client.completions.create(model="local", prompt="The capital of France is", max_tokens=6)
+        pieces = "".join(c.choices[0].text for c in client.completions.create(
+            model="local", prompt="The capital of France is", max_tokens=6, stream=True) if c.choices)
+        assert pieces == completion.choices[0].text and completion.usage.completion_tokens == 6
+
+    def test_openai_node(self, server):
+        """The openai npm package under node: chat and completions, plain and streamed, models, a wrong key is fine here."""
+        node_dir = os.path.join(REPO, "tests", "node")
+        if not os.path.isdir(os.path.join(node_dir, "node_modules", "openai")):
+            subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=node_dir, check=True, timeout=600)
+        result = subprocess.run(["node", "client.mjs", server.base_url, "none"], cwd=node_dir, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert "Paris" in out["chat"]["content"] and out["chat"]["object"] == "chat.completion"
+        assert out["chat_stream"]["content"] == out["chat"]["content"]
+        assert out["chat_stream"]["usage"]["completion_tokens"] == out["chat"]["usage"]["completion_tokens"]
+        assert out["completion_stream"]["text"] == out["completion"]["text"]
+        assert len(out["models"]) == 1
+        assert out["wrong_key"] == "accepted"  # this server has no key
+
+    def test_same_reply_as_krafla_run(self, server, model):
+        """A one-message chat at temperature 0 gets the reply `krafla run --chat smollm -T 0` prints."""
+        krafla = os.path.join(os.path.dirname(sys.executable), "krafla")
+        run = subprocess.run([krafla, "run", str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-T", "0",
+                              "-n", "24", "-p", QUESTION], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        reply = post(server, "/chat/completions", chat_body(QUESTION, max_tokens=24, temperature=0))[2]
+        assert run.stdout.strip() == reply["choices"][0]["message"]["content"].strip()

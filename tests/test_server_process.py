@@ -1,0 +1,148 @@
+"""`twistd krafla` as a process: options, the API key by flag and by environment, daemon mode.
+
+Each test here needs its own server process (its options differ), so each keeps its requests few.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.support.real_models import real_model
+from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return real_model(MODEL)
+
+
+def fetch(url, headers=None, body=None):
+    """(status, JSON body) with the standard library, so these tests need no reactor."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class APIKeyTests:
+    """--api-key and KRAFLA_API_KEY."""
+
+    def check_key(self, server, key):
+        status, body = fetch(server.url("/models"))
+        assert (status, body["error"]["code"]) == (401, "invalid_api_key")
+        assert fetch(server.url("/models"), {"Authorization": "Bearer wrong"})[0] == 401
+        status, body = fetch(server.url("/completions"), {"Authorization": f"Bearer {key}"}, {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert fetch(server.root_url("/health")) == (200, {"status": "ok"})
+
+    def test_key_by_flag_alias_and_no_chat(self, model):
+        """--api-key guards everything but /health; --alias names the model; without --chat, chat is a 400."""
+        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--api-key", "flag-key", "--alias", "my-model"]).start()
+        try:
+            self.check_key(server, "flag-key")
+            status, body = fetch(server.url("/models"), {"Authorization": "Bearer flag-key"})
+            assert [m["id"] for m in body["data"]] == ["my-model"]
+            status, body = fetch(server.url("/chat/completions"), {"Authorization": "Bearer flag-key"},
+                                 {"messages": [{"role": "user", "content": "Hi"}]})
+            assert status == 400 and "--chat" in body["error"]["message"]
+            assert any("chat none" in line for line in server.lines)
+        finally:
+            assert server.stop() in (0, -signal.SIGTERM)
+
+    def test_key_by_environment(self, model):
+        """KRAFLA_API_KEY is used when --api-key is not given, and the key is not in the process's arguments."""
+        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "smollm"],
+                               env={"KRAFLA_API_KEY": "env-key"}).start()
+        try:
+            self.check_key(server, "env-key")
+            with open(f"/proc/{server.process.pid}/cmdline", "rb") as f:
+                assert b"env-key" not in f.read()
+        finally:
+            assert server.stop() in (0, -signal.SIGTERM)
+
+
+class StartupTests:
+    """The banner and refusals at start."""
+
+    def test_banner(self, model):
+        """The banner names version, ISA, model, context of max_seq, chat, threads and kv; then the listening line."""
+        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "smollm", "-t", "1", "--ctx", "512"]).start()
+        try:
+            title = os.path.splitext(os.path.basename(str(model.mlb)))[0]
+            banner = server.wait_for(lambda l: "# krafla " in l)
+            assert f"# krafla 0.7.0, isa avx2: model {title}, context 512 of 8192, chat smollm, threads 1, kv f32" in banner
+            assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
+        finally:
+            server.stop()
+
+    def test_bad_options_refused(self, model, tmp_path):
+        """A host name, a missing file, a bad value, a model that is not one, a busy port: exit 1 with a clear message,
+        in the foreground and daemonized."""
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        not_a_model = tmp_path / "x.mlb"
+        not_a_model.write_bytes(b"not a model file")
+        model_args = [str(model.mlb), "-z", str(model.mlt)]
+        cases = (
+            (["--host", "example.com"], "--host takes an IP address or localhost"),
+            (["/no/such/model.mlb", "-z", str(model.mlt)], "model file not found"),
+            ([str(model.mlb)], "-z TOKENIZER.mlt is required"),
+            (model_args + ["--temperature", "-1"], "--temperature must be at least 0"),
+            ([str(not_a_model), "-z", str(model.mlt)], "cannot load the model"),
+            (model_args + ["--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
+        )
+        try:
+            for daemon in (False, True):
+                for args, message in cases:
+                    twistd = ["--pidfile", str(tmp_path / "t.pid"), "--logfile", str(tmp_path / "t.log")] if daemon else ["-n"]
+                    result = subprocess.run([TWISTD, *twistd, "krafla", *args], capture_output=True, text=True,
+                                            env=server_env(), cwd=REPO, timeout=120)
+                    assert result.returncode == 1, (args, daemon, result.stdout + result.stderr)
+                    output = result.stdout + result.stderr
+                    assert message in output, (daemon, output)
+                    assert "Traceback" not in output, output
+        finally:
+            busy.close()
+
+
+class DaemonTests:
+    """twistd's own --pidfile and --logfile."""
+
+    def test_daemon_pidfile_logfile_sigterm(self, model, tmp_path):
+        """Start daemonized, serve, SIGTERM, pidfile gone; the log file has the banner and the request line."""
+        pidfile, logfile = tmp_path / "krafla.pid", tmp_path / "krafla.log"
+        result = subprocess.run(
+            [TWISTD, "--pidfile", str(pidfile), "--logfile", str(logfile), "krafla", str(model.mlb), "-z", str(model.mlt),
+             "--chat", "smollm", "--port", "0"],
+            capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        deadline = time.monotonic() + 300
+        match = None
+        while match is None and time.monotonic() < deadline:
+            match = LISTENING.search(logfile.read_text()) if logfile.exists() else None
+            time.sleep(0.2)
+        assert match, logfile.read_text()
+        pid = int(pidfile.read_text())
+        status, body = fetch(match.group(1) + "/completions", body={"prompt": "Hello", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pidfile.exists()
+        log = logfile.read_text()
+        assert "# krafla 0.7.0" in log and "POST /v1/completions 200 prompt" in log
