@@ -181,10 +181,25 @@ static int32_t partition(kr_candidate *c, int32_t lo, int32_t hi, double *mass_a
     return p;
 }
 
+static int compare_best_first(const void *a, const void *b) {
+    kr_candidate x = *(const kr_candidate *)a, y = *(const kr_candidate *)b;
+    return better(x, y) ? -1 : better(y, x) ? 1 : 0;
+}
+
+// Quickselect rounds before falling back to sorting what is left, so that even logits built to
+// defeat the median-of-three pivot cost O(n log n), not O(n^2).
+#ifndef MAX_SELECT_ROUNDS
+#define MAX_SELECT_ROUNDS 64
+#endif
+
 // Move the best k of c[0..n) to the front (in no particular order). Expected O(n).
 static void select_best_count(kr_candidate *c, int32_t n, int32_t k) {
     int32_t lo = 0, hi = n;
-    while (hi - lo > 1) {
+    for (int round = 0; hi - lo > 1; round++) {
+        if (round == MAX_SELECT_ROUNDS) {
+            qsort(c + lo, (size_t)(hi - lo), sizeof *c, compare_best_first);
+            return;
+        }
         double unused;
         int32_t p = partition(c, lo, hi, &unused);
         if (p == k || p + 1 == k) return;
@@ -198,7 +213,15 @@ static void select_best_count(kr_candidate *c, int32_t n, int32_t k) {
 static int32_t select_best_mass(kr_candidate *c, int32_t n, double goal) {
     int32_t lo = 0, hi = n;
     double need = goal > 0.0 ? goal : DBL_MIN;  // a goal that underflowed still keeps the best token
-    while (lo < hi) {
+    for (int round = 0; lo < hi; round++) {
+        if (round == MAX_SELECT_ROUNDS) {
+            qsort(c + lo, (size_t)(hi - lo), sizeof *c, compare_best_first);
+            for (int32_t k = lo; k < hi; k++) {
+                need -= c[k].weight;
+                if (need <= 0.0) return k + 1;
+            }
+            return hi;
+        }
         double above;
         int32_t p = partition(c, lo, hi, &above);
         if (above >= need) {
