@@ -165,6 +165,8 @@ class Runtime:
         if tokenizer.n_vocab != model.n_vocab:
             raise ValueError(f"the tokenizer has {tokenizer.n_vocab} tokens but the model {model.n_vocab}: "
                              "they do not belong together")
+        if eos is not None and not 0 <= eos < model.n_vocab:
+            raise options.OptionError(f"--eos {eos} is not a token id of this model (0..{model.n_vocab - 1})")
         self.model = model
         self.tokenizer = tokenizer
         self.template = template

@@ -211,6 +211,13 @@ class ReplyTests:
         assert calls == [(2, 9), (4, 9)]
         assert runtime.session.evals == [ids(b"x", b"x")] * 2
 
+    def test_runtime_refuses_mismatched_files(self):
+        """A tokenizer of another vocabulary size, or an --eos outside the vocabulary, is refused."""
+        with pytest.raises(ValueError, match="do not belong together"):
+            Runtime(FakeModel(len(VOCAB) + 1), FakeTokenizer(VOCAB))
+        with pytest.raises(ValueError, match="--eos 9999"):
+            Runtime(FakeModel(len(VOCAB)), FakeTokenizer(VOCAB), eos=9999)
+
     def test_template_stop_token_and_eos_override(self):
         """The template's stop token ends a reply; --eos replaces the tokenizer's EOS."""
         runtime = make_runtime([b"a", b"<s>", b"b"])
