@@ -317,7 +317,7 @@ def main(args):
         return 0
     try:
         pulled = pull(args.name, args.home, progress=not args.quiet, type_name=args.type_name)
-    except PullError as e:
+    except (PullError, OSError) as e:  # OSError: a full disk or an unwritable cache folder
         print(f"krafla pull: {e}", file=sys.stderr)
         return 1
     print(f"{pulled.name}: {pulled.mlb} {pulled.mlt} (chat {pulled.chat})")

@@ -226,10 +226,11 @@ def _parser():
 # ------------------------------------------------------------------------------------------
 # Tiny GGUFs written with gguf-py's writer, for the refusals.
 
-def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, n_layers=1, values=None, dim=32,
-               head_dim_keys=True):
+def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, encode=None, n_layers=1, values=None,
+               dim=32, head_dim_keys=True):
     """A minimal GGUF of `arch` (2 heads of 16, 1 kv head, vocab 8), with tensors left out,
-    added, given values, or replaced by raw bytes of another GGML type (`raw`: name -> type)."""
+    added, given values, quantized by gguf-py (`encode`: name -> GGML type) or replaced by random
+    bytes of a GGML type with finite scales (`raw`: name -> type)."""
     ffn, n_vocab, head_dim = 64, 8, 16
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.block_count", n_layers)
@@ -282,7 +283,12 @@ def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, n_
         if type_name:
             block, block_bytes = gguf.GGML_QUANT_SIZES[GGML[type_name]]
             encoded = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
+            if type_name in ("Q4_K", "Q5_K"):  # f16 d and dmin lead each block
+                scales = rng.uniform(0.001, 0.01, (encoded.size // block_bytes, 2)).astype("<f2")
+                encoded.reshape(-1, block_bytes)[:, :4] = scales.view(np.uint8)
             writer.add_tensor(name, encoded, raw_dtype=GGML[type_name])
+        elif (encode or {}).get(name):
+            writer.add_tensor(name, gguf.quants.quantize(data, GGML[encode[name]]), raw_dtype=GGML[encode[name]])
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -447,3 +453,21 @@ class TinyConversionTests:
         model = formats.read(convert_gguf(source, tmp_path / "g.mlb", tmp_path / "g.mlt", progress=False)[0])
         np.testing.assert_array_equal(model.array("blk.0.attn_q_norm.weight"), norm)
         assert model.metadata["layer_types"] == [1]
+
+    def test_every_source_type_decodes_like_gguf_py(self, tmp_path):
+        """F16, BF16, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K/Q5_K source tensors, converted to f32, hold
+        exactly gguf-py's dequantized values."""
+        rng = np.random.default_rng(4)
+        values = {"token_embd.weight": rng.standard_normal((8, 256)).astype(np.float16)}
+        encode = {"blk.0.ffn_up.weight": "BF16", "blk.0.ffn_gate.weight": "Q4_1", "blk.0.ffn_down.weight": "Q5_0",
+                  "blk.0.attn_output.weight": "Q5_1", "blk.0.attn_k.weight": "Q8_0"}
+        raw = {"blk.0.attn_v.weight": "Q4_K", "blk.0.attn_q.weight": "Q5_K"}  # rows of 256 weights
+        source = write_gguf(tmp_path / "types.gguf", dim=256, values=values, encode=encode, raw=raw)
+        model = formats.read(convert_gguf(source, tmp_path / "t.mlb", tmp_path / "t.mlt", "f32", progress=False)[0])
+        by_name = {t.name: t for t in gguf.GGUFReader(source).tensors}
+        expected_types = {**encode, **raw, "token_embd.weight": "F16"}
+        for name, type_name in expected_types.items():
+            assert by_name[name].tensor_type.name == type_name
+            raw_rows = np.asarray(by_name[name].data)
+            expected = gguf.quants.dequantize(raw_rows, by_name[name].tensor_type).reshape(model.tensors[name].shape)
+            np.testing.assert_array_equal(model.array(name), expected.astype(np.float32), err_msg=name)
