@@ -50,9 +50,11 @@ $(VENV)-reference/.installed: setup.py tests/reference/requirements.txt
 test-reference: lib $(VENV)-reference/.installed
 	KRAFLA_ISA=$(ISA) KRAFLA_REFERENCE=1 $(VENV)-reference/bin/python -m pytest -q tests/reference
 
+# --- serve (server): the default model on http://127.0.0.1:8080/v1; e.g. SERVE_ARGS="--port 9000 -t 4"
+SERVE_ARGS ?=
 serve: lib venv
 	$(VENV)/bin/krafla pull smollm2-135m
-	KRAFLA_ISA=$(ISA) $(VENV)/bin/twistd -n krafla
+	KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/twistd -n --pidfile= krafla $(SERVE_ARGS)
 
 clean:
 	rm -rf $(BUILD)
