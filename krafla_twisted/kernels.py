@@ -52,6 +52,9 @@ def _declare(lib):
     # int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride,
     #                       int64_t n_rows, float *y, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_axpy_rows", _int, _int, _i32, _p, _p, _i64, _i64, _p, _i64, _err)
+    # int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum,
+    #                         kr_error *err);
+    clib.declare(lib, "kr_test_elementwise", _int, _int, _i32, _p, _p, _i64, ctypes.c_float, _p, _err)
     # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
     #                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
     clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _i32, _p, _err)
@@ -229,6 +232,39 @@ def axpy_rows(weights, rows, y, impl="dispatch"):
     _call(clib.load().kr_test_axpy_rows, _impl(impl), _weight_type(type_name), _ptr(weights), _ptr(rows), stride,
           rows.shape[0], _ptr(out), out.size)
     return out
+
+
+def _elementwise(which, x, y, impl, shift=0.0):
+    x = np.array(x, dtype=np.float32, copy=True, order="C").reshape(-1)
+    y = np.array(y, dtype=np.float32, copy=True, order="C").reshape(-1)
+    if y.size not in (0, x.size):
+        raise ValueError(f"the two vectors differ in length: {x.size} and {y.size}")
+    total = ctypes.c_float()
+    _call(clib.load().kr_test_elementwise, _impl(impl), which, _ptr(x), _ptr(y), x.size, ctypes.c_float(shift),
+          ctypes.byref(total))
+    return x, y, np.float32(total.value)
+
+
+def exp(x, impl="dispatch"):
+    """exp of float32 values with krafla's own exp (within 2 ulp; the same bits in every build)."""
+    x = _array(x, np.float32).reshape(-1)
+    return _elementwise(0, x, np.empty_like(x), impl)[1]
+
+
+def exp_shift_sum(x, shift, impl="dispatch"):
+    """(exp(x - shift), their float32 sum in the kernels' 8-lane order): a softmax's numerators."""
+    values, _, total = _elementwise(1, x, np.empty(0, np.float32), impl, shift)
+    return values, total
+
+
+def silu_mul(gate, up, impl="dispatch"):
+    """silu(gate) * up, element by element."""
+    return _elementwise(2, gate, up, impl)[0]
+
+
+def gelu_tanh_mul(gate, up, impl="dispatch"):
+    """gelu_tanh(gate) * up, element by element."""
+    return _elementwise(3, gate, up, impl)[0]
 
 
 def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20):

@@ -459,3 +459,94 @@ class VectorTests:
             for weight, row in zip(weights, rows):
                 expected = kernels.axpy(weight, row[:n], expected, impl)
             assert same_bits(kernels.axpy_rows(weights, rows, y, impl), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+
+EXP_ULP_TOLERANCE = 2  # krafla's exp is a degree-7 polynomial after range reduction: ~0.9 ulp measured
+
+
+def lanes_sum_float32(values):
+    """The kernels' summation order, in numpy float32: 8 lanes, ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), then the tail."""
+    values = np.asarray(values, np.float32)
+    n8 = values.size - values.size % 8
+    lanes = np.zeros(8, np.float32)
+    for start in range(0, n8, 8):
+        lanes = lanes + values[start:start + 8]
+    total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    for value in values[n8:]:
+        total = np.float32(total + value)
+    return np.float32(total)
+
+
+def same_bits_or_both_nan(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+
+
+class ElementwiseTests:
+    @pytest.mark.parametrize("impl", ["reference", "avx2"])
+    def test_exp_is_within_two_ulp(self, impl):
+        """exp over the whole float range that matters (overflow, the subnormals, underflow to 0)
+        is within EXP_ULP_TOLERANCE of numpy's float64 exp; inf, -inf and NaN map to inf, 0, NaN."""
+        if impl == "avx2":
+            avx2_or_skip()
+        rng = np.random.default_rng(11)
+        x = np.concatenate([rng.uniform(-110, 92, 300_000), rng.uniform(-2, 2, 50_000)]).astype(np.float32)
+        exact = np.exp(x.astype(np.float64))
+        got = kernels.exp(x, impl)
+        away_from_overflow = exact < 3.39e38
+        ulp = np.spacing(exact[away_from_overflow].astype(np.float32)).astype(np.float64)
+        assert np.max(np.abs(got[away_from_overflow] - exact[away_from_overflow]) / ulp) <= EXP_ULP_TOLERANCE
+        assert np.all(np.isinf(got[exact > 3.41e38]))
+        specials = kernels.exp(np.array([np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32), impl)
+        assert specials[0] == np.inf and specials[1] == 0 and np.isnan(specials[2]) and (specials[3:] == 1).all()
+
+    @KERNEL_SETTINGS
+    @given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=0, max_size=70),
+           which=st.sampled_from(["exp", "silu_mul", "gelu_tanh_mul", "exp_shift_sum"]))
+    def test_avx2_equals_reference(self, values, which):
+        """Every element-wise kernel gives the reference's bits in AVX2, any float input (NaN
+        positions must agree; a NaN's payload may differ)."""
+        fast = avx2_or_skip()
+        x = np.array(values, np.float32)
+        up = np.linspace(-3, 3, x.size).astype(np.float32)
+        if which == "exp":
+            assert same_bits_or_both_nan(kernels.exp(x, fast), kernels.exp(x, "reference"))
+        elif which == "exp_shift_sum":
+            (v1, s1), (v2, s2) = kernels.exp_shift_sum(x, 1.5, fast), kernels.exp_shift_sum(x, 1.5, "reference")
+            assert same_bits_or_both_nan(v1, v2) and same_bits_or_both_nan(s1, s2)
+        else:
+            function = getattr(kernels, which)
+            assert same_bits_or_both_nan(function(x, up, fast), function(x, up, "reference"))
+
+    @KERNEL_SETTINGS
+    @given(n=st.integers(0, 150), scale=st.floats(0.01, 30), seed=st.integers(0, 2**32 - 1))
+    def test_activations_match_numpy(self, n, scale, seed):
+        """silu(g) * u and gelu_tanh(g) * u (transformers' tanh approximation) match numpy in
+        float64 within 2^-20 of |g u| plus 2^-20 |u|: the exp is within 2 ulp, tanh via
+        1 - 2 / (exp(2z) + 1) loses at most that near z = 0."""
+        rng = np.random.default_rng(seed)
+        g = (rng.standard_normal(n) * scale).astype(np.float32)
+        u = rng.standard_normal(n).astype(np.float32)
+        g64, u64 = g.astype(np.float64), u.astype(np.float64)
+        tolerance = 2.0**-20 * (np.abs(g64 * u64) + np.abs(u64)) + 1e-30
+        silu = g64 / (1 + np.exp(-g64)) * u64
+        gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u64
+        for impl in ("reference", "dispatch"):
+            assert np.all(np.abs(kernels.silu_mul(g, u, impl) - silu) <= tolerance)
+            assert np.all(np.abs(kernels.gelu_tanh_mul(g, u, impl) - gelu) <= tolerance)
+
+    @KERNEL_SETTINGS
+    @given(n=st.integers(0, 150), seed=st.integers(0, 2**32 - 1))
+    def test_exp_shift_sum_is_a_softmax_numerator(self, n, seed):
+        """exp_shift_sum writes exp(x - shift) (the kernel's exp of the float32 difference) and
+        returns their sum in the 8-lane order, reproduced here in numpy float32 bit for bit."""
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_normal(n) * 10).astype(np.float32)
+        shift = np.float32(x.max()) if n else np.float32(0)
+        for impl in ("reference", "dispatch"):
+            values, total = kernels.exp_shift_sum(x, shift, impl)
+            assert same_bits(values, kernels.exp(x - shift, impl))
+            assert same_bits(total, lanes_sum_float32(values))

@@ -293,6 +293,9 @@ int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_strid
                      int64_t n, float *out, kr_error *err);
 int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride, int64_t n_rows,
                       float *y, int64_t n, kr_error *err);
+// Element-wise kernels; which: 0 y = exp(x); 1 x = exp(x - shift) in place and *sum = their sum;
+// 2 x = silu(x) * y; 3 x = gelu_tanh(x) * y (x is the gate, y the up projection).
+int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum, kr_error *err);
 // For bench/kernels.py: prepare the activations and run kr_matmul over all rows `repeat` times;
 // *best_seconds is the fastest repetition in CPU time of the calling thread (so a busy machine
 // slows it less than wall time). Arguments as kr_test_matmul.

@@ -39,6 +39,10 @@ float kr_dot_f32(const float *a, const float *b, int64_t n) { return KR_KERNEL(k
 float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n) { return KR_KERNEL(kr_dot_f16_f32)(a, b, n); }
 void kr_axpy_f32(float a, const float *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f32)(a, x, y, n); }
 void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f16_f32)(a, x, y, n); }
+void kr_exp_f32(const float *x, float *y, int64_t n) { KR_KERNEL(kr_exp_f32)(x, y, n); }
+float kr_exp_shift_sum_f32(float *x, int64_t n, float shift) { return KR_KERNEL(kr_exp_shift_sum_f32)(x, n, shift); }
+void kr_silu_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_silu_mul_f32)(gate, up, n); }
+void kr_gelu_tanh_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_gelu_tanh_mul_f32)(gate, up, n); }
 void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {
     KR_KERNEL(kr_dot_rows)(type, rows, row_stride, n_rows, x, n, out);
 }
@@ -301,6 +305,23 @@ int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *
                          (long long)row_stride, (long long)n);
     if (status) return status;
     KR_PICK(impl, kr_axpy_rows)(type, weights, rows, (size_t)row_stride, n_rows, y, n);
+    kr_ok(err);
+    return KR_OK;
+}
+
+// which: 0 exp (y = exp(x)), 1 exp_shift_sum (x in place, *sum), 2 silu_mul, 3 gelu_tanh_mul (x = gate in place, y = up)
+int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, 1, err);
+    if (!status) status = check_pointers(x, which == 1 ? (const void *)sum : (const void *)y, err);
+    if (status) return status;
+    switch (which) {
+    case 0: KR_PICK(impl, kr_exp_f32)(x, y, n); break;
+    case 1: *sum = KR_PICK(impl, kr_exp_shift_sum_f32)(x, n, shift); break;
+    case 2: KR_PICK(impl, kr_silu_mul_f32)(x, y, n); break;
+    case 3: KR_PICK(impl, kr_gelu_tanh_mul_f32)(x, y, n); break;
+    default: return kr_fail(err, KR_ERR_ARGUMENT, "element-wise kernel %d is not one of 0 (exp), 1 (exp_shift_sum), 2 (silu_mul), 3 (gelu_tanh_mul)", which);
+    }
     kr_ok(err);
     return KR_OK;
 }

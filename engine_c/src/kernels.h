@@ -113,6 +113,28 @@ void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size
 void kr_axpy_rows_avx2(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
                        int64_t n);
 
+// Element-wise functions built on one exp: the same bits in every build (the reference and AVX2
+// run the same float operations), error within 2 ulp of the true exp. exp overflows to inf and
+// underflows through the subnormals to 0 as IEEE float does; NaN stays NaN.
+//   kr_exp_f32:           y[i] = exp(x[i])
+//   kr_exp_shift_sum_f32: x[i] = exp(x[i] - shift), returns their sum in the 8-lane order (softmax)
+//   kr_silu_mul_f32:      gate[i] = gate[i] / (1 + exp(-gate[i])) * up[i]
+//   kr_gelu_tanh_mul_f32: gate[i] = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up[i],
+//                         tanh(z) = 1 - 2 / (exp(2z) + 1)
+float kr_exp_one_ref(float x);  // one value (the AVX2 versions' scalar tails use it too)
+void kr_exp_f32(const float *x, float *y, int64_t n);
+float kr_exp_shift_sum_f32(float *x, int64_t n, float shift);
+void kr_silu_mul_f32(float *gate, const float *up, int64_t n);
+void kr_gelu_tanh_mul_f32(float *gate, const float *up, int64_t n);
+void kr_exp_f32_ref(const float *x, float *y, int64_t n);
+float kr_exp_shift_sum_f32_ref(float *x, int64_t n, float shift);
+void kr_silu_mul_f32_ref(float *gate, const float *up, int64_t n);
+void kr_gelu_tanh_mul_f32_ref(float *gate, const float *up, int64_t n);
+void kr_exp_f32_avx2(const float *x, float *y, int64_t n);
+float kr_exp_shift_sum_f32_avx2(float *x, int64_t n, float shift);
+void kr_silu_mul_f32_avx2(float *gate, const float *up, int64_t n);
+void kr_gelu_tanh_mul_f32_avx2(float *gate, const float *up, int64_t n);
+
 // The pieces of the fixed reduction order (quant_ref.c explains it): the horizontal sum of 8
 // lanes, and the exact integer sums of one block pair, 4 products per lane.
 float kr_lanes_sum(const float lanes[8]);

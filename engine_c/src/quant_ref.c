@@ -312,6 +312,73 @@ void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size
 }
 
 // ---------------------------------------------------------------------------------------------
+// exp and the functions built on it. x is clamped to [-104, 89] (exp is 0 below and inf above in
+// float anyway), n = round(x / ln 2), r = x - n ln 2 in two fmaf steps (ln 2 split in a high part
+// with few bits and a low part), exp(r) by a degree-7 Taylor polynomial in Horner form, then times
+// 2^(n/2) and 2^(n - n/2): two exact powers, so only the last multiply rounds (into the
+// subnormals or to inf when it must).
+
+#define KR_EXP_LOW (-104.0f)
+#define KR_EXP_HIGH 89.0f
+#define KR_LOG2E 1.44269504f
+#define KR_LN2_HIGH 0.693145752f
+#define KR_LN2_LOW 1.42860677e-06f
+
+static inline float power_of_two(int e) { return bits_float((uint32_t)(e + 127) << 23); }  // e in [-126, 127]
+
+float kr_exp_one_ref(float x) {
+    if (isnan(x)) return x;
+    const float c = x < KR_EXP_LOW ? KR_EXP_LOW : x > KR_EXP_HIGH ? KR_EXP_HIGH : x;
+    const float n = rintf(c * KR_LOG2E);
+    float r = fmaf(n, -KR_LN2_HIGH, c);
+    r = fmaf(n, -KR_LN2_LOW, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int e = (int)n, e1 = e / 2;
+    return p * power_of_two(e1) * power_of_two(e - e1);
+}
+
+void kr_exp_f32_ref(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = kr_exp_one_ref(x[i]);
+}
+
+float kr_exp_shift_sum_f32_ref(float *x, int64_t n, float shift) {
+    float lanes[8] = {0};
+    const int64_t n8 = n - n % 8;
+    for (int64_t i = 0; i < n8; i++) {
+        x[i] = kr_exp_one_ref(x[i] - shift);
+        lanes[i % 8] += x[i];
+    }
+    float sum = kr_lanes_sum(lanes);
+    for (int64_t i = n8; i < n; i++) {
+        x[i] = kr_exp_one_ref(x[i] - shift);
+        sum += x[i];
+    }
+    return sum;
+}
+
+void kr_silu_mul_f32_ref(float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + kr_exp_one_ref(-gate[i])) * up[i];
+}
+
+#define KR_SQRT_2_OVER_PI 0.797884583f
+
+void kr_gelu_tanh_mul_f32_ref(float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float z = KR_SQRT_2_OVER_PI * fmaf(0.044715f * g, g * g, g);
+        const float t = 1.0f - 2.0f / (kr_exp_one_ref(2.0f * z) + 1.0f);
+        gate[i] = 0.5f * g * (1.0f + t) * up[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Matmul: one dot product per (token, row), in the order above
 
 void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
