@@ -127,6 +127,22 @@ class EndpointTests:
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert 0 < usage["completion_tokens"] <= 24
 
+    def test_message_forms(self, server):
+        """developer is the system role; content parts read as the string they join to; a final assistant message is continued."""
+        def reply(messages):
+            return post(server, "/chat/completions", {"messages": messages, "max_tokens": 8})[2]["choices"][0]["message"]["content"]
+
+        as_system = reply([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"}])
+        as_developer = reply([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hello!"}])
+        assert as_system == as_developer
+        parts = reply([{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                                    {"type": "text", "text": "of France?"}]}])
+        assert parts == reply([{"role": "user", "content": QUESTION}])
+        start = "The capital of France is"
+        continued = reply([{"role": "user", "content": QUESTION}, {"role": "assistant", "content": start}])
+        assert not continued.startswith(start)  # the reply goes on from the given text instead of repeating it
+        assert "Paris" in continued
+
     def test_completion_string_and_ids(self, server, model):
         """A prompt string and the same prompt's token ids (with BOS when the tokenizer adds one) continue alike."""
         from krafla_twisted.tokenizer import Tokenizer
