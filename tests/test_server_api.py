@@ -21,7 +21,7 @@ import treq
 from twisted.internet import defer
 
 from tests.support.real_models import real_model
-from tests.support.server import REPO, ServerProcess, in_reactor
+from tests.support.server import REPO, ServerProcess, in_reactor, treq_call
 
 MODEL = "smollm2-135m"
 ORIGIN = "http://app.example"
@@ -43,20 +43,7 @@ def server(model):
     assert "Server Shut Down." in process.lines[-1]
 
 
-def call(method, url, body=None, headers=None):
-    """(status, headers, body bytes) of one request, made by treq in the reactor thread."""
-
-    @defer.inlineCallbacks
-    def go():
-        kwargs = {"headers": headers or {}}
-        if body is not None:
-            kwargs["data"] = body if isinstance(body, bytes) else json.dumps(body).encode()
-            kwargs["headers"] = dict({"Content-Type": "application/json"}, **kwargs["headers"])
-        response = yield treq.request(method, url, persistent=False, **kwargs)
-        content = yield response.content()
-        return response.code, response.headers, content
-
-    return in_reactor(go)
+call = treq_call
 
 
 def post(server, path, body, **kwargs):
@@ -408,6 +395,17 @@ class ClientTests:
         assert out["completion_stream"]["text"] == out["completion"]["text"]
         assert len(out["models"]) == 1
         assert out["wrong_key"] == "accepted"  # this server has no key
+
+    def test_docs_curl_example(self, server):
+        """The curl example in docs/server.md (the original's), pointed at this server, gets a chat reply."""
+        with open(os.path.join(REPO, "docs", "server.md"), encoding="utf-8") as f:
+            docs = f.read()
+        block = next(b for b in docs.split("```sh\n")[1:] if b.startswith("curl "))
+        command = block.split("```")[0].replace("http://127.0.0.1:8080", server.root_url(""))
+        result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+        reply = json.loads(result.stdout)
+        assert reply["object"] == "chat.completion"
+        assert "Paris" in reply["choices"][0]["message"]["content"]
 
     def test_same_reply_as_krafla_run(self, server, model):
         """A one-message chat at temperature 0 gets the reply `krafla run --chat smollm -T 0` prints."""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.support.real_models import real_model
-from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env
+from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env, treq_call
 
 MODEL = "smollm2-135m"
 
@@ -24,17 +24,9 @@ def model():
 
 
 def fetch(url, headers=None, body=None):
-    """(status, JSON body) with the standard library, so these tests need no reactor."""
-    import urllib.error
-    import urllib.request
-
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers=dict({"Content-Type": "application/json"}, **(headers or {})))
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    """(status, JSON body) of one request, made with treq."""
+    status, _, content = treq_call("POST" if body is not None else "GET", url, body, headers)
+    return status, json.loads(content)
 
 
 class APIKeyTests:

@@ -40,6 +40,29 @@ def in_reactor(function, *args, **kwargs):
     return threads.blockingCallFromThread(_global_reactor, function, *args, **kwargs)
 
 
+def treq_call(method, url, body=None, headers=None):
+    """(status, headers, body bytes) of one request made with treq in the reactor thread.
+
+    `body` is bytes, or anything JSON-encodable (sent as application/json).
+    """
+    import json
+
+    import treq
+    from twisted.internet import defer
+
+    @defer.inlineCallbacks
+    def go():
+        kwargs = {"headers": dict(headers or {})}
+        if body is not None:
+            kwargs["data"] = body if isinstance(body, bytes) else json.dumps(body).encode()
+            kwargs["headers"].setdefault("Content-Type", "application/json")
+        response = yield treq.request(method, url, persistent=False, **kwargs)
+        content = yield response.content()
+        return response.code, response.headers, content
+
+    return in_reactor(go)
+
+
 def server_env(extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
