@@ -3,10 +3,11 @@
 A template turns a conversation into a list of segments: the BOS or EOS token, a special token
 (`<|im_start|>`, inserted by id), plain text (encoded with special=False, so user text that looks
 like a control token stays text), or an assistant message's content. An assistant's content is
-always a segment of its own, so a generation prompt ends exactly where the reply begins: the
-tokens of turn N+1's prompt start with turn N's prompt, the reply's tokens and the stop token
-(for the templates whose official form keeps earlier turns verbatim; Qwen3.5 drops the reasoning
-of earlier turns, as its official template does).
+a segment of its own, so a generation prompt ends exactly where the reply begins: the tokens of
+turn N+1's prompt start with turn N's prompt, the reply's tokens and the stop token (for the
+templates whose official form keeps earlier turns verbatim; Qwen3.5 drops the reasoning of
+earlier turns, as its official template does). SentencePiece vocabularies with a space prefix
+are the exception: see Template.render.
 
     template = get_template("chatml")
     ids = template.render([{"role": "user", "content": "Hi"}], tokenizer)
@@ -151,8 +152,15 @@ class Template:
         return "".join(parts)
 
     def render(self, messages, tokenizer, system=None):
-        """The prompt as token ids: special markers by id, all other text with special=False."""
+        """The prompt as token ids: special markers by id, all other text with special=False.
+
+        A SentencePiece tokenizer that adds a space prefix to every text it encodes (Llama 2,
+        TinyLlama) would put one before each assistant message too, which the model never
+        produces after its prompt; for those, all text between two special tokens is encoded
+        as one piece, as llama.cpp does."""
         segments = self.segments(messages, system)
+        if getattr(tokenizer, "add_space_prefix", False):
+            segments = _merge_text(segments)
         ids = []
         for kind, text in segments:
             if kind == BOS:
@@ -189,6 +197,16 @@ class Template:
 
     def __repr__(self):
         return f"<chat template {self.name}>"
+
+
+def _merge_text(segments):
+    merged = []
+    for kind, text in segments:
+        if kind in (TEXT, CONTENT) and merged and merged[-1][0] == TEXT:
+            merged[-1] = (TEXT, merged[-1][1] + text)
+        else:
+            merged.append((TEXT if kind == CONTENT else kind, text))
+    return merged
 
 
 class ChatMLTemplate(Template):

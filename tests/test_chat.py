@@ -357,6 +357,20 @@ class TurnTests:
         assert ids.count(im_end) == 1 and ids.count(im_start) == 2
         assert ids[0] == im_start
 
+    def test_space_prefix_tokenizers_encode_text_between_specials_once(self):
+        """With a SentencePiece space prefix, the reply is encoded together with the text before
+        it (one space prefix per run of text, as llama.cpp tokenizes), not on its own."""
+        class SpacePrefixTokenizer(ContextTokenizer):
+            add_space_prefix = True
+
+            def encode(self, text, add_bos=None, special=False):
+                return super().encode(" " + text, add_bos, special)
+
+        tokenizer = SpacePrefixTokenizer()
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+        ids = chat.get_template("llama2").render(messages, tokenizer)
+        assert ids == [1] + tokenizer.encode("[INST] Hi [/INST] Yo", add_bos=False)
+
     def test_bos(self):
         """Templates that write BOS get the tokenizer's bos id; the others get it only when the
         tokenizer adds one, and never twice."""
@@ -443,12 +457,16 @@ class RealTokenizerTests:
         prompt = template.render(conversation, tokenizer)
         following = template.render(conversation + [{"role": "assistant", "content": reply},
                                                      {"role": "user", "content": next_user}], tokenizer)
-        reply_tokens = tokenizer.encode(REPLY_SEGMENT.get(name, lambda r: r)(reply), add_bos=False)
+        reply_text = REPLY_SEGMENT.get(name, lambda r: r)(reply)
         assert following[:len(prompt)] == prompt
-        assert following[len(prompt):len(prompt) + len(reply_tokens)] == reply_tokens
-        after_reply = following[len(prompt) + len(reply_tokens):]
+        after_prompt = following[len(prompt):]
         stops = template.stop_token_ids(tokenizer)
-        if name == "llama2":
-            assert tokenizer.decode(after_reply[:after_reply.index(tokenizer.eos_id)]) in (b" ", b"  ")
+        if tokenizer.add_space_prefix:
+            # Llama 2 / TinyLlama: the reply is encoded with the text around it (no space prefix of
+            # its own), up to </s>; Llama 2 writes one space before </s>.
+            end = after_prompt.index(tokenizer.eos_id)
+            assert tokenizer.decode(after_prompt[:end]) == (reply_text + (" " if name == "llama2" else "")).encode()
         else:
-            assert after_reply[0] in stops
+            reply_tokens = tokenizer.encode(reply_text, add_bos=False)
+            assert after_prompt[:len(reply_tokens)] == reply_tokens
+            assert after_prompt[len(reply_tokens)] in stops
