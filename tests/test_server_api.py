@@ -231,17 +231,17 @@ class StreamingTests:
         assert all(stop not in (e["choices"][0]["text"] if e != "[DONE]" and e["choices"] else "") for e in events)
 
     def test_multibyte_characters_in_stream(self, server):
-        """Non-ASCII replies stream as whole characters: each raw event decodes alone, the join equals the plain reply."""
-        body = chat_body("Write three emoji and the French word for summer, with its accent.", max_tokens=24)
-        plain = post(server, "/chat/completions", body)[2]["choices"][0]["message"]["content"]
-        assert any(ord(c) > 127 for c in plain), plain
-        status, events, raw_pieces = stream(server, "/chat/completions", dict(body, stream=True))
-        text = streamed_text(events)
-        assert text == plain
-        assert "\ufffd" not in text
-        for event in events[1:-2]:
-            delta = event["choices"][0]["delta"].get("content", "")
-            delta.encode("utf-8")  # a lone surrogate (half a character) would raise
+        """Emoji (4 UTF-8 bytes, several byte-level tokens each) stream as whole characters: no U+FFFD, the
+        pieces join to the plain reply."""
+        body = {"prompt": "🍎 apple\n🍌 banana\n🍇 grapes\n🍓", "max_tokens": 24}
+        plain = post(server, "/completions", body)[2]["choices"][0]["text"]
+        assert any(ord(c) > 0xFFFF for c in plain), plain
+        status, events, raw_pieces = stream(server, "/completions", dict(body, stream=True))
+        pieces = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+        assert "".join(pieces) == plain
+        assert "\ufffd" not in plain
+        for piece in pieces:
+            piece.encode("utf-8")  # half a character would be a lone surrogate or U+FFFD
 
 
 class CacheTests:
@@ -283,9 +283,10 @@ class QueueTests:
 
     def test_two_concurrent_requests_answered_in_order(self, server):
         """Two requests sent together: the first sent is answered first, the second waits for it."""
-        first = raw_request(server, {"prompt": "Count: one, two,", "max_tokens": 24})
+        # Counting goes on: neither reply ends before max_tokens.
+        first = raw_request(server, {"prompt": "1, 2, 3, 4,", "max_tokens": 24})
         time.sleep(0.3)
-        second = raw_request(server, {"prompt": "Colors: red, green,", "max_tokens": 4})
+        second = raw_request(server, {"prompt": "10, 11, 12,", "max_tokens": 4})
         first_reply = read_all(first)
         first_done = time.monotonic()
         second_reply = read_all(second)
@@ -298,7 +299,7 @@ class QueueTests:
     def test_cancel_running_and_queued(self, server):
         """A streaming client that leaves stops generation at the next token; a queued one that leaves never runs."""
         start = len(server.lines)
-        running = raw_request(server, {"prompt": "Write a long story.", "max_tokens": 400, "stream": True})
+        running = raw_request(server, {"prompt": "1, 2, 3, 4,", "max_tokens": 400, "stream": True})
         received = b""
         while b"data: " not in received:
             received += running.recv(4096)
