@@ -357,6 +357,11 @@ class RefusalTests:
         with pytest.raises(ConvertError, match=r"blk\.0\.ffn_up\.weight holds NaN"):
             self.convert(tmp_path, source)
 
+    def test_missing_output_directory_is_refused_before_any_work(self, tmp_path):
+        """An output in a folder that does not exist is an error naming the folder, even for a bad source."""
+        with pytest.raises(ConvertError, match=r"directory .*/absent does not exist"):
+            convert_gguf(tmp_path / "m.gguf", tmp_path / "absent" / "o.mlb", tmp_path / "o.mlt")
+
     def test_bad_type_name(self, tmp_path):
         """--type q2_k is refused listing the types krafla writes."""
         with pytest.raises(ConvertError, match="f32, f16, q8_0, q4_0"):

@@ -252,17 +252,12 @@ def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
     """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes."""
     gguf_type = tensor.tensor_type.name
     n_per_row = shape[-1]
-    raw = np.asarray(tensor.data)
-    raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
-    rows = raw.shape[0]
-    if raw.dtype == np.uint8:
-        expected = quantize.row_bytes(gguf_type, n_per_row)
-    else:
-        expected = n_per_row
-    if rows * raw.shape[1] != math.prod(shape[:-1]) * expected:
+    rows = math.prod(shape[:-1])
+    raw = np.asarray(tensor.data)  # uint8 for block types, typed for F32/F16
+    row_size = quantize.row_bytes(gguf_type, n_per_row) if raw.dtype == np.uint8 else n_per_row
+    if raw.size != rows * row_size:
         raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {shape}")
-    raw = raw.reshape(math.prod(shape[:-1]), -1)
-    rows = raw.shape[0]
+    raw = raw.reshape(rows, row_size)
     out = None
     step = max(1, _CHUNK_WEIGHTS // n_per_row)
     for start in range(0, rows, step):
@@ -318,6 +313,9 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     if type_name not in OUTPUT_TYPES:
         raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
+    for path in (out_mlb, out_mlt):
+        if not path.parent.is_dir():
+            raise ConvertError(f"{path}: directory {path.parent} does not exist")
     reader = _open(src, progress)
     metadata = hyperparameters(reader, src)
     arch = ARCHITECTURES[metadata["arch"]]
@@ -370,9 +368,6 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
         if bar is not None:
             bar.close()
 
-    for path in (out_mlb, out_mlt):
-        if path.parent and not path.parent.is_dir():
-            raise ConvertError(f"{path}: directory {path.parent} does not exist")
     formats.write(out_mlt, tokenizer)
     formats.write(out_mlb, model)
     return out_mlb, out_mlt
