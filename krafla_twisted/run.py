@@ -10,6 +10,9 @@ message rendered by the template, as the server renders a chat request; without 
 (with BOS if the tokenizer adds one). Without MODEL the default model is pulled on first use and
 its own chat template applies. A prompt read from stdin loses one trailing newline (what echo
 adds). Same seed (or -T 0), same options: same output.
+
+Interactive (`-i`, or stdin a terminal without -p): each line is the next user message of one
+chat, rendered turn by turn so each turn only evaluates its new tokens.
 """
 
 import sys
@@ -21,6 +24,9 @@ def add_arguments(parser):
     parser.add_argument("model", nargs="?", metavar="MODEL.mlb",
                         help="model file (default: the default model, pulled and converted on first use)")
     parser.add_argument("-p", "--prompt", help="the prompt (default: read from stdin)")
+    parser.add_argument("-i", "--interactive", action="store_true",
+                        help="chat turn by turn: each line on stdin is the next user message (the default "
+                             "when stdin is a terminal and no -p is given)")
     options.add_arguments(parser, prompt_short_p=True)
 
 
@@ -74,39 +80,53 @@ def _is_terminal(stream):
         return False
 
 
+class _Output:
+    """The reply streamed to stdout, with the prompt status erased first."""
+
+    def __init__(self, stdout, status):
+        self.stdout = stdout
+        self.status = status
+        self.ended_with_newline = True
+
+    def __call__(self, piece):
+        self.status.clear()
+        self.stdout.write(piece)
+        self.stdout.flush()
+        self.ended_with_newline = piece.endswith("\n")
+
+    def end_reply(self):
+        if not self.ended_with_newline:
+            self.stdout.write("\n")
+            self.stdout.flush()
+        self.ended_with_newline = True
+
+
 def main(args, stdin=None, stdout=None, stderr=None):
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
+    interactive = args.interactive or (args.prompt is None and _is_terminal(stdin))
     try:
-        prompt = read_prompt(args, stdin)
-        if not prompt:
-            raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
+        if not interactive:
+            prompt = read_prompt(args, stdin)
+            if not prompt:
+                raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
         runtime = generate.Runtime.from_options(args, progress=True)
     except (ValueError, OSError, clib.KraflaError) as e:
         print(f"krafla run: {e}", file=stderr)
         return 1
     status = PromptStatus(stderr, _is_terminal(stderr))
-    ended_with_newline = [True]
-
-    def write(piece):
-        status.clear()
-        stdout.write(piece)
-        stdout.flush()
-        ended_with_newline[0] = piece.endswith("\n")
-
+    output = _Output(stdout, status)
     try:
         with runtime:
+            if interactive:
+                return _chat_loop(runtime, args.prompt, stdin, output, stderr)
             if runtime.template is not None:
                 prompt_ids = runtime.template.render([{"role": "user", "content": prompt}], runtime.tokenizer,
                                                      system=runtime.system)
-                stop_strings = runtime.template.stop_strings
             else:
                 prompt_ids = runtime.tokenizer.encode(prompt)
-                stop_strings = ()
-            result = generate.Generator(runtime).generate(
-                prompt_ids, max_tokens=runtime.max_tokens, sampling=runtime.sampling, stop_strings=stop_strings,
-                on_text=write, on_prompt_progress=status)
+            result = _reply(runtime, prompt_ids, output)
     except KeyboardInterrupt:
         status.clear()
         print("\nkrafla run: interrupted", file=stderr)
@@ -115,8 +135,43 @@ def main(args, stdin=None, stdout=None, stderr=None):
         status.clear()
         print(f"krafla run: {e}", file=stderr)
         return 1
-    if not ended_with_newline[0]:
-        stdout.write("\n")
-        stdout.flush()
+    output.end_reply()
     print(stats_line(result), file=stderr)
     return 0
+
+
+def _reply(runtime, prompt_ids, output):
+    stop_strings = runtime.template.stop_strings if runtime.template is not None else ()
+    return generate.Generator(runtime).generate(
+        prompt_ids, max_tokens=runtime.max_tokens, sampling=runtime.sampling, stop_strings=stop_strings,
+        on_text=output, on_prompt_progress=output.status)
+
+
+def _chat_loop(runtime, first_message, stdin, output, stderr):
+    """Each line of stdin is the next user message of one conversation; replies stream to stdout
+    and each is followed by its stats line. The conversation is rendered turn by turn, so every
+    turn reuses the previous turns' KV cache. Ends at end of input."""
+    if runtime.template is None:
+        raise ValueError("interactive mode is a chat: give --chat TEMPLATE")
+    terminal = _is_terminal(stdin)
+    conversation = []
+    pending = [first_message] if first_message else []
+    while True:
+        if pending:
+            message = pending.pop()
+        else:
+            if terminal:
+                stderr.write("> ")
+                stderr.flush()
+            line = stdin.readline()
+            if not line:
+                return 0
+            message = line[:-1] if line.endswith("\n") else line
+            if not message.strip():
+                continue
+        conversation.append({"role": "user", "content": message})
+        prompt_ids = runtime.template.render(conversation, runtime.tokenizer, system=runtime.system)
+        result = _reply(runtime, prompt_ids, output)
+        conversation.append({"role": "assistant", "content": result.text})
+        output.end_reply()
+        print(stats_line(result), file=stderr)

@@ -168,6 +168,24 @@ class RunTests:
         assert default.returncode == 0, default.stderr
         assert default.stdout == named.stdout and default.stdout.strip()
 
+    def test_interactive_chat_reuses_the_cache(self, smollm):
+        """`-i`: each stdin line is the next user message; the second turn's prompt starts with the
+        first prompt and reply, so all of those tokens come from the KV cache."""
+        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-i", "-n", "40", "-t", "2",
+                            stdin="What is the capital of France?\n\nAnd of Germany?\n")
+        assert result.returncode == 0, result.stderr
+        stats = [STATS.match(line) for line in result.stderr.splitlines() if line.startswith("# prompt")]
+        assert len(stats) == 2 and all(stats)
+        first_prompt, _, first_reply, first_finish = (stats[0].group(i) for i in (1, 2, 3, 4))
+        assert first_finish == "stop"  # so every reply token was evaluated
+        assert int(stats[1].group(2)) == int(first_prompt) + int(first_reply)
+        assert "Paris" in result.stdout and "Berlin" in result.stdout
+
+    def test_interactive_needs_a_template(self, smollm):
+        """-i without --chat (and with a model file) is refused: it is a chat."""
+        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "-i", stdin="Hi\n")
+        assert result.returncode == 1 and "--chat" in result.stderr
+
     @pytest.mark.parametrize("argv, fragment", [
         (["/nonexistent/model.mlb", "-z", "/nonexistent/tok.mlt", "-p", "x"], "/nonexistent/model.mlb"),
         (["MODEL", "-p", "x"], "-z TOKENIZER.mlt is required"),
