@@ -10,7 +10,7 @@ import unittest
 from unittest import mock
 
 from krafla_twisted.api import access as access_module
-from tests.support.fake_backend import APIHarness, FakeBackend, RawConnection, fired, split_response, sse_events
+from tests.support.fake_backend import APIHarness, RawConnection, fired, split_response, sse_events
 
 CHAT = {"model": "anything", "messages": [{"role": "user", "content": "Say hello"}]}
 

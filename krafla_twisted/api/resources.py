@@ -5,7 +5,6 @@ Every resource here runs in the I/O thread. The engine is reached only through t
 """
 
 import json
-import time
 import uuid
 from urllib.parse import unquote
 
@@ -207,7 +206,6 @@ class Reply:
         self.gone = False
         self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
         self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None)
-        self.started = time.monotonic()
 
     def start(self):
         self.request.notifyFinish().addErrback(self._client_gone)

@@ -4,12 +4,20 @@ Never imported by product code. The real backend (krafla_twisted.api.backend) is
 real model in tests/test_server_*.py.
 """
 
+import json
 from dataclasses import dataclass
 
-from twisted.internet.testing import MemoryReactorClock
+from treq.testing import StubTreq
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionLost
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
+from krafla_twisted.api.access import Access
 from krafla_twisted.api.errors import ContextTooLong
+from krafla_twisted.api.resources import API, build_root
+from krafla_twisted.api.site import APISite
+from krafla_twisted.api.worker import EngineWorker
 
 
 @dataclass
@@ -123,13 +131,6 @@ class APIHarness:
     """
 
     def __init__(self, backend=None, *, api_key=None, cors_origins=()):
-        from treq.testing import StubTreq
-
-        from krafla_twisted.api.access import Access
-        from krafla_twisted.api.resources import API, build_root
-        from krafla_twisted.api.site import APISite
-        from krafla_twisted.api.worker import EngineWorker
-
         self.backend = backend if backend is not None else FakeBackend()
         self.reactor = ThreadlessReactor()
         self.pool = SynchronousPool()
@@ -143,8 +144,6 @@ class APIHarness:
     def send(self, method, path, body=None, headers=None, run=True):
         """Start a request; returns its Deferred (the response), with the worker run unless run=False."""
         if isinstance(body, (dict, list)):
-            import json
-
             body = json.dumps(body)
         all_headers = {"Content-Type": "application/json"}
         all_headers.update(headers or {})
@@ -182,10 +181,6 @@ class RawConnection:
     """
 
     def __init__(self, harness):
-        from twisted.internet.address import IPv4Address
-        from twisted.internet.testing import StringTransport
-
-        from krafla_twisted.api.site import APISite
 
         self.site = APISite(harness.root, reactor=harness.reactor)
         self.protocol = self.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
@@ -196,8 +191,6 @@ class RawConnection:
         self.protocol.dataReceived(data)
 
     def post(self, path, body, headers=b""):
-        import json
-
         data = json.dumps(body).encode() if not isinstance(body, bytes) else body
         self.send(
             b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -208,8 +201,6 @@ class RawConnection:
         return self.transport.value()
 
     def lose(self):
-        from twisted.internet.error import ConnectionLost
-
         self.protocol.connectionLost(Failure(ConnectionLost("the client went away")))
 
 
@@ -237,8 +228,6 @@ def split_response(raw):
 
 def sse_events(body):
     """The `data:` payloads of an SSE body: JSON objects, and the string "[DONE]"."""
-    import json
-
     events = []
     for block in body.decode("utf-8").split("\n\n"):
         if not block.strip():
