@@ -105,13 +105,20 @@ def main(args, stdin=None, stdout=None, stderr=None):
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    interactive = args.interactive or (args.prompt is None and _is_terminal(stdin))
+    # On a terminal without -p: a chat if there is a template, else the prompt up to end of input.
+    maybe_interactive = args.prompt is None and _is_terminal(stdin)
     try:
-        if not interactive:
+        if not (args.interactive or maybe_interactive):
             prompt = read_prompt(args, stdin)
             if not prompt:
                 raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
         runtime = generate.Runtime.from_options(args, progress=True)
+        interactive = args.interactive or (maybe_interactive and runtime.template is not None)
+        if maybe_interactive and not interactive:
+            prompt = read_prompt(args, stdin)
+            if not prompt:
+                runtime.close()
+                raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
     except (ValueError, OSError, clib.KraflaError) as e:
         print(f"krafla run: {e}", file=stderr)
         return 1

@@ -181,6 +181,23 @@ class RunTests:
         assert int(stats[1].group(2)) == int(first_prompt) + int(first_reply)
         assert "Paris" in result.stdout and "Berlin" in result.stdout
 
+    def test_terminal_without_prompt_is_a_chat(self, smollm):
+        """On a terminal with no -p and a chat template, krafla run chats: a `> ` prompt on
+        stderr, one reply per line, Ctrl-D ends it."""
+        import pty
+
+        controller, terminal = pty.openpty()
+        process = subprocess.Popen([sys.executable, "-m", "krafla_twisted.cli", "run", str(smollm.mlb), "-z",
+                                    str(smollm.mlt), "--chat", "smollm", "-n", "24"],
+                                   stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.close(terminal)
+        os.write(controller, b"What is the capital of France?\n\x04")
+        out, err = process.communicate(timeout=300)
+        os.close(controller)
+        assert process.returncode == 0, err
+        assert "Paris" in out
+        assert err.startswith("> ") and err.count("# prompt") == 1
+
     def test_interactive_needs_a_template(self, smollm):
         """-i without --chat (and with a model file) is refused: it is a chat."""
         result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "-i", stdin="Hi\n")
