@@ -60,6 +60,10 @@ class BackendTests:
             backend.complete(CompletionRequest(kind="chat", messages=({"role": "user", "content": "word " * 80},)),
                              on_text=None, cancelled=lambda: False)
         assert caught.value.param == "messages"
+        assert not backend.tokenizer.add_bos  # SmolLM2 adds no BOS, so "" is no tokens at all
+        with pytest.raises(InvalidRequest) as caught:
+            backend.complete(CompletionRequest(kind="text", prompt_text=""), on_text=None, cancelled=lambda: False)
+        assert caught.value.param == "prompt"
 
     def test_stop_strings_passed_on(self, backend, monkeypatch):
         """A chat's stop strings are the request's plus the template's; a text completion's only the request's."""
