@@ -40,6 +40,7 @@ setup(
             "hypothesis>=6.100",
             "jinja2>=3.1",
             "openai>=1.50",
+            "regex>=2024.4",  # tests: runs llama.cpp's pre-tokenizer patterns as an oracle (owner: tokenizer)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},

@@ -243,4 +243,4 @@ class StreamingDecoder:
 
 def unicode_class(codepoint):
     """Class bits the pre-tokenizers give a codepoint: 1 letter, 2 number, 4 mark, 8 space."""
-    return clib.load().kr_unicode_class(codepoint)
+    return clib.load().kr_unicode_class(codepoint & 0xFFFFFFFF)

@@ -953,12 +953,6 @@ static void bpe_word(encoder *e, const uint8_t *word, int64_t n) {
         if (sym[i].id >= 0) emit(e, sym[i].id);
 }
 
-// Byte length of the UTF-8 character starting with byte b, as llama.cpp's unicode_len_utf8
-// counts it (by the high nibble alone; the merge loop works on these symbols).
-static int spm_char_length(uint8_t b) {
-    static const int lengths[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
-    return lengths[b >> 4];
-}
 
 static void spm_queue(encoder *e, const uint8_t *text, int32_t left, int32_t right) {
     if (left < 0 || right < 0) return;
@@ -980,8 +974,11 @@ static void spm_text(encoder *e, const uint8_t *text, int64_t n) {
     symbol *sym = e->symbols.data;
     int32_t count = 0;
     for (int64_t i = 0; i < n; count++) {
-        int len = spm_char_length(text[i]);
-        if (len > n - i) len = (int)(n - i);
+        // one UTF-8 character, or one invalid byte (llama.cpp would let a bad lead byte swallow
+        // the next bytes, spaces included; keeping it alone lets it round-trip)
+        uint32_t cp;
+        int len = utf8_decode(text + i, n - i, &cp);
+        if (!len) len = 1;
         sym[count] = (symbol){-1, count - 1, -1, len, i};
         if (count) sym[count - 1].next = count;
         i += len;

@@ -1,0 +1,488 @@
+"""The tokenizer (engine_c/src/tokenizer.c through krafla_twisted.tokenizer) and its converter.
+
+Independent references: llama.cpp's own test vectors (tests/support/testdata.py), the `regex`
+module running the pre-tokenizer patterns llama.cpp uses, plain-Python BPE and SentencePiece
+merges over vocabularies read straight from the GGUF with gguf-py, and Python's unicodedata.
+"""
+
+import functools
+import math
+import unicodedata
+
+import gguf
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import regex
+from hypothesis import HealthCheck, assume, example, given, settings
+
+from krafla_twisted import clib, formats
+from krafla_twisted.convert import tokenizer as convert
+from krafla_twisted.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
+from tests import strategies
+from tests.support import real_models, testdata
+
+BPE_VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35")
+SPM_VOCABS = ("llama-spm", "phi-3")
+
+
+@functools.lru_cache(maxsize=None)
+def vocab_tokenizer(name):
+    return Tokenizer(testdata.vocab_mlt(name))
+
+
+@functools.lru_cache(maxsize=None)
+def pulled_tokenizer(name):
+    """The real model's tokenizer as `krafla pull` wrote it (this converter, from the checked GGUF)."""
+    return Tokenizer(real_models.real_model(name).mlt)
+
+
+def special_spellings(tok, types=(CONTROL, USER_DEFINED, UNKNOWN)):
+    return [(i, tok.token_text(i)) for i in range(tok.n_vocab) if tok.token_type(i) in types]
+
+
+def _round_trip_expected(tok, data):
+    """decode(encode(text)): the bytes back, with SentencePiece's added leading space (before
+    any text at all; an empty text stays empty)."""
+    return (b" " if tok.kind == "spm" and tok.add_space_prefix and data else b"") + data
+
+
+def _has_special_spelling(tok, data):
+    return any(text in data for _, text in special_spellings(tok, (USER_DEFINED,)))
+
+
+@functools.lru_cache(maxsize=None)
+def missing_bytes(tok):
+    """Bytes a byte-level vocabulary has no token for (SmolLM2 lacks a few never seen in its
+    training text, e.g. 0xF1): like llama.cpp, encode drops them, so they cannot round-trip."""
+    if tok.kind != "bpe":
+        return frozenset()
+    alphabet = _gpt2_alphabet()
+    return frozenset(b for b in range(256) if tok.token_id(alphabet[b]) is None)
+
+
+def _encodable(tok, data):
+    return not missing_bytes(tok).intersection(data)
+
+
+class VocabVectorTests:
+    """llama.cpp's vectors: each input line encodes (no BOS) to exactly the expected ids."""
+
+    @pytest.mark.parametrize("name", testdata.VOCABS)
+    def test_every_line_encodes_to_the_expected_ids(self, name):
+        """All lines of ggml-vocab-NAME.gguf.inp/.out, compared id for id."""
+        tok = vocab_tokenizer(name)
+        cases = testdata.vocab_cases(name)
+        assert len(cases) >= 40
+        wrong = [(text, want, got) for text, want in cases if (got := tok.encode(text, add_bos=False)) != want]
+        assert not wrong, f"{len(wrong)} of {len(cases)} lines differ, first: {wrong[0]}"
+
+    def test_qwen25_coder_shares_qwen2_vectors(self):
+        """The real Qwen2.5-Coder vocabulary has qwen2's merges, so qwen2's vectors hold for it too."""
+        tok = pulled_tokenizer("qwen2.5-coder-0.5b")
+        for text, want in testdata.vocab_cases("qwen2"):
+            assert tok.encode(text, add_bos=False) == want, text
+
+    def test_file_defaults_as_llama_cpp_reads_them(self):
+        """add_bos, the pre-tokenizer and the end-of-generation ids follow llama.cpp's loader."""
+        llama3 = vocab_tokenizer("llama-bpe")
+        assert (llama3.pre, llama3.add_bos, llama3.bos_id) == ("llama3", True, 128000)
+        assert {128001, 128009} <= llama3.eot_ids
+        assert llama3.encode("Hi")[0] == 128000 and llama3.encode("Hi", add_bos=False)[0] != 128000
+        spm = vocab_tokenizer("llama-spm")
+        assert (spm.kind, spm.add_bos, spm.add_space_prefix, spm.eos_id) == ("spm", True, True, 2)
+        assert vocab_tokenizer("phi-3").token_id("<|end|>") in vocab_tokenizer("phi-3").eot_ids
+        assert vocab_tokenizer("gpt-2").encode("Hi") == vocab_tokenizer("gpt-2").encode("Hi", add_bos=False)
+
+
+class RoundTripTests:
+    """decode(encode(text)) gives back the text: exactly for BPE, after the leading space for SPM."""
+
+    @pytest.mark.parametrize("name", BPE_VOCABS + SPM_VOCABS)
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(text=strategies.tokenizer_texts)
+    @example(text="")
+    @example(text="<|im_start|>user\nhi<|im_end|>")
+    def test_text_round_trips(self, name, text):
+        """Hypothesis text (spaces, digits, marks, CJK, emoji, NUL) survives encode then decode."""
+        tok = vocab_tokenizer(name)
+        data = text.encode()
+        assume(tok.kind == "bpe" or not _has_special_spelling(tok, data))
+        assert tok.decode(tok.encode(text, add_bos=False)) == _round_trip_expected(tok, data)
+
+    @pytest.mark.parametrize("name", BPE_VOCABS + SPM_VOCABS)
+    @settings(max_examples=40, deadline=None)
+    @given(data=st.binary(max_size=40))
+    @example(data=b"\xff\xfe\x00\xc3(\xe2\x82")
+    def test_invalid_utf8_bytes_round_trip(self, name, data):
+        """Any bytes, invalid UTF-8 and NUL included, come back exactly (through byte tokens)."""
+        tok = vocab_tokenizer(name)
+        assume(tok.kind == "bpe" or not _has_special_spelling(tok, data))
+        assert tok.decode(tok.encode(data, add_bos=False)) == _round_trip_expected(tok, data)
+
+    @pytest.mark.parametrize("name", real_models.NAMES)
+    @settings(max_examples=25, deadline=None)
+    @given(text=strategies.tokenizer_texts)
+    def test_real_model_tokenizers_round_trip(self, name, text):
+        """The pulled models' .mlt files (what `krafla pull` wrote) round-trip too."""
+        tok = pulled_tokenizer(name)
+        data = text.encode()
+        assume(_encodable(tok, data) and (tok.kind == "bpe" or not _has_special_spelling(tok, data)))
+        assert tok.decode(tok.encode(text, add_bos=False)) == _round_trip_expected(tok, data)
+
+    def test_one_giant_pre_token(self):
+        """200 kB of one letter (one pre-token) and of one space run encode and round-trip."""
+        for name in ("llama-bpe", "llama-spm"):
+            tok = vocab_tokenizer(name)
+            for text in ("a" * 200_000, " " * 200_000, "ab1 " * 50_000):
+                ids = tok.encode(text, add_bos=False)
+                assert len(ids) < len(text) and tok.decode(ids) == _round_trip_expected(tok, text.encode())
+
+
+class SpecialTokenTests:
+    """Control-token spellings in user text stay text; in special mode they become the tokens."""
+
+    @pytest.mark.parametrize("name", testdata.VOCABS)
+    def test_user_text_never_becomes_a_control_token(self, name):
+        """Every special spelling of the vocabulary, glued and spaced, encodes to no control token."""
+        tok = vocab_tokenizer(name)
+        spellings = [text for _, text in special_spellings(tok)]
+        for text in (b"".join(spellings), b" ".join(spellings), b"x\n".join(spellings)):
+            ids = tok.encode(text, add_bos=False)
+            assert not [i for i in ids if tok.is_control(i)]
+            assert tok.decode(ids) == _round_trip_expected(tok, text) or tok.kind == "spm"
+
+    @pytest.mark.parametrize("name", real_models.NAMES)
+    def test_real_model_chat_markers_stay_text(self, name):
+        """The pulled models' own turn markers typed by a user are not control tokens."""
+        tok = pulled_tokenizer(name)
+        text = "".join(t.decode("utf-8", "replace") for _, t in special_spellings(tok, (CONTROL,))[:300])
+        assert not [i for i in tok.encode(text, add_bos=False) if tok.is_control(i)]
+
+    @pytest.mark.parametrize("name", testdata.VOCABS)
+    def test_special_mode_parses_each_control_token(self, name):
+        """With special=True a control token's exact spelling is that one token."""
+        tok = vocab_tokenizer(name)
+        for token, text in special_spellings(tok, (CONTROL,))[:64]:
+            assert tok.encode(text, add_bos=False, special=True) == [token]
+            assert tok.token_id(text.decode()) == token
+            assert tok.token_bytes(token) == text and tok.decode([token]) == b""
+            assert tok.decode([token], special=True) == text
+
+    def test_chat_turn_in_special_mode(self):
+        """A ChatML turn splits around its markers; the text between is encoded as usual."""
+        tok = vocab_tokenizer("qwen2")
+        start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+        ids = tok.encode("<|im_start|>user\nHello<|im_end|>\n", special=True)
+        assert ids == [start] + tok.encode("user\nHello") + [end] + tok.encode("\n")
+        assert end in tok.eot_ids
+
+    def test_phi3_strips_whitespace_after_special_tokens(self):
+        """phi-3 eats the spaces after a special token (llama.cpp's rstrip for that model)."""
+        tok = vocab_tokenizer("phi-3")
+        user = tok.token_id("<|user|>")
+        assert tok.encode("<|user|>   hi", special=True, add_bos=False) == [user] + tok.encode("hi", add_bos=False)
+
+
+# --- pre-tokenizers against the `regex` module running llama.cpp's patterns
+
+CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PATTERNS = {
+    "gpt2": [GPT2],
+    "llama3": [CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "qwen2": [CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "qwen35": [CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+"],
+    "smollm": [r"\p{N}", GPT2],
+}
+
+
+def reference_split(patterns, text):
+    """Each pattern splits every piece in turn; text between matches is a piece of its own."""
+    pieces = [text]
+    for pattern in patterns:
+        compiled = regex.compile(pattern)
+        split = []
+        for piece in pieces:
+            last = 0
+            for match in compiled.finditer(piece):
+                if match.start() > last:
+                    split.append(piece[last:match.start()])
+                if match.end() > match.start():
+                    split.append(match.group())
+                last = match.end()
+            if last < len(piece):
+                split.append(piece[last:])
+        pieces = split
+    return pieces
+
+
+def regex_class(ch):
+    return ((1 if regex.match(r"\p{L}", ch) else 0) | (2 if regex.match(r"\p{N}", ch) else 0)
+            | (4 if regex.match(r"\p{M}", ch) else 0) | (8 if regex.match(r"\s", ch) else 0))
+
+
+class PreTokenizerTests:
+    """Each hand-written splitter equals llama.cpp's regex for it, run by the `regex` module."""
+
+    @pytest.mark.parametrize("pre,name", [("gpt2", "gpt-2"), ("llama3", "llama-bpe"), ("qwen2", "qwen2"),
+                                          ("qwen35", "qwen35"), ("smollm", "smollm2-135m")])
+    @settings(max_examples=150, deadline=None)
+    @given(text=strategies.tokenizer_texts)
+    @example(text="Hello, y'all! How're you 😁 ?我想在apple工作1314151天～ \n\n  x  \r\n\t' era  ")
+    def test_split_equals_the_regex(self, pre, name, text):
+        """Pre-tokens of hypothesis text, over characters whose class both Unicode tables agree on."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        tok = pulled_tokenizer(name) if name in real_models.NAMES else vocab_tokenizer(name)
+        assert tok.pre == pre
+        assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS[pre], text)
+
+
+class UnicodeClassTests:
+    """The generated class table agrees with Python's unicodedata for every codepoint."""
+
+    def test_every_codepoint(self):
+        """Letter, number and mark bits from the general category; space from White_Space."""
+        white_space = set(range(9, 14)) | {0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
+                                           0x205F, 0x3000}
+        classify = clib.load().kr_unicode_class
+        wrong = []
+        for cp in range(0x110000):
+            category = unicodedata.category(chr(cp))[0]
+            want = 8 if cp in white_space else {"L": 1, "N": 2, "M": 4}.get(category, 0)
+            if classify(cp) != want:
+                wrong.append(hex(cp))
+        assert not wrong
+        assert unicode_class(0x110000) == 0 and unicode_class(0xFFFFFFFF) == 0
+
+
+# --- whole encodes against plain-Python merges over the GGUF's own tables
+
+
+def _gpt2_alphabet():
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_vocab(name):
+    reader = real_models.gguf_reader(name)
+    fields = reader.fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
+    extra = {}
+    if "tokenizer.ggml.merges" in fields:
+        merges = [bytes(fields["tokenizer.ggml.merges"].parts[i]).decode() for i in fields["tokenizer.ggml.merges"].data]
+        extra["ranks"] = {tuple(m.split(" ", 1)): rank for rank, m in reversed(list(enumerate(merges)))}
+    if "tokenizer.ggml.scores" in fields:
+        extra["scores"] = [float(s) for s in fields["tokenizer.ggml.scores"].contents()]
+    return tokens, types, {t: i for i, t in enumerate(tokens)}, extra
+
+
+def reference_partition(tokens, types, text, special=False):
+    """llama.cpp's special-token partition, naively: longest spelling first, leftmost matches."""
+    fragments = [text]
+    wanted = (CONTROL, USER_DEFINED, UNKNOWN) if special else (USER_DEFINED,)
+    order = sorted((i for i, t in enumerate(types) if t in wanted), key=lambda i: (-len(tokens[i].encode()), i))
+    for token in order:
+        spelling, split = tokens[token], []
+        for fragment in fragments:
+            if isinstance(fragment, int):
+                split.append(fragment)
+                continue
+            while spelling in fragment:
+                left, fragment = fragment.split(spelling, 1)
+                split += [left, token] if left else [token]
+            if fragment:
+                split.append(fragment)
+        fragments = split
+    return fragments
+
+
+def reference_bpe_encode(name, text):
+    tokens, types, ids, extra = gguf_vocab(name)
+    alphabet, out = _gpt2_alphabet(), []
+    for fragment in reference_partition(tokens, types, text):
+        if isinstance(fragment, int):
+            out.append(fragment)
+            continue
+        for word in reference_split(PATTERNS["smollm"], fragment):
+            symbols = [alphabet[b] for b in word.encode()]
+            while len(symbols) > 1:
+                rank, i = min((extra["ranks"].get((symbols[i], symbols[i + 1]), math.inf), i)
+                              for i in range(len(symbols) - 1))
+                if rank == math.inf:
+                    break
+                symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+            out += [ids[s] for s in symbols if s in ids]  # a byte without a token is dropped
+    return out
+
+
+def reference_spm_encode(name, text, add_space_prefix):
+    tokens, types, ids, extra = gguf_vocab(name)
+    scores, out, after_special = extra["scores"], [], True
+    usable = lambda s: s in ids and types[ids[s]] not in (CONTROL, UNKNOWN)  # noqa: E731
+    for fragment in reference_partition(tokens, types, text):
+        if isinstance(fragment, int):
+            out.append(fragment)
+            after_special = True
+            continue
+        symbols = list(((" " if add_space_prefix and after_special else "") + fragment).replace(" ", "▁"))
+        after_special = False
+        while True:
+            best = None
+            for i in range(len(symbols) - 1):
+                pair = symbols[i] + symbols[i + 1]
+                if usable(pair) and (best is None or scores[ids[pair]] > best[0]):
+                    best = (scores[ids[pair]], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+        for s in symbols:
+            out += [ids[s]] if usable(s) else [ids[f"<0x{b:02X}>"] for b in s.encode()]
+    return out
+
+
+class ReferenceEncodeTests:
+    """Real vocabularies without llama.cpp vectors, against plain-Python merges."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(text=strategies.tokenizer_texts)
+    @example(text="\U00040000 \U000e0067")
+    @example(text="What is the capital of France? It's Paris, 2024.\n\n  def f(x):\n\treturn x'")
+    def test_smollm2_equals_python_bpe(self, text):
+        """SmolLM2 (byte-level BPE, smollm split): ids equal a naive merge-by-rank loop."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        assert pulled_tokenizer("smollm2-135m").encode(text, add_bos=False) == reference_bpe_encode(
+            "smollm2-135m", text)
+
+    @settings(max_examples=25, deadline=None)
+    @given(text=strategies.tokenizer_texts)
+    @example(text="Hello world!\n\n  The capital of France is Paris. 12345 <table>x</table>")
+    def test_gemma3_equals_python_sentencepiece(self, text):
+        """Gemma 3 (SentencePiece BPE, byte fallback, user-defined space runs): ids equal a naive
+        highest-score merge loop."""
+        tok = pulled_tokenizer("gemma3-270m")
+        assert tok.kind == "spm" and tok.add_bos and not tok.add_space_prefix
+        assert tok.encode(text, add_bos=False) == reference_spm_encode("gemma3-270m", text, add_space_prefix=False)
+
+    def test_gemma3_end_of_turn(self):
+        """Gemma's <end_of_turn> ends a generation and bos comes first by default."""
+        tok = pulled_tokenizer("gemma3-270m")
+        assert tok.token_id("<end_of_turn>") in tok.eot_ids and tok.eos_id in tok.eot_ids
+        assert tok.encode("hi")[0] == tok.bos_id == 2
+
+
+class StreamingDecoderTests:
+    """Streamed text never ends inside a character; invalid bytes become U+FFFD."""
+
+    @pytest.mark.parametrize("name", ["llama-bpe", "llama-spm"])
+    @settings(max_examples=60, deadline=None)
+    @given(text=strategies.tokenizer_texts)
+    def test_pieces_are_whole_characters(self, name, text):
+        """Each push is a prefix extension of the text (no U+FFFD from a split character)."""
+        tok = vocab_tokenizer(name)
+        assume(tok.kind == "bpe" or not _has_special_spelling(tok, text.encode()))
+        decoder, streamed = tok.streaming_decoder(), ""
+        expected = _round_trip_expected(tok, text.encode()).decode()
+        for token in tok.encode(text, add_bos=False):
+            streamed += decoder.push(token)
+            assert expected.startswith(streamed)
+        assert streamed + decoder.flush() == expected
+
+    def test_split_emoji_waits_for_its_last_byte(self):
+        """An emoji spelled by four byte tokens appears whole with the fourth."""
+        tok = vocab_tokenizer("llama-spm")
+        byte_tokens = [tok.token_id(f"<0x{b:02X}>") for b in "🦙".encode()]
+        decoder = tok.streaming_decoder()
+        assert [decoder.push(t) for t in byte_tokens] == ["", "", "", "🦙"]
+
+    def test_invalid_bytes_become_replacement_characters(self):
+        """A stray continuation byte is U+FFFD at once; a cut-off character is U+FFFD at flush."""
+        tok = vocab_tokenizer("gpt-2")
+        decoder = tok.streaming_decoder()
+        stray, lead = tok.encode(b"\x80", add_bos=False), tok.encode(b"\xe2\x82", add_bos=False)
+        assert "".join(decoder.push(t) for t in stray) == "\ufffd"
+        assert "".join(decoder.push(t) for t in lead) == ""
+        assert decoder.flush() == "\ufffd"
+        assert "".join(decoder.push(t) for t in tok.encode("ok", add_bos=False)) == "ok"
+
+
+class MalformedFileTests:
+    """A bad .mlt is refused with a message naming the file and the problem, never a crash."""
+
+    @staticmethod
+    def tiny_tables():
+        alphabet = _gpt2_alphabet()
+        tokens = [alphabet[b].encode() for b in range(256)] + ["ab".encode(), "<|end|>".encode()]
+        types = [1] * 257 + [CONTROL]
+        return convert.TokenizerTables("bpe", "gpt2", tokens, types, merges=[(b"a", b"b")], eos_id=257,
+                                       eot_ids={257})
+
+    def write(self, tmp_path, container, name="t.mlt"):
+        path = tmp_path / name
+        formats.write(path, container)
+        return path
+
+    def test_tiny_tokenizer_works(self, tmp_path):
+        """The hand-made vocabulary used below is itself valid: 'ab' merges, '<|end|>' is text."""
+        tok = Tokenizer(self.write(tmp_path, convert.build_container(self.tiny_tables())))
+        assert tok.encode("abc<|end|>") == [256, ord("c")] + [ord(c) for c in "<|end|>"]
+        assert tok.encode("<|end|>", special=True) == [257] and tok.eot_ids == {257}
+
+    @pytest.mark.parametrize("change,message", [
+        (lambda c: c.metadata.update(kind="wordpiece"), "kind"),
+        (lambda c: c.metadata.update(pre="bloom"), "pre-tokenizer"),
+        (lambda c: c.metadata.update(eos_id=999), "eos_id"),
+        (lambda c: c.metadata.update(eot_ids=[5, 300]), "eot_ids"),
+        (lambda c: c.metadata.update(add_bos=1), "add_bos"),
+        (lambda c: c.tensors.pop("merges"), "merges"),
+        (lambda c: c.add("merges", formats.I32, (1, 3), np.array([[97, 98, 400]])), "merge 0"),
+        (lambda c: c.add("token_offsets", formats.I32, (259,), np.r_[0, np.arange(258)[::-1]]), "token_offsets"),
+        (lambda c: c.add("token_types", formats.I32, (258,), np.full(258, 9)), "type"),
+        (lambda c: c.add("token_types", formats.I32, (12,), np.ones(12)), "token_types"),
+    ])
+    def test_bad_tables_are_refused(self, tmp_path, change, message):
+        """Each broken field gives a KraflaError that names the file and that field."""
+        container = convert.build_container(self.tiny_tables())
+        change(container)
+        path = self.write(tmp_path, container)
+        with pytest.raises(clib.KraflaError, match=message) as caught:
+            Tokenizer(path)
+        assert str(path) in str(caught.value)
+
+    @settings(max_examples=150, deadline=None)
+    @given(flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=8),
+           text=strategies.tokenizer_texts)
+    def test_corrupted_files_never_crash(self, tmp_path_factory, flips, text):
+        """Random byte changes: the file is refused cleanly, or it opens and encodes any text."""
+        path = tmp_path_factory.mktemp("mlt") / "t.mlt"
+        formats.write(path, convert.build_container(self.tiny_tables()))
+        data = bytearray(path.read_bytes())
+        for position, value in flips:
+            data[position % len(data)] = value
+        path.write_bytes(bytes(data))
+        try:
+            tok = Tokenizer(path)
+        except clib.KraflaError:
+            return
+        ids = tok.encode(text, special=True)
+        assert all(0 <= i < tok.n_vocab for i in ids)
+        tok.decode(ids)
+
+    def test_model_file_is_not_a_tokenizer(self, tmp_path):
+        """A .mlb given as the tokenizer is refused as the wrong kind of file."""
+        path = self.write(tmp_path, formats.Container(formats.MODEL_MAGIC, {"arch": "llama"}), "m.mlb")
+        with pytest.raises(clib.KraflaError, match="tokenizer"):
+            Tokenizer(path)
+
+    def test_bad_token_ids_in_decode(self):
+        """decode refuses ids outside the vocabulary with a ValueError naming the id."""
+        tok = vocab_tokenizer("gpt-2")
+        with pytest.raises(ValueError, match="50257"):
+            tok.decode([1, 50257])
+        with pytest.raises(ValueError):
+            tok.decode([-1])
