@@ -368,3 +368,23 @@ class CORSTests(unittest.TestCase):
         self.assertIsNone(response.headers.getRawHeaders("access-control-allow-origin"))
         response, _ = harness.fetch("GET", "/v1/models", None, {"Origin": "http://a.example"})
         self.assertIsNone(response.headers.getRawHeaders("access-control-allow-origin"))
+
+
+class InternalErrorTests(unittest.TestCase):
+    """A bug in a resource still answers in the API's shape."""
+
+    def test_unexpected_exception_is_500_json(self):
+        """An exception that is not an APIError is logged and answered as 500 server_error JSON."""
+        from twisted.logger import globalLogPublisher
+
+        harness = APIHarness()
+        failures = []
+        observer = lambda event: failures.append(event) if event.get("log_failure") else None  # noqa: E731
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        with mock.patch("krafla_twisted.api.resources.parse_json_body", side_effect=KeyError("bug")):
+            response, body = harness.fetch("POST", "/v1/completions", {"prompt": "x"})
+        self.assertEqual(response.code, 500)
+        self.assertEqual(error_of(body)["type"], "server_error")
+        self.assertEqual(len(failures), 1)
+        failures[0]["log_failure"].trap(KeyError)

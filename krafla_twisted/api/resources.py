@@ -78,6 +78,10 @@ class APIResource(Resource):
             return self.dispatch(request)
         except APIError as error:
             return error_response(request, error)
+        except Exception:
+            # A bug: log it with its traceback, answer in the API's shape rather than an HTML page.
+            log.failure("error handling {method} {path}", method=request.method, path=_path(request))
+            return error_response(request, ServerError("internal server error"))
 
     def dispatch(self, request):
         method = request.method.decode("ascii", "replace")
