@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from krafla_twisted.engine import Model
 from tests import strategies
+from tests.support.real_models import real_model
 from tests.support.tiny_models import ARCHS, write_tiny_model
 
 BATCHES = (1, 7, 32, None)  # None: the whole prompt in one step
@@ -95,3 +96,19 @@ class TinyModelReproducibilityTests:
             for i, token in enumerate(ids):
                 step = bits(session.eval([token]))
                 assert_same(run(path, ids[:i + 1]), step, f"token {i}")
+
+
+class RealModelReproducibilityTests:
+    """The same invariants on real q4_0 models (the weights and sizes users run)."""
+
+    @pytest.mark.parametrize("name, n_tokens", [("smollm2-135m", 100), ("gemma3-270m", 40)])
+    def test_batch_threads_and_splits(self, name, n_tokens):
+        """Batches 1, 7, 32 and the whole prompt, 1 and 2 threads, one call or two: the same bits."""
+        path = real_model(name, "q4_0").mlb
+        with Model(path) as model:
+            n_vocab = model.n_vocab
+        ids = [int(t) for t in np.random.default_rng(2).integers(0, n_vocab, size=n_tokens)]
+        expected = run(path, ids, threads=2, batch=32)
+        for batch, threads in ((1, 1), (7, 2), (32, 1), (None, 2), (None, 1)):
+            assert_same(expected, run(path, ids, threads=threads, batch=batch), f"batch {batch}, {threads} threads")
+        assert_same(expected, run(path, ids, threads=2, batch=32, splits=[n_tokens // 2 + 3]), "two calls")

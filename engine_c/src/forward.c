@@ -25,8 +25,9 @@ struct kr_session {
     kr_model *model;
     int32_t n_ctx, n_batch, kv_type, n_tokens;
     size_t kv_elem;        // bytes per cache element
-    uint8_t *k_cache;      // (n_layers, n_ctx, kv_dim) of kv_type
-    uint8_t *v_cache;      // (n_layers, n_ctx, kv_dim)
+    uint8_t *k_cache;      // (n_layers, n_kv_heads, n_ctx, head_dim) of kv_type
+    uint8_t *v_cache;      // (n_layers, n_kv_heads, head_dim, n_ctx): transposed, so that a
+                           // weighted sum over positions is one dot product per dimension
     float *x;              // (n_batch, dim) residual stream
     float *xb;             // (n_batch, dim) normed input of a block
     float *q;              // (n_batch, q_dim)
@@ -184,8 +185,10 @@ static float gelu_tanh(float x) {
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-static uint8_t *cache_row(const kr_session *s, uint8_t *cache, int32_t layer, int32_t pos) {
-    return cache + ((size_t)layer * (size_t)s->n_ctx + (size_t)pos) * (size_t)s->model->kv_dim * s->kv_elem;
+// The (n_ctx, head_dim) keys or the (head_dim, n_ctx) values of one layer's KV head.
+static uint8_t *cache_head(const kr_session *s, uint8_t *cache, int32_t layer, int32_t kv_head) {
+    size_t heads = (size_t)layer * (size_t)s->model->info.n_kv_heads + (size_t)kv_head;
+    return cache + heads * (size_t)s->n_ctx * (size_t)s->model->info.head_dim * s->kv_elem;
 }
 
 // --- Pool jobs
@@ -302,19 +305,26 @@ static void rope_job(void *arg, int thread, int n_threads) {
             if (l->k_norm) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
             rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
-        int32_t pos = j->pos + (int32_t)t;
-        uint8_t *k_row = cache_row(s, s->k_cache, j->layer, pos), *v_row = cache_row(s, s->v_cache, j->layer, pos);
-        if (s->kv_type == KR_F32) {
-            memcpy(k_row, k, (size_t)m->kv_dim * sizeof(float));
-            memcpy(v_row, v, (size_t)m->kv_dim * sizeof(float));
-        } else {
-            kr_f16 *k16 = (kr_f16 *)k_row, *v16 = (kr_f16 *)v_row;
-            for (int32_t i = 0; i < m->kv_dim; i++) k16[i] = kr_f32_to_f16(k[i]), v16[i] = kr_f32_to_f16(v[i]);
+        size_t pos = (size_t)j->pos + (size_t)t, n_ctx = (size_t)s->n_ctx;
+        for (int32_t head = 0; head < h->n_kv_heads; head++) {
+            uint8_t *keys = cache_head(s, s->k_cache, j->layer, head), *values = cache_head(s, s->v_cache, j->layer, head);
+            const float *k_head = k + head * hd, *v_head = v + head * hd;
+            if (s->kv_type == KR_F32) {
+                memcpy((float *)keys + pos * (size_t)hd, k_head, (size_t)hd * sizeof(float));
+                for (int32_t d = 0; d < hd; d++) ((float *)values)[(size_t)d * n_ctx + pos] = v_head[d];
+            } else {
+                kr_f16 *k16 = (kr_f16 *)keys + pos * (size_t)hd, *v16 = (kr_f16 *)values;
+                for (int32_t d = 0; d < hd; d++) {
+                    k16[d] = kr_f32_to_f16(k_head[d]);
+                    v16[(size_t)d * n_ctx + pos] = kr_f32_to_f16(v_head[d]);
+                }
+            }
         }
     }
 }
 
-// One query head against the cache: att = softmax(scale * q K^T [softcap], window) V.
+// One query head against the cache: att = softmax(scale * q K^T [softcap], window) V. The scores
+// are one matmul of the head's keys (rows = positions) with q; `scores` is indexed by position.
 static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, const float *q, float *out,
                    float *scores) {
     const kr_model *m = s->model;
@@ -323,29 +333,30 @@ static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, cons
     // A sliding layer sees the last sliding_window positions, itself included (as
     // transformers' sliding_window_overlay and llama.cpp's is_masked_swa).
     int32_t first = m->layers[layer].sliding && pos >= h->sliding_window ? pos - h->sliding_window + 1 : 0;
-    size_t head_offset = (size_t)kv_head * (size_t)hd * s->kv_elem;
+    // Float weights read the f32 activations as they are, so q needs no preparing.
+    kr_matmul(s->kv_type, cache_head(s, s->k_cache, layer, kv_head), hd, q, 1, scores, s->n_ctx, first, pos + 1);
     float max_score = -INFINITY;
     for (int32_t p = first; p <= pos; p++) {
-        const uint8_t *k = cache_row(s, s->k_cache, layer, p) + head_offset;
-        float score = (s->kv_type == KR_F32 ? kr_dot_f32((const float *)k, q, hd)
-                                            : kr_dot_f16_f32((const kr_f16 *)k, q, hd)) * h->attn_scale;
+        float score = scores[p] * h->attn_scale;
         if (h->attn_softcap > 0) score = h->attn_softcap * tanhf(score / h->attn_softcap);
-        scores[p - first] = score;
+        scores[p] = score;
         if (score > max_score) max_score = score;
     }
     float sum = 0;
     for (int32_t p = first; p <= pos; p++) {
-        float e = expf(scores[p - first] - max_score);
-        scores[p - first] = e;
+        float e = expf(scores[p] - max_score);
+        scores[p] = e;
         sum += e;
     }
     float inv_sum = 1.0f / sum;
-    memset(out, 0, (size_t)hd * sizeof(float));
-    for (int32_t p = first; p <= pos; p++) {
-        const uint8_t *v = cache_row(s, s->v_cache, layer, p) + head_offset;
-        float weight = scores[p - first] * inv_sum;
-        if (s->kv_type == KR_F32) kr_axpy_f32(weight, (const float *)v, out, hd);
-        else kr_axpy_f16_f32(weight, (const kr_f16 *)v, out, hd);
+    for (int32_t p = first; p <= pos; p++) scores[p] *= inv_sum;
+    // out[d] = sum_p weight[p] V[d, p] over the visible positions.
+    const uint8_t *values = cache_head(s, s->v_cache, layer, kv_head);
+    int64_t count = pos - first + 1;
+    for (int32_t d = 0; d < hd; d++) {
+        size_t row = (size_t)d * (size_t)s->n_ctx + (size_t)first;
+        out[d] = s->kv_type == KR_F32 ? kr_dot_f32((const float *)values + row, scores + first, count)
+                                      : kr_dot_f16_f32((const kr_f16 *)values + row, scores + first, count);
     }
 }
 
