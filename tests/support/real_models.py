@@ -16,6 +16,7 @@ NAMES = tuple(models.KNOWN_MODELS)
 
 
 def real_model(name, type="q4_0"):
+    """The PulledModel (mlb, mlt, chat, name) of a known model with its matrices as `type`."""
     return models.pull(name, progress=False, type_name=type)
 
 
