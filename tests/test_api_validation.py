@@ -124,6 +124,17 @@ class RefusalTests(unittest.TestCase):
         self.refused("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
                      "stream_options.include_usage")
 
+    def test_lone_surrogates_refused(self):
+        """JSON escapes of lone surrogates are not text: 400 on the field, for prompt, content, parts and stop."""
+        self.refused("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt")
+        self.refused("/v1/completions", b'{"prompt": "ab", "stop": ["\\udfff"]}', "stop")
+        self.refused("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content")
+        self.refused("/v1/chat/completions",
+                     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+                     "messages[0].content[0]")
+        response, _ = self.harness.fetch("POST", "/v1/completions", b'{"prompt": "\\ud83d\\ude00"}')  # a valid pair
+        self.assertEqual(response.code, 200)
+
     def test_token_ids_checked_against_vocabulary(self):
         """Token ids must be 0 <= id < n_vocab (the fake's 1000)."""
         self.refused("/v1/completions", {"prompt": [1, 1000]}, "prompt")

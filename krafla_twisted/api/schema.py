@@ -75,6 +75,15 @@ def _json_type(value):
     return "an object"
 
 
+def _check_text(text, where):
+    """JSON can carry lone surrogates (\\ud800), which are not text: refuse them here, not in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{where}' holds a lone UTF-16 surrogate, which is not a character", param=where) from None
+    return text
+
+
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -155,6 +164,7 @@ def _stop(body):
             raise InvalidRequest(f"each 'stop' entry must be a string, not {_json_type(item)}", param="stop")
         if not item:
             raise InvalidRequest("'stop' strings must not be empty", param="stop")
+        _check_text(item, "stop")
     return tuple(value)
 
 
@@ -258,7 +268,7 @@ def _messages(body):
 
 def _content(content, where):
     if isinstance(content, str):
-        return content
+        return _check_text(content, where)
     if not isinstance(content, list):
         raise InvalidRequest(f"'{where}' must be a string or an array of text parts, not {_json_type(content)}", param=where)
     texts = []
@@ -274,7 +284,7 @@ def _content(content, where):
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequest(f"'{part_where}.text' must be a string, not {_json_type(text)}", param=part_where)
-        texts.append(text)
+        texts.append(_check_text(text, part_where))
     # Parts are pieces of one message; they are joined as written, with nothing added between them.
     return "".join(texts)
 
@@ -320,7 +330,7 @@ def _prompt(prompt, n_vocab):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        return prompt, None
+        return _check_text(prompt, "prompt"), None
     if not isinstance(prompt, list):
         raise InvalidRequest(f"'prompt' must be a string or an array of token ids, not {_json_type(prompt)}", param="prompt")
     if not prompt:
