@@ -79,6 +79,13 @@ class GreedyTests:
         params = Params(repeat_penalty=penalty, repeat_last_n=last_n)
         assert draws(params, logits, 1, history) == [expected]
 
+    def test_penalty_below_one_cannot_overflow(self):
+        """A penalty below 1 on a huge logit saturates instead of making +inf (and NaN weights)."""
+        logits = np.array([3e38, 1.0, -3e38], dtype=np.float32)
+        for temperature in (0.0, 1.0):
+            params = Params(temperature=temperature, repeat_penalty=1e-6, seed=1)
+            assert draws(params, logits, 3, [0, 2]) == [0, 0, 0]
+
     def test_repeat_penalty_changes_the_choice(self):
         """A repeated best token loses to the runner-up; a negative one is pushed further down."""
         logits = np.array([1.0, 3.0, 2.5, -1.0], dtype=np.float32)

@@ -29,7 +29,7 @@ struct kr_sampler {
     uint64_t rng[4];      // xoshiro256** state, never all zero
     float *logits;        // (n_vocab,) penalised copy of the caller's logits
     double *weights;      // (n_vocab,) exp((logit - max) / temperature)
-    kr_candidate *candidates;  // (n_vocab,) tokens under consideration, sorted best first
+    kr_candidate *candidates;  // (n_vocab,) tokens under consideration (kept ones first)
     uint8_t *seen;        // (n_vocab,) marks ids already penalised in this call
 };
 
@@ -135,7 +135,8 @@ static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t 
         if (s->seen[id]) continue;
         s->seen[id] = 1;
         float x = s->logits[id];
-        s->logits[id] = x > 0.0f ? x / penalty : x * penalty;
+        float y = x > 0.0f ? x / penalty : x * penalty;
+        s->logits[id] = y == INFINITY ? FLT_MAX : y;  // a penalty below 1 must not make +inf
     }
     for (int32_t i = start; i < n_history; i++) s->seen[history[i]] = 0;
 }
