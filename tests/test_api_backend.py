@@ -74,3 +74,17 @@ class BackendTests:
         backend.complete(CompletionRequest(kind="text", prompt_text="x", stop=("END",)), on_text=None, cancelled=lambda: False)
         assert seen == [("END",) + tuple(backend.template.stop_strings), ("END",)]
         assert "<end_of_turn>" in seen[0]
+
+    def test_system_option(self):
+        """--system is the system prompt of chats that have none; a chat's own system message wins."""
+        backend = backend_for(chat="smollm", system="Answer in one word.")
+        try:
+            template, tokenizer = backend.template, backend.tokenizer
+            user = {"role": "user", "content": "Hi"}
+            without = CompletionRequest(kind="chat", messages=(user,))
+            assert backend.prompt_tokens(without) == template.render([user], tokenizer, system="Answer in one word.")
+            assert backend.prompt_tokens(without) != template.render([user], tokenizer)
+            own = CompletionRequest(kind="chat", messages=({"role": "system", "content": "Be long."}, user))
+            assert backend.prompt_tokens(own) == template.render([{"role": "system", "content": "Be long."}, user], tokenizer)
+        finally:
+            backend.runtime.close()
