@@ -85,6 +85,9 @@ class GreedyTests:
         for temperature in (0.0, 1.0):
             params = Params(temperature=temperature, repeat_penalty=1e-6, seed=1)
             assert draws(params, logits, 3, [0, 2]) == [0, 0, 0]
+        # ...and a penalty above 1 cannot turn the only finite logit into -inf.
+        logits = np.array([-3e38, -np.inf], dtype=np.float32)
+        assert draws(Params(temperature=1.0, repeat_penalty=1e6, seed=1), logits, 3, [0]) == [0, 0, 0]
 
     def test_repeat_penalty_changes_the_choice(self):
         """A repeated best token loses to the runner-up; a negative one is pushed further down."""
@@ -225,6 +228,24 @@ class DistributionTests:
 
 
 class ValidationTests:
+    @settings(max_examples=300, deadline=None)
+    @given(logits=st.lists(st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                                     st.just(-math.inf), st.sampled_from([3e38, -3e38, 0.0])), min_size=1, max_size=40)
+           .filter(lambda values: any(v != -math.inf for v in values)),
+           temperature=st.one_of(st.just(0.0), st.floats(1e-30, 1e4)), top_p=st.floats(0, 1),
+           top_k=st.integers(0, 50), penalty=st.floats(1e-6, 1e6), last_n=st.integers(-1, 50),
+           history=st.lists(st.integers(0, 39), max_size=20), seed=st.integers(0, 2**64 - 1))
+    def test_any_valid_input_gives_a_valid_token(self, logits, temperature, top_p, top_k, penalty, last_n, history,
+                                                  seed):
+        """Extreme but valid logits and parameters always give an id of a token that is not
+        masked (-inf): no NaN path, no out-of-range pick."""
+        logits = np.array(logits, dtype=np.float32)
+        history = [t % len(logits) for t in history]
+        params = Params(temperature, top_p, top_k, penalty, last_n, seed)
+        for token in draws(params, logits, 3, history):
+            assert 0 <= token < len(logits) and logits[token] != -np.inf
+
+
     @pytest.mark.parametrize("field, value, fragment", [
         ("temperature", math.nan, "temperature"),
         ("temperature", -0.5, "temperature"),

@@ -136,7 +136,9 @@ static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t 
         s->seen[id] = 1;
         float x = s->logits[id];
         float y = x > 0.0f ? x / penalty : x * penalty;
-        s->logits[id] = y == INFINITY ? FLT_MAX : y;  // a penalty below 1 must not make +inf
+        // Saturate: a penalty must neither make +inf (NaN weights) nor mask a token with -inf.
+        if (x != -INFINITY && isinf(y)) y = y > 0.0f ? FLT_MAX : -FLT_MAX;
+        s->logits[id] = y;
     }
     for (int32_t i = start; i < n_history; i++) s->seen[history[i]] = 0;
 }
