@@ -160,6 +160,15 @@ class RunTests:
         other = krafla_run(*argv[:-4], "-s", "8", "-n", "20", stdin="Once upon a time\n")
         assert other.stdout != first.stdout
 
+    def test_threads_and_batch_do_not_change_the_reply(self, smollm):
+        """A seeded sampled reply is the same with -t 1 --batch 3 as with -t 2 --batch 64."""
+        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-T", "0.8", "-s", "5", "-n", "16",
+                "-p", "Tell me about the sea."]
+        one = krafla_run(*argv, "-t", "1", "--batch", "3")
+        two = krafla_run(*argv, "-t", "2", "--batch", "64")
+        assert one.returncode == 0, one.stderr
+        assert one.stdout == two.stdout and one.stdout.strip()
+
     def test_default_model(self, smollm):
         """Without a model argument the default model (already pulled) is used, with its own chat
         template: the same reply as naming its files with --chat smollm."""
