@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from krafla_twisted import clib
 from tests.support.real_models import real_model
 from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env, treq_call
 
@@ -75,7 +76,8 @@ class StartupTests:
         try:
             title = os.path.splitext(os.path.basename(str(model.mlb)))[0]
             banner = server.wait_for(lambda l: "# krafla " in l)
-            assert f"# krafla 0.7.0, isa avx2: model {title}, context 512 of 8192, chat smollm, threads 1, kv f32" in banner
+            isa = clib.load().kr_isa().decode()  # the server loads the same library (same environment)
+            assert f"# krafla 0.7.0, isa {isa}: model {title}, context 512 of 8192, chat smollm, threads 1, kv f32" in banner
             assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
         finally:
             server.stop()
