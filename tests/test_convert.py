@@ -184,6 +184,13 @@ class CommandTests:
         assert formats.read(mlb).metadata["name"] == "SmolLM2-135M-Instruct"
         assert formats.read(mlt).magic == formats.TOKENIZER_MAGIC
 
+    def test_krafla_command_dispatches_to_convert(self, tmp_path, capsys):
+        """`krafla convert` reaches this module through the top-level command."""
+        from krafla_twisted import cli
+
+        assert cli.main(["convert", str(tmp_path)]) == 2
+        assert "converting Hugging Face folders is not supported yet" in capsys.readouterr().err
+
     def test_directory_is_refused(self, tmp_path, capsys):
         """A Hugging Face folder is not supported yet: exit status 2 and a message saying so."""
         status = convert_cli.main(_parser().parse_args([str(tmp_path), "-o", str(tmp_path / "x.mlb")]))

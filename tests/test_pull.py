@@ -271,6 +271,13 @@ class CommandTests:
             assert name in out and f"chat {model.chat}" in out
         assert "(default)" in out and out.count("not pulled") == len(models.KNOWN_MODELS)
 
+    def test_krafla_command_dispatches_to_pull(self, tmp_path, capsys):
+        """`krafla pull --list` reaches this module through the top-level command."""
+        from krafla_twisted import cli
+
+        assert cli.main(["pull", "--list", "--home", str(tmp_path)]) == 0
+        assert "smollm2-135m" in capsys.readouterr().out
+
     def test_pull_prints_the_files(self, tmp_path, tiny_model, capsys):
         """A pull prints the model and its files on stdout."""
         assert self.run(["tiny-test", "--home", str(tmp_path), "-q"]) == 0
