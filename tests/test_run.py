@@ -169,6 +169,30 @@ class RunTests:
         assert one.returncode == 0, one.stderr
         assert one.stdout == two.stdout and one.stdout.strip()
 
+    def test_system_prompt_and_streaming(self, smollm):
+        """In-process: --system replaces SmolLM's default system prompt (the stats line counts the
+        prompt as chat.render does), and the reply reaches stdout piece by piece, each flushed."""
+        from krafla_twisted import chat
+        from krafla_twisted.tokenizer import Tokenizer
+
+        class Recorder(io.StringIO):
+            flushes = 0
+
+            def flush(self):
+                self.flushes += 1
+
+        tokenizer = Tokenizer(str(smollm.mlt))
+        for system in (None, "Answer in French."):
+            argv = [str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-n", "12", "-t", "2",
+                    "-p", "What is the capital of France?"] + (["--system", system] if system else [])
+            stdout, stderr = Recorder(), io.StringIO()
+            assert run.main(run_parser().parse_args(argv), stdout=stdout, stderr=stderr) == 0, stderr.getvalue()
+            expected = chat.get_template("smollm").render([{"role": "user", "content": "What is the capital of France?"}],
+                                                          tokenizer, system=system)
+            match = STATS.match(stderr.getvalue().strip())
+            assert match and int(match.group(1)) == len(expected)
+            assert stdout.flushes >= 3 and stdout.getvalue().strip()
+
     def test_default_model(self, smollm):
         """Without a model argument the default model (already pulled) is used, with its own chat
         template: the same reply as naming its files with --chat smollm."""
