@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import chat, generate
+from krafla_twisted import chat
 from krafla_twisted.generate import ContextLengthExceeded, Generator, Runtime, SamplingParams, StopStringFilter
 
 EOS = 0
