@@ -163,6 +163,11 @@ static int utf8_encode(uint32_t cp, uint8_t *out) {
     return 4;
 }
 
+// SentencePiece's space, U+2581 (E2 96 81), at p.
+static bool is_space_mark(const uint8_t *p, int64_t available) {
+    return available >= 3 && p[0] == 0xE2 && p[1] == 0x96 && p[2] == 0x81;
+}
+
 // GPT-2's byte-to-unicode alphabet: printable Latin-1 bytes stand for themselves, the other 68
 // bytes for U+0100.. in byte order.
 static bool gpt2_printable(int b) { return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255); }
@@ -195,6 +200,8 @@ struct kr_tokenizer {
     int32_t n_merges;
     int32_t bos_id, eos_id, unk_id, pad_id;
     bool add_bos, add_eos, add_space_prefix, ignore_merges;
+    bool spm_words;           // SPM: no token has U+2581 after another character, so merges never
+                              // cross the start of a "▁word" and each word can be merged alone
     int32_t *eot_ids;
     int32_t n_eot;
     uint8_t *strip;           // per token: STRIP_LEFT / STRIP_RIGHT whitespace around a special match
@@ -211,6 +218,7 @@ struct kr_tokenizer {
 
     trie_node *trie;          // special tokens; node 0 is the root
     int32_t n_trie;
+    int32_t max_special, max_user;  // longest special / user-defined spelling in bytes
     uint64_t *edge_keys;      // node * 256 + byte (UINT64_MAX empty)
     int32_t *edge_children;
     uint32_t edge_mask;
@@ -486,6 +494,8 @@ static int build_trie(kr_tokenizer *tok, kr_error *err) {
             }
             node = child;
         }
+        if (len > tok->max_special) tok->max_special = (int32_t)len;
+        if (type == KR_TOKEN_USER_DEFINED && len > tok->max_user) tok->max_user = (int32_t)len;
         if (tok->trie[node].token < 0) tok->trie[node].token = id;
         if (type == KR_TOKEN_USER_DEFINED && tok->trie[node].token_user < 0) tok->trie[node].token_user = id;
     }
@@ -603,6 +613,14 @@ kr_tokenizer *kr_tokenizer_open(const char *path, kr_error *err) {
         free(ids);
     }
     if (build_tables(tok, err) || build_pieces(tok, err) || build_trie(tok, err)) goto fail;
+    tok->spm_words = tok->kind == KIND_SPM;
+    for (int32_t id = 0; id < tok->n_vocab && tok->spm_words; id++) {
+        const uint8_t *t = tok->text + tok->offsets[id];
+        int64_t len = tok->offsets[id + 1] - tok->offsets[id];
+        if (tok->types[id] == KR_TOKEN_CONTROL || tok->types[id] == KR_TOKEN_UNKNOWN) continue;  // never merged
+        for (int64_t i = 1; i < len; i++)
+            if (is_space_mark(t + i, len - i) && !(i >= 3 && is_space_mark(t + i - 3, 3))) tok->spm_words = false;
+    }
     kr_ok(err);
     return tok;
 
@@ -965,7 +983,24 @@ static void spm_queue(encoder *e, const uint8_t *text, int32_t left, int32_t rig
 }
 
 // SentencePiece BPE over text[0..n), spaces already spelled U+2581.
+static void spm_merge(encoder *e, const uint8_t *text, int64_t n);
+
 static void spm_text(encoder *e, const uint8_t *text, int64_t n) {
+    if (!e->tok->spm_words) {
+        spm_merge(e, text, n);
+        return;
+    }
+    // cut before every U+2581 that follows another character: no symbol can span such a cut
+    int64_t start = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (is_space_mark(text + i, n - i) && !(i >= 3 && is_space_mark(text + i - 3, 3))) {
+            spm_merge(e, text + start, i - start);
+            start = i;
+        }
+    spm_merge(e, text + start, n - start);
+}
+
+static void spm_merge(encoder *e, const uint8_t *text, int64_t n) {
     const kr_tokenizer *tok = e->tok;
     if (!vec_reserve(&e->symbols, n, sizeof(symbol))) {
         e->oom = true;
@@ -1018,11 +1053,22 @@ typedef struct {
     int32_t length, id;
 } match;
 
-static int match_priority(const void *a, const void *b) {  // longest first, then lowest id, then leftmost
-    const match *x = a, *y = b;
-    if (x->length != y->length) return x->length > y->length ? -1 : 1;
-    if (x->id != y->id) return x->id < y->id ? -1 : 1;
-    return (x->pos > y->pos) - (x->pos < y->pos);
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+// The longest special token starting at text[p] that is shorter than `below` bytes (and eligible:
+// any special type with `special`, else user-defined only); its length, 0 if none.
+static int32_t longest_match(const kr_tokenizer *tok, const uint8_t *text, int64_t n, int64_t p, int32_t below,
+                             int32_t special, int32_t *id) {
+    int32_t node = 0, best = 0;
+    for (int64_t j = p; j < n && j - p + 1 < below; j++) {
+        if ((node = trie_child(tok, node, text[j])) < 0) break;
+        int32_t found = special ? tok->trie[node].token : tok->trie[node].token_user;
+        if (found >= 0) best = (int32_t)(j - p + 1), *id = found;
+    }
+    return best;
 }
 
 static int match_position(const void *a, const void *b) {
@@ -1081,37 +1127,54 @@ int kr_tokenizer_encode(const kr_tokenizer *tok, const char *text_chars, int64_t
     int status = KR_OK;
     if (bos) emit(&e, tok->bos_id);
 
-    // every occurrence of every eligible special token
-    for (int64_t i = 0; i < n_text && !e.oom; i++) {
-        int32_t node = 0;
-        for (int64_t j = i; j < n_text; j++) {
-            if ((node = trie_child(tok, node, text[j])) < 0) break;
-            int32_t id = special ? tok->trie[node].token : tok->trie[node].token_user;
-            if (id < 0) continue;
-            if (!vec_reserve(&matches, matches.n + 1, sizeof(match))) e.oom = true;
-            else ((match *)matches.data)[matches.n++] = (match){i, (int32_t)(j - i + 1), id};
-        }
-    }
+    // llama.cpp's partition: special tokens longest first, each taking the occurrences that still
+    // lie wholly in unclaimed text, and eating the whitespace its strip flags ask for. Done with
+    // one candidate per position: its longest match, queued by length; a candidate that no longer
+    // fits falls back to its next shorter match, and a position inside a claimed range is dropped,
+    // so a megabyte of spaces against thirty space-run tokens stays linear.
     int64_t n_accepted = 0;
-    if (matches.n && !e.oom) {
-        // llama.cpp's partition: tokens in priority order, each taking its leftmost occurrences
-        // that still lie wholly in raw text, and eating the whitespace its strip flags ask for
-        if (!(state = calloc((size_t)n_text, 1))) e.oom = true;
-        match *m = matches.data;
-        qsort(m, (size_t)matches.n, sizeof *m, match_priority);
-        for (int64_t k = 0; k < matches.n && !e.oom; k++) {
-            bool free_text = true;
-            for (int64_t i = m[k].pos; i < m[k].pos + m[k].length && free_text; i++) free_text = state[i] == 0;
-            if (!free_text) continue;
-            memset(state + m[k].pos, 1, (size_t)m[k].length);
-            if (tok->strip[m[k].id] & STRIP_LEFT)
-                for (int64_t i = m[k].pos - 1; i >= 0 && state[i] == 0 && c_space(text[i]); i--) state[i] = 2;
-            if (tok->strip[m[k].id] & STRIP_RIGHT)
-                for (int64_t i = m[k].pos + m[k].length; i < n_text && state[i] == 0 && c_space(text[i]); i++) state[i] = 2;
-            m[n_accepted++] = m[k];
+    int32_t max_length = special ? tok->max_special : tok->max_user;
+    vec *buckets = NULL;  // buckets[L]: positions whose current candidate has length L
+    bool any = false;
+    if (max_length > 0 && n_text > 0) {
+        if (!(buckets = calloc((size_t)max_length + 1, sizeof *buckets))) e.oom = true;
+        for (int64_t p = 0; p < n_text && !e.oom; p++) {
+            int32_t id, length = longest_match(tok, text, n_text, p, INT32_MAX, special, &id);
+            if (length && !vec_reserve(&buckets[length], buckets[length].n + 1, sizeof(int64_t))) e.oom = true;
+            else if (length) ((int64_t *)buckets[length].data)[buckets[length].n++] = p, any = true;
         }
-        qsort(m, (size_t)n_accepted, sizeof *m, match_position);
     }
+    if (any && !e.oom && !(state = calloc((size_t)n_text, 1))) e.oom = true;
+    for (int32_t length = max_length; any && length > 0 && !e.oom; length--) {
+        int64_t *positions = buckets[length].data;
+        qsort(positions, (size_t)buckets[length].n, sizeof *positions, cmp_i64);
+        for (int64_t k = 0; k < buckets[length].n && !e.oom; k++) {
+            int64_t p = positions[k];
+            if (state[p]) continue;  // claimed or stripped: nothing can start here any more
+            int64_t blocked = p;
+            while (blocked < p + length && !state[blocked]) blocked++;
+            int32_t id;
+            if (blocked < p + length) {  // try the next shorter match at p later
+                int32_t shorter = longest_match(tok, text, n_text, p, length, special, &id);
+                if (shorter && !vec_reserve(&buckets[shorter], buckets[shorter].n + 1, sizeof(int64_t))) e.oom = true;
+                else if (shorter) ((int64_t *)buckets[shorter].data)[buckets[shorter].n++] = p;
+                positions = buckets[length].data;
+                continue;
+            }
+            longest_match(tok, text, n_text, p, length + 1, special, &id);
+            memset(state + p, 1, (size_t)length);
+            if (tok->strip[id] & STRIP_LEFT)
+                for (int64_t i = p - 1; i >= 0 && state[i] == 0 && c_space(text[i]); i--) state[i] = 2;
+            if (tok->strip[id] & STRIP_RIGHT)
+                for (int64_t i = p + length; i < n_text && state[i] == 0 && c_space(text[i]); i++) state[i] = 2;
+            if (!vec_reserve(&matches, n_accepted + 1, sizeof(match))) e.oom = true;
+            else ((match *)matches.data)[n_accepted++] = (match){p, length, id};
+        }
+    }
+    if (buckets)
+        for (int32_t length = 0; length <= max_length; length++) free(buckets[length].data);
+    free(buckets);
+    if (n_accepted) qsort(matches.data, (size_t)n_accepted, sizeof(match), match_position);
     // raw fragments between the accepted tokens, in text order
     const match *accepted = matches.data;
     int64_t cursor = 0;
