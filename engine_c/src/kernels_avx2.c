@@ -5,7 +5,9 @@
 // a scalar fmaf tail), so the results agree bit for bit. The matmul is register-tiled: a tile of
 // R weight rows x T tokens shares each activation load across R rows and each weight load across T
 // tokens, and every (token, row) output still goes through the same sequence of operations as when
-// computed alone, so the result never depends on n_tokens or on [row_begin, row_end).
+// computed alone, so the result never depends on n_tokens or on [row_begin, row_end). Tokens go in
+// L2-sized blocks and the next row tile is prefetched; neither changes any arithmetic. The
+// ISA=avx512 build compiles this same file and only swaps the integer block sums for VNNI ones.
 #include "kernels.h"
 #include "krafla.h"
 
