@@ -225,13 +225,13 @@ static void prepare_rows(kr_session *s, const kr_matrix *const *w, int32_t n_w, 
 
 // Embed (first layer), add the previous block's output (with its post-norm), normalize into xb
 // and prepare xb for the matrices that read it. Split by tokens.
-static void residual_job(void *arg, int thread, int n_threads) {
+static void residual_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
     const kr_model *m = s->model;
     const kr_model_info *h = &m->info;
     int64_t dim = h->dim, begin, end;
-    kr_split(j->n, 1, thread, n_threads, &begin, &end);
+    kr_split(j->n, 1, chunk, n_chunks, &begin, &end);
     for (int64_t t = begin; t < end; t++) {
         float *x = s->x + t * dim;
         if (j->tokens) {
@@ -251,22 +251,22 @@ static void residual_job(void *arg, int thread, int n_threads) {
 }
 
 // Prepare `input` for the matrices of the job. Split by tokens.
-static void prepare_job(void *arg, int thread, int n_threads) {
+static void prepare_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     int64_t begin, end;
-    kr_split(j->n, 1, thread, n_threads, &begin, &end);
+    kr_split(j->n, 1, chunk, n_chunks, &begin, &end);
     if (begin < end) prepare_rows(j->s, j->w, j->n_w, j->input, j->input_cols, begin, end);
 }
 
 // out_i = input W_i^T (+ bias_i) for each matrix; split by output rows. With `gated`, out[0]
 // becomes act(out[0]) * out[1] on the same rows.
-static void matmul_job(void *arg, int thread, int n_threads) {
+static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
     int64_t begin[3], end[3];
     for (int32_t i = 0; i < j->n_w; i++) {
         const kr_matrix *w = j->w[i];
-        kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin[i], &end[i]);
+        kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin[i], &end[i]);
         if (begin[i] >= end[i]) continue;
         kr_matmul(w->type, w->data, w->cols, s->prepared[w->type], j->n, j->out[i], w->rows, begin[i], end[i]);
         if (j->bias[i])
@@ -284,7 +284,7 @@ static void matmul_job(void *arg, int thread, int n_threads) {
 }
 
 // Per token: q/k head norms, RoPE, then K and V into the cache. Split by tokens.
-static void rope_job(void *arg, int thread, int n_threads) {
+static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
     const kr_model *m = s->model;
@@ -292,7 +292,7 @@ static void rope_job(void *arg, int thread, int n_threads) {
     const kr_layer *l = &m->layers[j->layer];
     int32_t half = h->rope_dims / 2, hd = h->head_dim;
     int64_t begin, end;
-    kr_split(j->n, 1, thread, n_threads, &begin, &end);
+    kr_split(j->n, 1, chunk, n_chunks, &begin, &end);
     for (int64_t t = begin; t < end; t++) {
         size_t table = ((size_t)l->sliding * (size_t)s->n_batch + (size_t)t) * (size_t)half;
         const float *c = s->rope_cos + table, *sn = s->rope_sin + table;
@@ -361,13 +361,13 @@ static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, cons
 }
 
 // Attention for every (token, head) pair of the step. Split by pairs.
-static void attention_job(void *arg, int thread, int n_threads) {
+static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
     const kr_model *m = s->model;
     int32_t n_heads = m->info.n_heads, hd = m->info.head_dim;
     int64_t begin, end;
-    kr_split((int64_t)j->n * n_heads, 1, thread, n_threads, &begin, &end);
+    kr_split((int64_t)j->n * n_heads, 1, chunk, n_chunks, &begin, &end);
     float *scores = s->scores + (size_t)thread * (size_t)s->n_ctx;
     for (int64_t item = begin; item < end; item++) {
         int32_t t = (int32_t)(item / n_heads), head = (int32_t)(item % n_heads);
@@ -388,13 +388,13 @@ static void final_norm(kr_session *s, int32_t n, const float *add, const float *
 }
 
 // Logits of one token from prepared row 0: out = xb W_out^T, soft-capped. Split by rows.
-static void output_job(void *arg, int thread, int n_threads) {
+static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
     const kr_model *m = s->model;
     const kr_matrix *w = &m->output;
     int64_t begin, end;
-    kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin, &end);
+    kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
     if (begin >= end) return;
     kr_matmul(w->type, w->data, w->cols, s->prepared[w->type], 1, j->logits, w->rows, begin, end);
     float cap = m->info.final_softcap;
@@ -420,11 +420,16 @@ static void rope_tables(kr_session *s, int32_t n, int32_t pos) {
     }
 }
 
+static int row_chunks(const kr_pool *pool, int64_t rows) {
+    return kr_pool_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN);
+}
+
 static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float *logits) {
     kr_model *m = s->model;
     const kr_model_info *h = &m->info;
     kr_pool *pool = m->pool;
     rope_tables(s, n, s->n_tokens);
+    int token_chunks = kr_pool_chunks(pool, n);
     const float *pending_add = NULL, *pending_norm = NULL;  // the previous MLP's output, not yet added
     for (int32_t layer = 0; layer < h->n_layers; layer++) {
         const kr_layer *l = &m->layers[layer];
@@ -433,29 +438,29 @@ static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float 
         j.tokens = layer == 0 ? tokens : NULL;
         j.add = pending_add, j.add_norm = pending_norm, j.norm = l->attn_norm;
         j.w[0] = &l->wq, j.w[1] = &l->wk, j.w[2] = &l->wv, j.n_w = 3;
-        kr_pool_run(pool, residual_job, &j);
+        kr_pool_run(pool, residual_job, &j, token_chunks);
 
         j.out[0] = s->q, j.out[1] = s->k, j.out[2] = s->v;
         j.bias[0] = l->bq, j.bias[1] = l->bk, j.bias[2] = l->bv;
-        kr_pool_run(pool, matmul_job, &j);
-        kr_pool_run(pool, rope_job, &j);
-        kr_pool_run(pool, attention_job, &j);
+        kr_pool_run(pool, matmul_job, &j, row_chunks(pool, l->wq.rows));
+        kr_pool_run(pool, rope_job, &j, token_chunks);
+        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, (int64_t)n * h->n_heads));
 
         step o = {.s = s, .n = n, .layer = layer, .input = s->att, .input_cols = m->q_dim, .n_w = 1};
         o.w[0] = &l->wo, o.out[0] = s->proj;
-        kr_pool_run(pool, prepare_job, &o);
-        kr_pool_run(pool, matmul_job, &o);
+        kr_pool_run(pool, prepare_job, &o, token_chunks);
+        kr_pool_run(pool, matmul_job, &o, row_chunks(pool, l->wo.rows));
 
         step f = {.s = s, .n = n, .layer = layer, .add = s->proj, .add_norm = l->post_attn_norm, .norm = l->ffn_norm};
         f.w[0] = &l->gate, f.w[1] = &l->up, f.n_w = 2;
         f.out[0] = s->gate, f.out[1] = s->up, f.gated = true;
-        kr_pool_run(pool, residual_job, &f);
-        kr_pool_run(pool, matmul_job, &f);
+        kr_pool_run(pool, residual_job, &f, token_chunks);
+        kr_pool_run(pool, matmul_job, &f, row_chunks(pool, l->gate.rows));
 
         step d = {.s = s, .n = n, .layer = layer, .input = s->gate, .input_cols = h->ffn_dim, .n_w = 1};
         d.w[0] = &l->down, d.out[0] = s->proj;
-        kr_pool_run(pool, prepare_job, &d);
-        kr_pool_run(pool, matmul_job, &d);
+        kr_pool_run(pool, prepare_job, &d, token_chunks);
+        kr_pool_run(pool, matmul_job, &d, row_chunks(pool, l->down.rows));
         pending_add = s->proj, pending_norm = l->post_ffw_norm;
     }
     s->n_tokens += n;
@@ -463,7 +468,7 @@ static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float 
     // Only the last token needs the final residual add and the output head.
     final_norm(s, n, pending_add, pending_norm);
     step out = {.s = s, .n = 1, .logits = logits};
-    kr_pool_run(pool, output_job, &out);
+    kr_pool_run(pool, output_job, &out, row_chunks(pool, m->output.rows));
 }
 
 int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {

@@ -10,17 +10,21 @@
 // --- Thread pool (threads.c)
 
 typedef struct kr_pool kr_pool;
-// One job: called once on every thread of the pool with its index in [0, n_threads).
-typedef void (*kr_pool_fn)(void *job, int thread_index, int n_threads);
+// One chunk of a job: `chunk` of `n_chunks`, run by thread `thread` (0 = the caller), which
+// indexes per-thread scratch. A chunk's results must not depend on which thread runs it.
+typedef void (*kr_pool_fn)(void *job, int chunk, int n_chunks, int thread);
 
 kr_pool *kr_pool_new(int n_threads, kr_error *err);
-// Run fn on all threads (the caller is thread 0) and return when every thread has finished.
-void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job);
+// Run fn on every chunk in [0, n_chunks) (at most 65535), on whichever threads claim them first;
+// returns when all are finished.
+void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job, int n_chunks);
 int kr_pool_size(const kr_pool *pool);
+// How many chunks to cut `items` units of work into: 1 on one thread, else a few per thread.
+int kr_pool_chunks(const kr_pool *pool, int64_t items);
 void kr_pool_free(kr_pool *pool);
 
-// [begin, end) of `total` items for one thread; chunk boundaries are multiples of `align`.
-void kr_split(int64_t total, int64_t align, int thread_index, int n_threads, int64_t *begin, int64_t *end);
+// [begin, end) of `total` items for one part of n_parts; boundaries are multiples of `align`.
+void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end);
 
 // --- Model (model.c)
 
