@@ -86,7 +86,7 @@ def _text_bytes(text):
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates (e.g. from JSON "\ud800") become U+FFFD
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace").encode("utf-8")
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace").encode("utf-8")
 
 
 def _tristate(flag):

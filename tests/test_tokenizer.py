@@ -177,6 +177,25 @@ class SpecialTokenTests:
         assert ids == [start] + tok.encode("user\nHello") + [end] + tok.encode("\n")
         assert end in tok.eot_ids
 
+    @pytest.mark.parametrize("name,special", [("gemma3-270m", False), ("gemma3-270m", True), ("qwen2.5-coder-0.5b", True)])
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.data())
+    def test_partition_equals_the_reference(self, name, special, data):
+        """Text glued from special spellings (overlapping runs of spaces and newlines, markers)
+        and plain characters splits exactly as the naive longest-first partition does."""
+        tok = pulled_tokenizer(name)
+        tokens, types, _, _ = gguf_vocab(name)
+        spellings = [tokens[i] for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)][:400]
+        pieces = data.draw(st.lists(st.sampled_from(spellings) | st.sampled_from([" ", "\n", "a", "<", "|", ">"]),
+                                    max_size=12))
+        text = "".join(pieces)
+        ids = tok.encode(text, add_bos=False, special=special)
+        expected = reference_partition(tokens, types, text, special)
+        assert [i for i in ids if tok.token_type(i) in (CONTROL, USER_DEFINED)] == [
+            p for p in expected if isinstance(p, int)]
+        assert tok.decode(ids, special=True) == ("".join(
+            tokens[p] if isinstance(p, int) else p for p in expected)).encode()
+
     def test_phi3_strips_whitespace_after_special_tokens(self):
         """phi-3 eats the spaces after a special token (llama.cpp's rstrip for that model)."""
         tok = vocab_tokenizer("phi-3")
@@ -281,24 +300,35 @@ def gguf_vocab(name):
     return tokens, types, {t: i for i, t in enumerate(tokens)}, extra
 
 
-def reference_partition(tokens, types, text, special=False):
-    """llama.cpp's special-token partition, naively: longest spelling first, leftmost matches."""
-    fragments = [text]
+def reference_partition(tokens, types, text, special=False, rstrip=frozenset()):
+    """llama.cpp's special-token partition, naively: spellings longest first, each claiming its
+    leftmost occurrences in unclaimed text (equal lengths: leftmost first, an order llama.cpp
+    leaves open). Returns raw-text pieces (str) and token ids (int), in order."""
     wanted = (CONTROL, USER_DEFINED, UNKNOWN) if special else (USER_DEFINED,)
-    order = sorted((i for i, t in enumerate(types) if t in wanted), key=lambda i: (-len(tokens[i].encode()), i))
-    for token in order:
-        spelling, split = tokens[token], []
-        for fragment in fragments:
-            if isinstance(fragment, int):
-                split.append(fragment)
+    spellings = {}
+    for i, t in enumerate(types):
+        if t in wanted:
+            spellings.setdefault(tokens[i], i)
+    claimed = [None] * len(text)  # token id at the start of a claimed span, -1 inside it, -2 stripped
+    for length in sorted({len(s) for s in spellings}, reverse=True):
+        for p in range(len(text) - length + 1):
+            token = spellings.get(text[p:p + length])
+            if token is None or any(c is not None for c in claimed[p:p + length]):
                 continue
-            while spelling in fragment:
-                left, fragment = fragment.split(spelling, 1)
-                split += [left, token] if left else [token]
-            if fragment:
-                split.append(fragment)
-        fragments = split
-    return fragments
+            claimed[p:p + length] = [token] + [-1] * (length - 1)
+            if token in rstrip:
+                q = p + length
+                while q < len(text) and claimed[q] is None and text[q] in " \t\n\v\f\r":
+                    claimed[q] = -2
+                    q += 1
+    pieces, raw = [], ""
+    for ch, c in zip(text, claimed):
+        if c is None:
+            raw += ch
+        elif c >= 0:
+            pieces += [raw, c] if raw else [c]
+            raw = ""
+    return pieces + ([raw] if raw else [])
 
 
 def reference_bpe_encode(name, text):
@@ -409,6 +439,24 @@ class StreamingDecoderTests:
         assert "".join(decoder.push(t) for t in lead) == ""
         assert decoder.flush() == "\ufffd"
         assert "".join(decoder.push(t) for t in tok.encode("ok", add_bos=False)) == "ok"
+
+
+class ThreadTests:
+    """One tokenizer serves several threads at once (the reactor renders while the worker decodes)."""
+
+    def test_concurrent_encodes_match_serial_ones(self):
+        """Eight threads encoding different texts at once get what one thread gets."""
+        from concurrent.futures import ThreadPoolExecutor
+        tok = vocab_tokenizer("llama-bpe")
+        texts = [f"Thread {i}: " + "naïve café 🦙 12345 " * (50 + i) for i in range(16)]
+        serial = [tok.encode(t) for t in texts]
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(tok.encode, texts * 2)) == serial * 2
+
+    def test_lone_surrogates_become_replacement_characters(self):
+        """A str with a lone surrogate (possible from JSON) encodes as if it held U+FFFD."""
+        tok = vocab_tokenizer("qwen2")
+        assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
 
 
 class MalformedFileTests:
