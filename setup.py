@@ -33,6 +33,7 @@ setup(
         "treq>=24.9",
         "numpy>=1.26",
         "gguf>=0.17",
+        "pyopenssl>=24", "service-identity>=24",  # --listen ssl: (owner: ecosystem)
     ],
     extras_require={
         "test": [

@@ -41,7 +41,24 @@ class Options(usage.Options):
         ["alias", None, None, "Model id in responses and /v1/models (default: the file name without .mlb)."],
         ["cors", None, None, "Let web pages from ORIGIN (* for any) call the server from a browser."],
     ] + _ENGINE_PARAMETERS
-    optFlags = list(_ENGINE_FLAGS)
+    optFlags = list(_ENGINE_FLAGS) + [
+        ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["listen"] = []
+
+    def opt_listen(self, description):
+        """Listen on a Twisted endpoint instead of --host/--port, e.g. tcp:8080:interface=0.0.0.0,
+        unix:/run/krafla.sock, ssl:8443:privateKey=key.pem:certKey=cert.pem (repeatable)."""
+        from krafla_twisted.api.listen import check_description
+
+        try:
+            check_description(description)
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
+        self["listen"].append(description)
 
     def parseOptions(self, options=None):
         """Accept the model path before or after the options, as `krafla run` does (getopt stops at it)."""
@@ -122,7 +139,7 @@ class KraflaService(service.Service):
         self.reactor = reactor
         self.runtime = None
         self.worker = None
-        self.port = None
+        self.ports = []
 
     def startService(self):
         from krafla_twisted.api.access import Access
@@ -143,19 +160,28 @@ class KraflaService(service.Service):
         log.info("{banner}", banner=backend.banner())
         cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
         api = API(backend, self.worker, Access(config["api-key"], cors), self.reactor)
-        site = APISite(build_root(api), self.reactor)
+        root = build_root(api)
+        # /tokenize, /detokenize and --metrics (owner: ecosystem).
+        from krafla_twisted.api import listen, metrics
+
+        counters = metrics.Metrics(pending=lambda: len(self.worker._jobs) if self.worker else 0) if config.get("metrics") else None
+        site = APISite(root, self.reactor)
+        metrics.install(root, site, api, counters, self.reactor)
         host = config["host"]
-        if ":" in host:
-            endpoint = endpoints.TCP6ServerEndpoint(self.reactor, config["port"], interface=host)
+        if config.get("listen"):
+            wanted = [(listen.make_endpoint(self.reactor, text), text) for text in config["listen"]]
+        elif ":" in host:
+            wanted = [(endpoints.TCP6ServerEndpoint(self.reactor, config["port"], interface=host), f"{host}:{config['port']}")]
         else:
-            endpoint = endpoints.TCP4ServerEndpoint(self.reactor, config["port"], interface=host)
-        failures = []
-        d = endpoint.listen(site)
-        d.addCallbacks(self._listening, failures.append)
-        if failures:
-            # TCP listens synchronously: say why and exit non-zero instead of serving nothing.
-            self.stopService()
-            self._fail(f"cannot listen on {host}:{config['port']}: {failures[0].getErrorMessage()}")
+            wanted = [(endpoints.TCP4ServerEndpoint(self.reactor, config["port"], interface=host), f"{host}:{config['port']}")]
+        for endpoint, where in wanted:
+            failures = []
+            d = endpoint.listen(site)
+            d.addCallbacks(lambda port, endpoint=endpoint: self._listening(port, endpoint), failures.append)
+            if failures:
+                # TCP, TLS and unix sockets listen synchronously: say why and exit non-zero instead of serving nothing.
+                self.stopService()
+                self._fail(f"cannot listen on {where}: {failures[0].getErrorMessage()}")
 
     def _fail(self, message):
         twistd = getattr(self.config, "parent", None)
@@ -165,18 +191,19 @@ class KraflaService(service.Service):
         # the start, which prints it and exits 1.
         raise StartupError(message)
 
-    def _listening(self, port):
-        self.port = port
-        address = port.getHost()
-        log.info("{line}", line=f"# listening on {listen_url(address.host, address.port)}")
-        if self.config["host"] not in ("127.0.0.1", "::1") and not self.config["api-key"]:
+    def _listening(self, port, endpoint):
+        from krafla_twisted.api.listen import listening_line, reaches_beyond_this_machine
+
+        self.ports.append(port)
+        log.info("{line}", line=listening_line(endpoint, port))
+        if reaches_beyond_this_machine(port) and not self.config["api-key"]:
             log.warn("listening beyond this machine without an API key; set --api-key or KRAFLA_API_KEY")
 
     def stopService(self):
         super().stopService()
-        if self.port is not None:
-            self.port.stopListening()
-            self.port = None
+        for port in self.ports:
+            port.stopListening()
+        self.ports = []
         if self.worker is not None:
             self.worker.stop()
             self.worker = None

@@ -1,0 +1,147 @@
+"""GET /metrics (with --metrics): counters in the Prometheus text format, version 0.0.4.
+
+Every finished request is counted by endpoint and status; completions add their token counts and
+the seconds spent on the prompt and on the reply, so tokens/s over any window is a `rate()` of two
+counters. The gauges give the average speeds since start, the requests waiting for the engine, and
+the KV-cache reuse. Everything here runs in the I/O thread.
+"""
+
+import collections
+
+from krafla_twisted.api.resources import Endpoint
+from krafla_twisted.api.site import APIRequest
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+# Paths are folded onto these names so a client cannot grow the label set; anything else is "other".
+ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize")
+
+
+def endpoint_label(path):
+    text = path.decode("ascii", "replace") if isinstance(path, bytes) else path
+    parts = [p for p in text.split("?")[0].split("/") if p]
+    if parts and parts[0] == "v1":
+        parts = parts[1:]
+    if parts[:1] == ["models"]:
+        return "models"
+    name = "/".join(parts)
+    return name if name in ENDPOINTS else "other"
+
+
+class Metrics:
+    """The numbers behind /metrics. `pending` is a function giving the jobs queued or running."""
+
+    def __init__(self, pending=lambda: 0):
+        self.pending = pending
+        self.requests = collections.Counter()  # (endpoint, status) -> count
+        self.gone = collections.Counter()  # endpoint -> requests whose client left before the reply ended
+        self.completions = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.prompt_seconds = 0.0
+        self.generation_seconds = 0.0
+        self.cache_hits = 0
+
+    def observe(self, path, status, stats=None, gone=False):
+        """Count one finished request: its path, its status code (None if the client left), its GenerationResult."""
+        endpoint = endpoint_label(path)
+        if gone:
+            self.gone[endpoint] += 1
+        else:
+            self.requests[(endpoint, str(status))] += 1
+        if stats is not None:
+            self.completions += 1
+            self.prompt_tokens += stats.prompt_tokens
+            self.cached_tokens += stats.cached_tokens
+            self.completion_tokens += stats.completion_tokens
+            self.prompt_seconds += stats.prompt_seconds
+            self.generation_seconds += stats.generation_seconds
+            if stats.cached_tokens > 0:
+                self.cache_hits += 1
+
+    def render(self):
+        """The exposition text."""
+        out = []
+
+        def metric(name, kind, help_text, samples):
+            out.append(f"# HELP krafla_{name} {help_text}")
+            out.append(f"# TYPE krafla_{name} {kind}")
+            for labels, value in samples:
+                label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+                out.append(f"krafla_{name}{{{label_text}}} {_number(value)}" if labels else f"krafla_{name} {_number(value)}")
+
+        metric("requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
+               [((("endpoint", e), ("status", s)), n) for (e, s), n in sorted(self.requests.items())])
+        metric("requests_client_gone_total", "counter", "Requests whose client left before the reply was complete.",
+               [((("endpoint", e),), n) for e, n in sorted(self.gone.items())])
+        metric("completions_total", "counter", "Completions the engine ran (finished, stopped or cancelled).",
+               [((), self.completions)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of completions, cached ones included.", [((), self.prompt_tokens)])
+        metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from the KV cache.", [((), self.cached_tokens)])
+        metric("completion_tokens_total", "counter", "Tokens generated.", [((), self.completion_tokens)])
+        metric("prompt_seconds_total", "counter", "Seconds spent evaluating prompts.", [((), self.prompt_seconds)])
+        metric("generation_seconds_total", "counter", "Seconds spent generating replies.", [((), self.generation_seconds)])
+        metric("cache_hits_total", "counter", "Completions that reused at least one cached prompt token.", [((), self.cache_hits)])
+        computed = self.prompt_tokens - self.cached_tokens
+        metric("prompt_tokens_per_second", "gauge", "Prompt tokens evaluated per second, on average since start.",
+               [((), computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0)])
+        metric("generation_tokens_per_second", "gauge", "Tokens generated per second, on average since start.",
+               [((), self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0)])
+        pending = self.pending()
+        metric("requests_pending", "gauge", "Completions queued or running (the engine runs one at a time).", [((), pending)])
+        metric("requests_queued", "gauge", "Completions waiting behind the one being answered.", [((), max(pending - 1, 0))])
+        return ("\n".join(out) + "\n").encode("utf-8")
+
+
+def _number(value):
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+class CountedRequest(APIRequest):
+    """An APIRequest that is counted in its site's `metrics` when its log line is written."""
+
+    def _count(self, gone):
+        metrics = getattr(getattr(self, "site", None), "metrics", None)
+        if metrics is not None:
+            metrics.observe(self.path, None if gone else self.code, self.completion_stats, gone=gone)
+
+    def _log_finished(self, result):
+        self._count(gone=False)
+        return super()._log_finished(result)
+
+    def _log_gone(self):
+        self._count(gone=True)
+        return super()._log_gone()
+
+
+class MetricsResource(Endpoint):
+    """GET /metrics. Behind the API key like every endpoint but /health (Prometheus sends it as bearer_token)."""
+
+    methods = ("GET",)
+
+    def __init__(self, api, metrics):
+        super().__init__(api)
+        self.metrics = metrics
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", CONTENT_TYPE)
+        return self.metrics.render()
+
+
+def install(root, site, api, metrics=None, reactor=None):
+    """Add /tokenize, /detokenize (and /metrics when `metrics` is given, counting `site`'s requests)
+    beside the other endpoints, under /v1 and without it."""
+    from krafla_twisted.api.tokenize import Detokenize, Tokenize
+
+    if metrics is not None:
+        site.metrics = metrics
+        site.requestFactory = CountedRequest
+
+    for node in (root, root.children[b"v1"]):
+        node.putChild(b"tokenize", Tokenize(api, reactor))
+        node.putChild(b"detokenize", Detokenize(api, reactor))
+        if metrics is not None:
+            node.putChild(b"metrics", MetricsResource(api, metrics))
