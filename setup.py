@@ -41,6 +41,7 @@ setup(
             "hypothesis>=6.100",
             "jinja2>=3.1",
             "openai>=1.50",
+            "prometheus-client>=0.20",  # tests: parses /metrics as Prometheus would (owner: ecosystem)
             "regex>=2024.4",  # tests: runs llama.cpp's pre-tokenizer patterns as an oracle (owner: tokenizer)
         ],
     },
