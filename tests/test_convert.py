@@ -188,14 +188,15 @@ class CommandTests:
         """`krafla convert` reaches this module through the top-level command."""
         from krafla_twisted import cli
 
-        assert cli.main(["convert", str(tmp_path)]) == 2
-        assert "converting Hugging Face folders is not supported yet" in capsys.readouterr().err
+        assert cli.main(["convert", str(tmp_path)]) == 1
+        assert "no config.json" in capsys.readouterr().err
 
-    def test_directory_is_refused(self, tmp_path, capsys):
-        """A Hugging Face folder is not supported yet: exit status 2 and a message saying so."""
+    def test_directory_is_read_as_hugging_face_folder(self, tmp_path, capsys):
+        """A folder goes to the Hugging Face converter (status 1 naming config.json when it has none);
+        convert_gguf itself refuses a folder."""
         status = convert_cli.main(_parser().parse_args([str(tmp_path), "-o", str(tmp_path / "x.mlb")]))
-        assert status == 2
-        assert "is a directory" in capsys.readouterr().err
+        assert status == 1
+        assert "no config.json" in capsys.readouterr().err
         with pytest.raises(ConvertError, match="is a directory"):
             convert_gguf(tmp_path, tmp_path / "x.mlb", tmp_path / "x.mlt")
 

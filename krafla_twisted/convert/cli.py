@@ -1,14 +1,15 @@
-"""`krafla convert SRC.gguf -o OUT.mlb -z OUT.mlt --type q4_0`."""
+"""`krafla convert SRC.gguf|HF_FOLDER -o OUT.mlb -z OUT.mlt --type q4_0`."""
 
 import sys
 from pathlib import Path
 
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf, output_names
+from krafla_twisted.convert.hf import convert_hf
 from krafla_twisted.formats import FormatError
 
 
 def add_arguments(parser):
-    parser.add_argument("source", metavar="SRC", help="a GGUF file (Hugging Face folders: not yet)")
+    parser.add_argument("source", metavar="SRC", help="a GGUF file, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     parser.add_argument("-o", "--output", metavar="OUT.mlb",
                         help="model file to write (default: NAME-TYPE.mlb beside SRC, e.g. SmolLM2-135M-Instruct-Q4_0.mlb)")
     parser.add_argument("-z", "--tokenizer", metavar="OUT.mlt",
@@ -22,14 +23,16 @@ def add_arguments(parser):
 def main(args):
     source = Path(args.source)
     if source.is_dir():
-        print(f"krafla convert: {source} is a directory; converting Hugging Face folders is not supported "
-              "yet, give a .gguf file", file=sys.stderr)
-        return 2
-    default_mlb, _ = output_names(source, args.type_name)
+        default_mlb = source.parent / f"{source.name}-{args.type_name.upper()}.mlb"
+    else:
+        default_mlb, _ = output_names(source, args.type_name)
     out_mlb = Path(args.output) if args.output else default_mlb
     out_mlt = Path(args.tokenizer) if args.tokenizer else out_mlb.with_suffix(".mlt")
     try:
-        convert_gguf(source, out_mlb, out_mlt, args.type_name, progress=not args.quiet, name=args.name)
+        if source.is_dir():
+            convert_hf(source, out_mlb, out_mlt, args.type_name, progress=not args.quiet, name=args.name)
+        else:
+            convert_gguf(source, out_mlb, out_mlt, args.type_name, progress=not args.quiet, name=args.name)
     except (ConvertError, FormatError, OSError) as e:
         print(f"krafla convert: {e}", file=sys.stderr)
         return 1

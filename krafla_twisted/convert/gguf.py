@@ -277,8 +277,8 @@ def _open(src, progress):
     import gguf
 
     if src.is_dir():
-        raise ConvertError(f"{src}: is a directory; converting Hugging Face folders is not supported yet, "
-                           "give a .gguf file")
+        raise ConvertError(f"{src}: is a directory; convert_gguf reads a .gguf file "
+                           "(Hugging Face folders: krafla_twisted.convert.hf.convert_hf)")
     if progress:
         print(f"reading {src}", file=sys.stderr)
     try:

@@ -1,0 +1,441 @@
+"""Hugging Face folder -> krafla: config.json + *.safetensors (+ tokenizer.json) to .mlb and .mlt.
+
+`convert_hf(folder, out_mlb, out_mlt, type_name)` reads the checkpoint with our own safetensors
+reader (an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
+byte range, then the raw data; no torch), maps llama, qwen2, gemma3 and qwen3_5 text models to the
+tensor names and metadata keys of docs/formats.md, and encodes the matrices as `type_name` with
+the same quantizers as the GGUF path. Vision towers and multi-token-prediction heads are skipped
+with a message. The tokenizer comes from tokenizer.json (convert/tokenizer_json.py).
+
+Conventions (Hugging Face -> .mlb):
+- q/k rows stay as they are: transformers rotates halves, so rope_style is `neox`.
+- Gemma's and Qwen3.5's RMSNorm multiply by (1 + w): the .mlb stores 1 + w. Qwen3.5's gated
+  norm inside the DeltaNet layer multiplies by w and is copied unchanged.
+- Qwen3.5 DeltaNet: A_log becomes ssm_a = -exp(A_log); dt_bias becomes ssm_dt.bias.
+"""
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from krafla_twisted import formats
+from krafla_twisted.convert import gguf as gguf_convert
+from krafla_twisted.convert.gguf import ConvertError, OUTPUT_TYPES
+
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+_MAX_HEADER = 100 << 20
+
+
+# --- safetensors
+
+
+class SafetensorsFile:
+    """One .safetensors file: `.names`, `.shape(name)`, `.get(name) -> float32 ndarray` (memory-mapped)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ConvertError(f"{self.path}: too short for a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER or 8 + length > size:
+                raise ConvertError(f"{self.path}: safetensors header of {length} bytes does not fit the file")
+            try:
+                header = json.loads(f.read(length))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ConvertError(f"{self.path}: safetensors header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ConvertError(f"{self.path}: safetensors header is not a JSON object")
+        header.pop("__metadata__", None)
+        self._base = 8 + length
+        self._size = size
+        self._entries = header
+        self._map = None
+        for name, entry in header.items():
+            self._check(name, entry)
+
+    def _check(self, name, entry):
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{self.path}: tensor {name}: malformed header entry") from None
+        if dtype not in _DTYPES:
+            raise ConvertError(f"{self.path}: tensor {name} has dtype {dtype}; krafla reads "
+                               f"{', '.join(_DTYPES)}")
+        expected = math.prod(shape) * _DTYPES[dtype].itemsize
+        if not (0 <= begin <= end and end - begin == expected and self._base + end <= self._size):
+            raise ConvertError(f"{self.path}: tensor {name}: bytes {begin}..{end} do not hold {dtype} {shape} "
+                               "inside the file")
+
+    @property
+    def names(self):
+        return list(self._entries)
+
+    def shape(self, name):
+        return tuple(int(d) for d in self._entries[name]["shape"])
+
+    def get(self, name):
+        entry = self._entries[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, np.uint8, "r")
+        begin, end = entry["data_offsets"]
+        raw = self._map[self._base + begin:self._base + end]
+        values = raw.view(_DTYPES[entry["dtype"]]).reshape(self.shape(name))
+        if entry["dtype"] == "BF16":
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        return np.asarray(values, dtype=np.float32)
+
+
+def open_checkpoint(folder):
+    """name -> SafetensorsFile holding it, for model.safetensors or a sharded index."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConvertError(f"{index}: not a safetensors index ({e})") from None
+        files = {}
+        where = {}
+        for name, shard in weight_map.items():
+            if shard not in files:
+                path = folder / shard
+                if not path.is_file():
+                    raise ConvertError(f"{index}: shard {shard} is missing")
+                files[shard] = SafetensorsFile(path)
+            if name not in files[shard].names:
+                raise ConvertError(f"{index}: {name} is not in {shard}")
+            where[name] = files[shard]
+        return where
+    paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise ConvertError(f"{folder}: no *.safetensors files")
+    where = {}
+    for path in paths:
+        st = SafetensorsFile(path)
+        for name in st.names:
+            where[name] = st
+    return where
+
+
+# --- config
+
+
+def _load_config(folder):
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{folder}: no config.json; is this a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConvertError(f"{path}: not JSON ({e})") from None
+
+
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+         "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+
+
+def _rope(config, layer_type=None):
+    """(theta, linear factor, partial rotary factor) from rope_parameters or the older flat keys."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if layer_type and layer_type in params:
+        params = params[layer_type]
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ConvertError(f"RoPE type {kind!r} is not supported (default, linear)")
+    factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return float(theta), factor, float(partial)
+
+
+def hyperparameters(config, path="<config>"):
+    """(arch, text config, .mlb metadata without n_vocab/name/tied_embeddings)."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHS:
+        raise ConvertError(f"{path}: model_type {model_type!r} is not supported "
+                           f"({', '.join(sorted(ARCHS))})")
+    arch = ARCHS[model_type]
+    text = config.get("text_config") if model_type in ("gemma3", "qwen3_5") else config
+    if not isinstance(text, dict):
+        raise ConvertError(f"{path}: {model_type} config has no text_config")
+    if "vision_config" in config:
+        print(f"{path}: skipping the vision model; converting the language model only", file=sys.stderr)
+
+    def need(key):
+        if key not in text:
+            raise ConvertError(f"{path}: config key {key} is missing")
+        return text[key]
+
+    dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
+    n_kv = int(text.get("num_key_value_heads") or n_heads)
+    head_dim = int(text.get("head_dim") or dim // n_heads)
+    gemma, qwen35 = arch == "gemma3", arch == "qwen35"
+    layer_names = text.get("layer_types")
+    if qwen35 and not layer_names:
+        interval = int(text.get("full_attention_interval", 4))
+        layer_names = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    if gemma and not layer_names:
+        period = int(text.get("sliding_window_pattern", 6))
+        layer_names = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+    layer_names = layer_names or ["full_attention"] * n_layers
+    if len(layer_names) != n_layers:
+        raise ConvertError(f"{path}: layer_types has {len(layer_names)} entries for {n_layers} layers")
+    codes = {"full_attention": 0, "sliding_attention": 1, "linear_attention": 2}
+    if any(name not in codes for name in layer_names):
+        raise ConvertError(f"{path}: unknown layer types in {sorted(set(layer_names))}")
+    theta, factor, partial = _rope(text, "full_attention" if gemma else None)
+    theta_local = _rope(text, "sliding_attention")[0] if gemma else theta
+    rope_dims = int(head_dim * partial) if qwen35 else head_dim
+    if rope_dims % 2 or rope_dims > head_dim or rope_dims < 2:
+        raise ConvertError(f"{path}: {rope_dims} rotated dimensions do not fit a head of {head_dim}")
+    act = text.get("hidden_act") or text.get("hidden_activation") or "silu"
+    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+    if activation is None:
+        raise ConvertError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    if text.get("attention_bias") and arch != "qwen2":
+        raise ConvertError(f"{path}: attention biases are only supported for qwen2")
+    metadata = {
+        "arch": arch,
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "head_dim": head_dim,
+        "ffn_dim": int(need("intermediate_size")),
+        "max_seq": int(text.get("max_position_embeddings", 4096)),
+        "norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "rope_theta_local": theta_local,
+        "rope_scale": factor,
+        "rope_style": "neox",
+        "rope_dims": rope_dims,
+        "activation": activation,
+        "embedding_scale": math.sqrt(dim) if gemma else 1.0,
+        "attn_scale": float(text.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else head_dim ** -0.5,
+        "sliding_window": int(text.get("sliding_window") or 0) if gemma else 0,
+        "layer_types": [codes[name] for name in layer_names],
+        "attn_softcap": 0.0,  # transformers' Gemma 3 does not apply attn_logit_softcapping
+        "final_softcap": float(text.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+    }
+    if qwen35:
+        metadata.update({
+            "linear_conv_kernel": int(text.get("linear_conv_kernel_dim", 4)),
+            "linear_k_heads": int(need("linear_num_key_heads")),
+            "linear_v_heads": int(need("linear_num_value_heads")),
+            "linear_k_head_dim": int(need("linear_key_head_dim")),
+            "linear_v_head_dim": int(need("linear_value_head_dim")),
+        })
+        if metadata["linear_v_heads"] % metadata["linear_k_heads"]:
+            raise ConvertError(f"{path}: linear value heads are not a multiple of linear key heads")
+    return arch, text, metadata
+
+
+# --- tensor names
+
+_COMMON = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_LAYER_NAMES = {
+    "llama": {**_COMMON, "post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen2": {**_COMMON, "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+              "self_attn.v_proj.bias": "attn_v.bias"},
+    "gemma3": {**_COMMON, "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "qwen35": {**_COMMON, "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+               "linear_attn.in_proj_z.weight": "attn_gate.weight",
+               "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+               "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+               "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+               "linear_attn.dt_bias": "ssm_dt.bias",
+               "linear_attn.A_log": "ssm_a",
+               "linear_attn.norm.weight": "ssm_norm.weight",
+               "linear_attn.out_proj.weight": "ssm_out.weight"},
+}
+
+
+def _plus_one(arch, name):
+    """Norms that multiply by (1 + w) in transformers: stored with the 1 added (not Qwen3.5's gated norm)."""
+    if arch == "gemma3":
+        return name.endswith("norm.weight")
+    return arch == "qwen35" and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight")
+
+
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_SKIPPED = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+            "model.multi_modal_projector.", "mtp.")
+
+
+def expected_shapes(metadata):
+    """krafla tensor name -> shape for every tensor of the model (output.weight when untied)."""
+    m = metadata
+    dim, hd, ffn = m["dim"], m["head_dim"], m["ffn_dim"]
+    arch = m["arch"]
+    shapes = {"token_embd.weight": (m["n_vocab"], dim), "output_norm.weight": (dim,)}
+    if not m["tied_embeddings"]:
+        shapes["output.weight"] = (m["n_vocab"], dim)
+    q_rows, kv_rows = m["n_heads"] * hd, m["n_kv_heads"] * hd
+    for i, kind in enumerate(m["layer_types"]):
+        s = {"attn_norm.weight": (dim,), "ffn_norm.weight": (dim,), "ffn_gate.weight": (ffn, dim),
+             "ffn_up.weight": (ffn, dim), "ffn_down.weight": (dim, ffn)}
+        if kind == 2:
+            key_dim = m["linear_k_heads"] * m["linear_k_head_dim"]
+            value_dim = m["linear_v_heads"] * m["linear_v_head_dim"]
+            conv_dim = 2 * key_dim + value_dim
+            s.update({"attn_qkv.weight": (conv_dim, dim), "attn_gate.weight": (value_dim, dim),
+                      "ssm_beta.weight": (m["linear_v_heads"], dim), "ssm_alpha.weight": (m["linear_v_heads"], dim),
+                      "ssm_conv1d.weight": (conv_dim, m["linear_conv_kernel"]),
+                      "ssm_dt.bias": (m["linear_v_heads"],), "ssm_a": (m["linear_v_heads"],),
+                      "ssm_norm.weight": (m["linear_v_head_dim"],), "ssm_out.weight": (dim, value_dim)})
+        else:
+            s.update({"attn_q.weight": ((2 if arch == "qwen35" else 1) * q_rows, dim),
+                      "attn_k.weight": (kv_rows, dim), "attn_v.weight": (kv_rows, dim),
+                      "attn_output.weight": (dim, q_rows)})
+            if arch == "qwen2":
+                s.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
+            if arch in ("gemma3", "qwen35"):
+                s.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+            if arch == "gemma3":
+                s.update({"post_attention_norm.weight": (dim,), "post_ffw_norm.weight": (dim,)})
+        for name, shape in s.items():
+            shapes[f"blk.{i}.{name}"] = shape
+    return shapes
+
+
+def _map_names(arch, names, path):
+    """krafla name -> Hugging Face name; unknown tensors are an error, vision/MTP ones skipped."""
+    layer_names = _LAYER_NAMES[arch]
+    mapped, skipped, unknown = {}, [], []
+    for hf_name in names:
+        if hf_name.startswith(_SKIPPED):
+            skipped.append(hf_name)
+            continue
+        if hf_name in ("lm_head.weight", "language_model.lm_head.weight"):
+            mapped["output.weight"] = hf_name
+            continue
+        rest = next((hf_name[len(p):] for p in _PREFIXES if hf_name.startswith(p)), None)
+        if rest is None:
+            unknown.append(hf_name)
+        elif rest == "embed_tokens.weight":
+            mapped["token_embd.weight"] = hf_name
+        elif rest == "norm.weight":
+            mapped["output_norm.weight"] = hf_name
+        elif rest.startswith("layers."):
+            _, layer, suffix = rest.split(".", 2)
+            if suffix in layer_names:
+                mapped[f"blk.{int(layer)}.{layer_names[suffix]}"] = hf_name
+            else:
+                unknown.append(hf_name)
+        else:
+            unknown.append(hf_name)
+    if skipped:
+        print(f"{path}: skipping {len(skipped)} vision / multi-token-prediction tensors", file=sys.stderr)
+    if unknown:
+        raise ConvertError(f"{path}: tensors krafla does not know for {arch}: {', '.join(unknown[:8])}"
+                           + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    return mapped
+
+
+def _values(arch, name, values):
+    """A Hugging Face tensor as the .mlb stores it (float32)."""
+    if name.endswith("ssm_conv1d.weight"):
+        return values.reshape(values.shape[0], -1)  # (conv_dim, 1, kernel) -> (conv_dim, kernel)
+    if name.endswith("ssm_a"):
+        return (-np.exp(values.astype(np.float64))).astype(np.float32)
+    if _plus_one(arch, name):
+        return values + np.float32(1)
+    return values
+
+
+def _output_type(name, shape, type_name, tied):
+    if name.endswith("ssm_conv1d.weight"):
+        return formats.F32
+    return gguf_convert._output_type(name, shape, type_name, tied)
+
+
+def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
+    """Convert the Hugging Face folder `src` to `out_mlb` (and `out_mlt` from tokenizer.json unless
+    it is None). Returns (out_mlb, out_mlt) as Paths."""
+    if type_name not in OUTPUT_TYPES:
+        raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
+    src, out_mlb = Path(src), Path(out_mlb)
+    out_mlt = Path(out_mlt) if out_mlt is not None else None
+    for path in (out_mlb, out_mlt):
+        if path is not None and not path.parent.is_dir():
+            raise ConvertError(f"{path}: directory {path.parent} does not exist")
+    if not src.is_dir():
+        raise ConvertError(f"{src}: not a folder")
+    config = _load_config(src)
+    arch, text, metadata = hyperparameters(config, src / "config.json")
+    where = open_checkpoint(src)
+    mapped = _map_names(arch, list(where), src)
+    if "token_embd.weight" not in mapped:
+        raise ConvertError(f"{src}: no embed_tokens.weight in the checkpoint")
+    embd = where[mapped["token_embd.weight"]].shape(mapped["token_embd.weight"])
+    metadata["n_vocab"] = int(embd[0])
+    metadata["tied_embeddings"] = int("output.weight" not in mapped)
+    expected = expected_shapes(metadata)
+    missing = [n for n in expected if n not in mapped]
+    if missing:
+        raise ConvertError(f"{src}: {arch} model lacks tensors {', '.join(missing[:8])}")
+    extra = [n for n in mapped if n not in expected]
+    if extra:
+        raise ConvertError(f"{src}: tensors that do not fit the config: {', '.join(extra[:8])}")
+
+    tokenizer = None
+    if out_mlt is not None:
+        from krafla_twisted.convert.tokenizer_json import container_from_folder
+        try:
+            tokenizer = container_from_folder(src, n_vocab=metadata["n_vocab"])
+        except ValueError as e:
+            raise ConvertError(f"{src}: tokenizer: {e}") from e
+
+    model = formats.Container(formats.MODEL_MAGIC)
+    model.metadata["name"] = name or str(config.get("_name_or_path") or "").split("/")[-1] or src.name
+    model.metadata.update(metadata)
+    tied = bool(metadata["tied_embeddings"])
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(expected), unit="tensor", desc=f"converting to {type_name}", file=sys.stderr, leave=False)
+    try:
+        for krafla_name in sorted(expected, key=gguf_convert._tensor_order):
+            hf_name = mapped[krafla_name]
+            values = _values(arch, krafla_name, where[hf_name].get(hf_name))
+            shape = expected[krafla_name]
+            if values.shape != shape:
+                raise ConvertError(f"{src}: tensor {hf_name} has shape {values.shape}, expected {shape} "
+                                   "from config.json")
+            if not np.isfinite(values).all():
+                raise ConvertError(f"{src}: tensor {hf_name} holds NaN or infinite weights")
+            tensor_type = _output_type(krafla_name, shape, type_name, tied)
+            model.add(krafla_name, tensor_type, shape, gguf_convert._encode(values, tensor_type))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if tokenizer is not None:
+        formats.write(out_mlt, tokenizer)
+    formats.write(out_mlb, model)
+    return out_mlb, out_mlt
