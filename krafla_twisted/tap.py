@@ -22,6 +22,8 @@ log = Logger(namespace="krafla")
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MAX_QUEUE = 64
+SHUTDOWN_GRACE_SECONDS = 5  # at SIGTERM, how long replies ended with an error get to reach their clients
 
 
 # -z, --chat, --system and every engine and sampling option: one table shared with `krafla run`.
@@ -40,6 +42,8 @@ class Options(usage.Options):
         ["api-key", None, None, "Require 'Authorization: Bearer KEY' (default: $KRAFLA_API_KEY if set)."],
         ["alias", None, None, "Model id in responses and /v1/models (default: the file name without .mlb)."],
         ["cors", None, None, "Let web pages from ORIGIN (* for any) call the server from a browser."],
+        ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait behind the one being answered; more get 503 "
+         "with Retry-After.", int],
     ] + _ENGINE_PARAMETERS
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
@@ -92,6 +96,9 @@ class Options(usage.Options):
             raise usage.UsageError("--api-key must not be empty")
         if self["cors"] is not None and not self["cors"].strip():
             raise usage.UsageError("--cors takes an origin such as http://localhost:3000, or *")
+        if self["max-queue"] < 0:
+            raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
+        clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))
         except ValueError as e:
@@ -104,6 +111,26 @@ class Options(usage.Options):
             raise usage.UsageError("-z TOKENIZER.mlt is required with a model file")
         if tokenizer is not None and not os.path.isfile(tokenizer):
             raise usage.UsageError(f"tokenizer file not found: {tokenizer}")
+
+
+def clear_unusable_pidfile(twistd_options):
+    """twistd exits at start when its pidfile holds no number (say, left empty by a crash or a full
+    disk): such a file names no process, so remove it, as twistd removes one naming a dead process."""
+    pidfile = twistd_options.get("pidfile") if twistd_options is not None else None
+    if not pidfile or not os.path.isfile(pidfile):
+        return
+    try:
+        with open(pidfile, "rb") as f:
+            pid = int(f.read(64))
+        if 0 < pid < 2**31:
+            return
+    except (OSError, ValueError):
+        pass
+    try:
+        os.remove(pidfile)
+    except OSError as e:
+        raise usage.UsageError(f"the pidfile {pidfile} holds no process id and cannot be removed: {e}") from None
+    print(f"krafla: removed the pidfile {pidfile}, which held no process id", file=sys.stderr)
 
 
 def parse_host(text):
@@ -140,6 +167,8 @@ class KraflaService(service.Service):
         self.runtime = None
         self.worker = None
         self.ports = []
+        self.api = None  # hardening: the API and Site, for a graceful stop
+        self.site = None
 
     def startService(self):
         from krafla_twisted.api.access import Access
@@ -159,13 +188,15 @@ class KraflaService(service.Service):
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
         cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
-        api = API(backend, self.worker, Access(config["api-key"], cors), self.reactor)
+        api = API(backend, self.worker, Access(config["api-key"], cors), self.reactor, max_queue=config["max-queue"])
+        self.api = api
         root = build_root(api)
         # /tokenize, /detokenize and --metrics (owner: ecosystem).
         from krafla_twisted.api import listen, metrics
 
         counters = metrics.Metrics(pending=lambda: len(self.worker._jobs) if self.worker else 0) if config.get("metrics") else None
         site = APISite(root, self.reactor)
+        self.site = site
         metrics.install(root, site, api, counters, self.reactor)
         host = config["host"]
         if config.get("listen"):
@@ -204,12 +235,18 @@ class KraflaService(service.Service):
         for port in self.ports:
             port.stopListening()
         self.ports = []
+        if self.api is not None:
+            self.api.shutdown()  # replies in flight end now with an error event or a 503
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
+        if self.site is not None:
+            # Let the ended replies reach their clients before the reactor stops.
+            site, self.site = self.site, None
+            return site.close_connections(SHUTDOWN_GRACE_SECONDS)
 
 
 def makeService(config, reactor=None):

@@ -28,12 +28,14 @@ class TimeoutTests(unittest.TestCase):
         harness.reactor.advance(0.1)
         self.assertTrue(connection.transport.disconnecting)
 
-    def test_half_sent_head_times_out_from_last_byte(self):
-        """Each received byte restarts the clock: a head trickling in stays open until 60 s of silence."""
+    def test_half_sent_body_times_out_from_last_byte(self):
+        """Each received byte restarts the clock: a body trickling in stays open until 60 s of silence
+        (within the absolute deadline for the whole request, pinned in test_hardening_http)."""
         harness = APIHarness()
         connection = RawConnection(harness)
+        connection.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{")
         harness.reactor.advance(50)
-        connection.send(b"GET /health HTTP/1.1\r\n")
+        connection.send(b" ")
         harness.reactor.advance(50)
         self.assertFalse(connection.transport.disconnecting)
         harness.reactor.advance(10)

@@ -89,6 +89,36 @@ class LengthRequired(APIError):
         super().__init__("Send the request body with a Content-Length (chunked request bodies are not accepted)")
 
 
+class RequestTimeout(APIError):
+    status = 408
+
+    def __init__(self, seconds):
+        super().__init__(f"The request did not arrive whole within {seconds} seconds", code="request_timeout")
+
+
+class Overloaded(APIError):
+    """503 with Retry-After: more requests wait than --max-queue allows; clients retry after a second."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, waiting):
+        super().__init__(
+            f"The server is busy: {waiting} requests are waiting already; retry shortly",
+            code="server_overloaded", headers=[(b"retry-after", b"1")],
+        )
+
+
+class ShuttingDown(APIError):
+    """503: the server stops (SIGTERM) before this request was answered."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self):
+        super().__init__("The server is shutting down; the request was not finished", code="server_shutting_down")
+
+
 class ServerError(APIError):
     """500: a bug or an engine failure; the message is the engine's."""
 

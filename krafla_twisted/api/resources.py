@@ -9,11 +9,14 @@ import uuid
 from urllib.parse import unquote
 
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
-from krafla_twisted.api.errors import APIError, InvalidRequest, MethodNotAllowed, NotFound, ServerError
+from krafla_twisted.api.errors import (
+    APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
+)
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 from krafla_twisted.api.worker import Job
@@ -21,15 +24,30 @@ from krafla_twisted.api.worker import Job
 log = Logger(namespace="krafla.api")
 
 
-class API:
-    """What the resources share: the served model (`backend`), the worker, the access policy, a clock."""
+DEFAULT_MAX_QUEUE = 64
 
-    def __init__(self, backend, worker, access, clock):
+
+class API:
+    """What the resources share: the served model (`backend`), the worker, the access policy, a clock.
+
+    `max_queue`: how many requests may wait behind the one being generated; more get 503.
+    """
+
+    def __init__(self, backend, worker, access, clock, max_queue=DEFAULT_MAX_QUEUE):
         self.backend = backend
         self.worker = worker
         self.access = access
         self.clock = clock
         self.created = int(clock.seconds())
+        self.max_queue = max_queue
+        self.replies = set()  # completions not yet answered in full
+        self.stopping = False
+
+    def shutdown(self):
+        """The server stops: no new work; every reply in flight ends now, with an error a client can read."""
+        self.stopping = True
+        for reply in list(self.replies):
+            reply.shut_down()
 
     def model_object(self):
         return {"id": self.backend.model_id, "object": "model", "created": self.created, "owned_by": "krafla"}
@@ -170,6 +188,11 @@ class Completions(Endpoint):
             completion = parse_chat_request(body)
         else:
             completion = parse_completion_request(body, backend.n_vocab)
+        if self.api.stopping:
+            raise ShuttingDown()
+        pending = self.api.worker.pending()
+        if pending > self.api.max_queue:
+            raise Overloaded(pending)
         Reply(self.api, request, completion).start()
         return NOT_DONE_YET
 
@@ -212,13 +235,33 @@ class Reply:
         self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None)
 
     def start(self):
-        self.request.notifyFinish().addErrback(self._client_gone)
+        self.api.replies.add(self)
+        self.request.notifyFinish().addBoth(self._request_over)
         self.request.work_pending = True
         self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
+
+    def _request_over(self, result):
+        # The response is finished, or the connection is gone: this reply needs no more care.
+        self.api.replies.discard(self)
+        if isinstance(result, Failure):
+            self._client_gone()
 
     def _client_gone(self, _=None):
         self.gone = True
         self.job.cancel()
+
+    def shut_down(self):
+        """SIGTERM: stop the job and end the response now. A started stream ends with an error event
+        and [DONE]; otherwise the client gets a 503. The worker's later result is ignored."""
+        if self.gone:
+            return
+        self._client_gone()
+        error = ShuttingDown()
+        if self.stream is not None and self.stream.started:
+            self.stream.send(error.body())
+            self.stream.end()
+        else:
+            self._write_whole(error_response(self.request, error))
 
     def _text_from_worker(self, text):
         # Runs in the worker thread: hand the piece to the reactor, touch nothing here.

@@ -49,11 +49,60 @@ def parse_json_body(body):
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:
-        value = json.loads(body, parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float,
+                           object_pairs_hook=_object_without_duplicates)
+    except DuplicateKey as e:
+        raise InvalidRequest(f"The JSON body repeats the key {e.key!r} in one object; send each key once",
+                             param=e.key) from None
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"The request body must be a JSON object, not {_json_type(value)}")
+    _check_depth(value)
+    return value
+
+
+MAX_JSON_DEPTH = 32  # a request needs 5 levels; deeper bodies are refused before any code walks them
+
+
+def _check_depth(value):
+    """Refuse arrays and objects nested deeper than MAX_JSON_DEPTH (walked without recursion), so no
+    later step (an error message quoting a value, a log line) can hit Python's recursion limit."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"The JSON body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values() if isinstance(child, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+
+
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a number")
+    return value
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice. Parsers disagree on which value wins (first, last, an
+    error), so a proxy and this server could read different requests: refuse instead of choosing."""
+
+    def __init__(self, key):
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _object_without_duplicates(pairs):
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
     return value
 
 

@@ -9,19 +9,37 @@ import io
 from twisted.logger import Logger
 from twisted.web import http, server
 
-from krafla_twisted.api.errors import BodyTooLarge, HeadTooLarge, LengthRequired
+from krafla_twisted.api.errors import APIError, BodyTooLarge, HeadTooLarge, LengthRequired, RequestTimeout
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
 IDLE_TIMEOUT_SECONDS = 60
+# Hardening (owner: hardening): deadlines Twisted does not keep by itself.
+HEAD_DEADLINE_SECONDS = 60  # the request line and headers, however slowly they trickle in (>= the idle timeout)
+REQUEST_DEADLINE_SECONDS = 120  # the whole request, body included, from the moment the client connected
+WRITE_DEADLINE_SECONDS = 60  # a client that reads nothing of what we send for this long is cut off
+DISCARD_LIMIT_BYTES = 2 * MAX_BODY_BYTES  # refused body bytes read (so the client sees the answer) before hanging up
 
 log = Logger(namespace="krafla.http")
+_REASONS = {431: b"Request Header Fields Too Large", 408: b"Request Timeout"}
 
 
 class _DiscardedBody(io.BytesIO):
-    """A request body we refuse: read from the client (so the reply is not lost to a reset) but not kept."""
+    """A request body we refuse: read from the client (so the reply is not lost to a reset) but not kept.
+
+    Reading stops after DISCARD_LIMIT_BYTES: then `on_limit` answers at once and hangs up.
+    """
+
+    def __init__(self, on_limit):
+        super().__init__()
+        self._left = DISCARD_LIMIT_BYTES
+        self._on_limit = on_limit
 
     def write(self, data):
+        self._left -= len(data)
+        if self._left < 0 and self._on_limit is not None:
+            on_limit, self._on_limit = self._on_limit, None
+            on_limit()
         return len(data)
 
 
@@ -48,10 +66,12 @@ class APIRequest(server.Request):
             self.body_error = LengthRequired()
         elif length > MAX_BODY_BYTES:
             self.body_error = BodyTooLarge(MAX_BODY_BYTES)
-        if self.body_error is not None:
-            self.content = _DiscardedBody()
-        else:
-            super().gotLength(length)
+        if self.body_error is None:
+            return super().gotLength(length)
+        answer = lambda: self.channel.answer_and_close(self.body_error)  # noqa: E731
+        if length is not None and length > DISCARD_LIMIT_BYTES:
+            answer()  # a body too large even to read through: answer now
+        self.content = _DiscardedBody(on_limit=answer)
 
     def requestReceived(self, command, path, version):
         self.received = True
@@ -108,12 +128,32 @@ class APIChannel(http.HTTPChannel):
     """HTTP/1.1 without keep-alive: every response says Connection: close and the connection ends.
 
     A request head (request line and headers) over 16 KiB gets 431 with an OpenAI error body.
+    Deadlines Twisted does not keep: the head must arrive within HEAD_DEADLINE_SECONDS and the whole
+    request within REQUEST_DEADLINE_SECONDS of connecting (a byte every few seconds does not keep a
+    connection), and a client that reads nothing for WRITE_DEADLINE_SECONDS while we have bytes for
+    it (a paused stream, a reply waiting to be flushed before the close) is cut off.
     """
 
     totalHeadersSize = MAX_HEADER_BYTES
     MAX_LENGTH = MAX_HEADER_BYTES
     _head_bytes = 0
     _head_done = False
+    _closing = False  # answered outside the Request (a refusal or a deadline): read nothing more
+    _losing = False  # loseConnection was called: the connection ends once its buffer is sent
+    _head_call = _request_call = _write_call = None
+
+    def connectionMade(self):
+        super().connectionMade()
+        self._head_call = self.callLater(HEAD_DEADLINE_SECONDS, self._too_slow)
+        self._request_call = self.callLater(REQUEST_DEADLINE_SECONDS, self._too_slow)
+        channels = getattr(self.factory, "channels", None)
+        if channels is not None:
+            channels.add(self)
+
+    def dataReceived(self, data):
+        if self._closing:
+            return
+        super().dataReceived(data)
 
     def lineReceived(self, line):
         if not self._head_done:
@@ -127,19 +167,100 @@ class APIChannel(http.HTTPChannel):
 
     def allHeadersReceived(self):
         self._head_done = True
+        self._cancel("_head_call")
         super().allHeadersReceived()
 
+    def allContentReceived(self):
+        self._cancel("_request_call")
+        if self._closing:
+            return  # answered already (a refused body that ended in the same read): no second answer
+        super().allContentReceived()
+
     def _refuse_head(self):
-        body = HeadTooLarge(MAX_HEADER_BYTES).json_bytes()
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nContent-Length: " + str(len(body)).encode("ascii") + b"\r\n\r\n" + body
-        )
-        self.transport.loseConnection()
+        self.answer_and_close(HeadTooLarge(MAX_HEADER_BYTES))
+
+    def _send100Continue(self):
+        # "Expect: 100-continue" on a body we refuse: say no now instead of inviting the body.
+        error = getattr(self.requests[-1], "body_error", None) if self.requests else None
+        if error is not None:
+            return self.answer_and_close(error)
+        if not self._closing:
+            super()._send100Continue()
+
+    def _too_slow(self):
+        self._head_call = self._request_call = None
+        self.answer_and_close(RequestTimeout(HEAD_DEADLINE_SECONDS if not self._head_done else REQUEST_DEADLINE_SECONDS))
+
+    def answer_and_close(self, error: APIError):
+        """Answer `error` outside any Request (the request is not whole), then close the connection."""
+        if self._closing or self.transport is None:
+            return
+        self._closing = True
+        self._cancel("_head_call")
+        self._cancel("_request_call")
+        body = error.json_bytes()
+        reason = _REASONS.get(error.status) or http.RESPONSES.get(error.status, b"Error")
+        head = [b"HTTP/1.1 %d %s" % (error.status, reason), b"Content-Type: application/json", b"Connection: close",
+                b"Content-Length: " + str(len(body)).encode("ascii")]
+        head += [name + b": " + value for name, value in error.headers]
+        self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        peer = getattr(self.transport.getPeer(), "host", "-")
+        log.info("{line}", line=f"{peer} {error.status} {error.message}")
+        self.loseConnection()
+
+    def loseConnection(self):
+        # What is still buffered must reach a reading client; a client that reads nothing is cut off.
+        if self._losing:
+            return
+        self._losing = True
+        self.setTimeout(None)
+        self._start_write_deadline()
+        super().loseConnection()
+
+    def pauseProducing(self):
+        # The transport's buffer is full: the client is not reading what we send.
+        self._start_write_deadline()
+        super().pauseProducing()
+
+    def resumeProducing(self):
+        self._cancel("_write_call")
+        super().resumeProducing()
+
+    def _start_write_deadline(self):
+        if self._write_call is None and self.transport is not None:
+            self._write_call = self.callLater(WRITE_DEADLINE_SECONDS, self._not_reading)
+
+    def _not_reading(self):
+        self._write_call = None
+        peer = getattr(self.transport.getPeer(), "host", "-")
+        log.info("{line}", line=f"{peer} cut off: read nothing for {WRITE_DEADLINE_SECONDS} s")
+        self.transport.abortConnection()
+
+    def _cancel(self, name):
+        call = getattr(self, name)
+        if call is not None:
+            setattr(self, name, None)
+            if call.active():
+                call.cancel()
+
+    def connectionLost(self, reason):
+        for name in ("_head_call", "_request_call", "_write_call"):
+            self._cancel(name)
+        super().connectionLost(reason)
+        channels = getattr(self.factory, "channels", None)
+        if channels is not None:
+            channels.discard(self)
+            if not channels:
+                self.factory.all_closed()
 
     def checkPersistence(self, request, version):
         request.responseHeaders.setRawHeaders(b"connection", [b"close"])
         return False
+
+    @property
+    def idle(self):
+        """No request is being handled (nothing received yet, or only part of a head or body)."""
+        return not self._handlingRequest
 
 
 class APISite(server.Site):
@@ -152,6 +273,35 @@ class APISite(server.Site):
         super().__init__(resource, timeout=IDLE_TIMEOUT_SECONDS, reactor=reactor)
         self.displayTracebacks = False
         self.noisy = False
+        self.channels = set()  # open connections, for a shutdown that lets replies reach their clients
+        self._closed_waiters = []
+
+    def close_connections(self, timeout):
+        """At shutdown: close connections that are not being answered; the Deferred fires when every
+        connection is gone, or after `timeout` seconds (those left are aborted)."""
+        from twisted.internet import defer
+
+        for channel in list(self.channels):
+            if channel.idle:
+                channel.transport.loseConnection()
+        if not self.channels:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self._closed_waiters.append(d)
+
+        def give_up():
+            for channel in list(self.channels):
+                channel.transport.abortConnection()
+            self.all_closed()
+
+        call = self.reactor.callLater(timeout, give_up)
+        d.addBoth(lambda result: (call.cancel() if call.active() else None, result)[1])
+        return d
+
+    def all_closed(self):
+        waiters, self._closed_waiters = self._closed_waiters, []
+        for d in waiters:
+            d.callback(None)
 
     def log(self, request):
         """Replaced by APIRequest's own line, which also covers requests whose client left."""

@@ -53,6 +53,10 @@ class EngineWorker:
 
         return d.addBoth(forget)
 
+    def pending(self):
+        """Jobs queued or running whose client still waits (the I/O thread's view)."""
+        return sum(1 for job in self._jobs if not job.cancelled)
+
     def cancel_all(self):
         for job in list(self._jobs):
             job.cancel()
