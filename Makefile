@@ -47,6 +47,9 @@ $(VENV)-reference/.installed: setup.py tests/reference/requirements.txt
 	$(VENV)-reference/bin/pip install -q -r tests/reference/requirements.txt
 	touch $@
 
+.PHONY: venv-reference
+venv-reference: $(VENV)-reference/.installed
+
 test-reference: lib $(VENV)-reference/.installed
 	KRAFLA_ISA=$(ISA) KRAFLA_REFERENCE=1 $(VENV)-reference/bin/python -m pytest -q tests/reference
 
