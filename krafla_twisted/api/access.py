@@ -24,9 +24,13 @@ class Access:
         """Raise Unauthorized unless the request carries the key. The comparison takes constant time."""
         if self._key is None:
             return
-        header = request.getHeader(b"authorization")
-        if header is None:
+        headers = request.requestHeaders.getRawHeaders(b"authorization")
+        if not headers:
             raise Unauthorized("You didn't provide an API key: send the header 'Authorization: Bearer KEY'")
+        if len(headers) > 1:
+            # A proxy and this server could each read a different one: refuse rather than pick.
+            raise Unauthorized("Send one Authorization header, not several")
+        header = headers[0]
         scheme, _, token = header.strip().partition(b" ")
         # compare_digest on the whole token: its time does not depend on where the first difference is.
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
