@@ -39,6 +39,7 @@ struct kr_session {
     float *rope_cos;       // (2, n_batch, rope_dims / 2): [0] full layers, [1] sliding layers
     float *rope_sin;
     void *prepared[KR_TYPE_COUNT];  // activations prepared for each weight type the model uses
+    void *ext;             // qwen35 hook: the hybrid model's own state (forward_qwen35.c)
 };
 
 // --- Session lifetime
@@ -95,6 +96,16 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
     s->n_batch = n_batch;
     s->kv_type = kv_type;
     s->kv_elem = kv_type == KR_F32 ? 4 : 2;
+    // --- qwen35 hook: recurrent states and caches live in forward_qwen35.c
+    if (m->ext) {
+        s->ext = kr_qwen35_state_new(m, n_ctx, kv_type, n_batch, err);
+        if (!s->ext) {
+            free(s);
+            return NULL;
+        }
+        return s;
+    }
+    // --- end qwen35 hook
     size_t b = (size_t)n_batch, half = (size_t)h->rope_dims / 2;
     size_t kv_rows = (size_t)h->n_layers * (size_t)n_ctx;
     bool failed = false;
@@ -136,6 +147,7 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
 
 void kr_session_free(kr_session *s) {
     if (!s) return;
+    kr_qwen35_state_free(s->ext);  // qwen35 hook
     free(s->k_cache), free(s->v_cache), free(s->x), free(s->xb), free(s->q), free(s->k), free(s->v);
     free(s->att), free(s->proj), free(s->gate), free(s->up), free(s->scores), free(s->rope_cos), free(s->rope_sin);
     for (int32_t t = 0; t < KR_TYPE_COUNT; t++) free(s->prepared[t]);
@@ -152,6 +164,10 @@ int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
     if (n_tokens < 0 || n_tokens > s->n_tokens)
         return kr_fail(err, KR_ERR_ARGUMENT, "cannot truncate to %d tokens: the session holds %d", n_tokens,
                        s->n_tokens);
+    // --- qwen35 hook: a recurrent state cannot be cut back, only dropped
+    if (s->ext && n_tokens != 0 && n_tokens != s->n_tokens)
+        return kr_fail(err, KR_ERR_STATE, "cannot truncate a qwen35 session to %d tokens: its recurrent state "
+                       "can only be kept (%d) or dropped (0)", n_tokens, s->n_tokens);
     s->n_tokens = n_tokens;
     kr_ok(err);
     return KR_OK;
@@ -487,6 +503,11 @@ int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logi
         return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
     for (int32_t done = 0; done < n; done += s->n_batch) {
         int32_t count = n - done < s->n_batch ? n - done : s->n_batch;
+        if (s->ext) {  // qwen35 hook
+            kr_qwen35_step(s->ext, tokens + done, count, s->n_tokens, done + count == n ? logits : NULL);
+            s->n_tokens += count;
+            continue;
+        }
         forward_step(s, tokens + done, count, done + count == n ? logits : NULL);
     }
     atomic_store(&m->busy, 0);

@@ -304,6 +304,12 @@ kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err) {
     }
     m->file = kr_file_open(path, KR_MODEL_MAGIC, err);
     if (!m->file) goto fail;
+    // --- qwen35 hook: the hybrid model binds its own layers (forward_qwen35.c)
+    if (kr_qwen35_is(m->file)) {
+        if (kr_qwen35_open(m, path, err)) goto fail;
+        goto pool;
+    }
+    // --- end qwen35 hook
     reader r = {m->file, path, err};
     if (read_hparams(&r, m)) goto fail;
     m->layers = calloc((size_t)m->info.n_layers, sizeof *m->layers);
@@ -315,6 +321,7 @@ kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err) {
     }
     if (read_layer_types(&r, m) || bind_tensors(&r, m)) goto fail;
     rope_frequencies(m);
+pool:
     m->pool = kr_pool_new(n_threads, err);
     if (!m->pool) goto fail;
     m->info.n_threads = n_threads;
@@ -329,6 +336,7 @@ fail:
 void kr_model_close(kr_model *m) {
     if (!m) return;
     kr_pool_free(m->pool);
+    kr_qwen35_free(m->ext);  // qwen35 hook
     free(m->layers);
     free(m->inv_freq_full);
     free(m->inv_freq_local);

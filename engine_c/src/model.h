@@ -62,6 +62,18 @@ struct kr_model {
     float *inv_freq_local;            // (rope_dims / 2,) for sliding-window layers
     kr_pool *pool;
     atomic_int busy;                  // 1 while a session of this model is evaluating
+    void *ext;                        // qwen35: its own layers (forward_qwen35.c), else NULL
 };
+
+// --- qwen35 hooks (owner: qwen35; forward_qwen35.c). model.c and forward.c hand a qwen35 model
+// and its sessions over to these; nothing else changes for the other architectures.
+int kr_qwen35_is(const kr_file *file);                               // 1 when arch is qwen35
+int kr_qwen35_open(kr_model *m, const char *path, kr_error *err);    // info, tensors, m->ext
+void kr_qwen35_free(void *ext);
+void *kr_qwen35_state_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
+void kr_qwen35_state_free(void *state);
+// Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL.
+void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits);
+// --- end qwen35 hooks
 
 #endif
