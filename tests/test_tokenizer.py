@@ -38,6 +38,7 @@ def pulled_tokenizer(name):
     return Tokenizer(real_models.real_model(name).mlt)
 
 
+@functools.lru_cache(maxsize=None)
 def special_spellings(tok, types=(CONTROL, USER_DEFINED, UNKNOWN)):
     return [(i, tok.token_text(i)) for i in range(tok.n_vocab) if tok.token_type(i) in types]
 
