@@ -64,3 +64,19 @@ clean:
 
 print-library:
 	@echo $(LIBRARY)
+
+# --- tools (ecosystem): what the browser, nginx and node client tests drive, from Debian's packages.
+# apt-get runs only when a program is missing (as root, or through sudo).
+.PHONY: tools
+test: tools
+tools:
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	  echo "installing from Debian's packages:$$missing"; \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
