@@ -142,6 +142,11 @@ class Model:
             raise ClosedError(f"model {self.path} is closed", KR_ERR_STATE)
         return self._handle
 
+    @property
+    def handle(self):
+        """The kr_model * for other C calls; raises if closed."""
+        return self._check_open()
+
     def session(self, ctx=None, kv="f32", batch=32):
         """A new Session: a KV cache of `ctx` positions (default max_seq, at most 4096) of type
         `kv` (f32, f16), evaluating `batch` tokens per step."""
@@ -208,10 +213,22 @@ class Session:
         """Positions in the KV cache."""
         return self._lib.kr_session_n_tokens(self._check_open())
 
-    def eval(self, token_ids, logits=True):
+    @property
+    def handle(self):
+        """The kr_session * for other C calls (e.g. the sampler); raises if closed."""
+        return self._check_open()
+
+    def eval(self, token_ids, logits=True, out=None):
         """Run token_ids (a sequence or numpy array of ints) after the cached ones; return the
-        last token's logits as np.float32 (n_vocab,), or None with logits=False (prefill only)."""
+        last token's logits as np.float32 (n_vocab,), or None with logits=False (prefill only).
+        With `out` (a C-contiguous float32 array of n_vocab), the logits are written there and
+        `out` is returned, so a generation loop allocates nothing per token."""
         handle = self._check_open()
+        if out is not None:
+            if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (self.model.n_vocab,)
+                    and out.flags.c_contiguous and out.flags.writeable):
+                raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({self.model.n_vocab},)")
+            logits = True
         tokens = np.asarray(token_ids)
         if tokens.ndim != 1 or tokens.size == 0:
             raise InvalidTokenError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}",
@@ -226,7 +243,8 @@ class Session:
                                         f"[0, {self.model.n_vocab})", KR_ERR_ARGUMENT)
             tokens = tokens.astype(np.int32)
         tokens = np.ascontiguousarray(tokens)
-        out = np.empty(self.model.n_vocab, dtype=np.float32) if logits else None
+        if logits and out is None:
+            out = np.empty(self.model.n_vocab, dtype=np.float32)
         error = clib.kr_error()
         status = self._lib.kr_session_eval(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
                                            out.ctypes.data_as(_float_p) if logits else None, ctypes.byref(error))

@@ -186,6 +186,26 @@ class ModelInfoTests:
             np.testing.assert_array_equal(session.eval(ids[7:]), expected)
 
 
+    def test_eval_into_a_buffer(self, tiny):
+        """eval(out=buffer) writes the same logits into the caller's array and returns it; a
+        buffer of the wrong type or size is refused."""
+        path = tiny("gemma3")
+        ids = prompt(9, 60)
+        with Model(path) as model:
+            session = model.session()
+            expected = session.eval(ids)
+            session.truncate(0)
+            buffer = np.full(model.n_vocab, np.nan, np.float32)
+            assert session.eval(ids, out=buffer) is buffer
+            np.testing.assert_array_equal(buffer, expected)
+            assert session.handle and model.handle
+            for bad in (np.zeros(model.n_vocab, np.float64), np.zeros(model.n_vocab + 1, np.float32),
+                        np.zeros((model.n_vocab, 2), np.float32)[:, 0]):
+                with pytest.raises(ValueError, match="out must be"):
+                    session.eval([1], out=bad)
+            assert session.n_tokens == 9
+
+
 class EngineErrorTests:
     """Bad input raises with the C library's message and leaves the session usable."""
 
