@@ -877,14 +877,22 @@ typedef struct {
 } symbol;
 
 typedef struct {
-    double priority;     // higher first: SPM the merged token's score, BPE minus the merge rank
+    uint32_t key;        // lower first: BPE the merge rank, SPM the merged token's score, order reversed
     int32_t left, right; // symbol indices
     int32_t size;        // bytes of both symbols when queued: a changed symbol makes this stale
 } pair;
 
-// Heap order: higher score first, then the leftmost pair (llama.cpp's comparators).
+// Heap order: lowest rank / highest score first, then the leftmost pair (llama.cpp's comparators).
 static inline bool pair_before(const pair *a, const pair *b) {
-    return a->priority > b->priority || (a->priority == b->priority && a->left < b->left);
+    return a->key < b->key || (a->key == b->key && a->left < b->left);
+}
+
+// A key that sorts higher scores first: the float's bits made monotonic, then reversed.
+static inline uint32_t score_key(float score) {
+    uint32_t bits;
+    if (score == 0) score = 0;  // -0 ties with +0, as a float comparison has it
+    memcpy(&bits, &score, 4);
+    return ~(bits & 0x80000000u ? ~bits : bits | 0x80000000u);
 }
 
 static bool heap_push(vec *heap, pair p) {
@@ -923,7 +931,7 @@ static void bpe_queue(encoder *e, int32_t left, int32_t right) {
     if (sym[left].id < 0 || sym[right].id < 0) return;
     int32_t row = merge_find(e->tok, sym[left].id, sym[right].id);
     if (row < 0) return;
-    pair p = {-(double)row, left, right, sym[left].length + sym[right].length};
+    pair p = {(uint32_t)row, left, right, sym[left].length + sym[right].length};
     if (!heap_push(&e->heap, p)) e->oom = true;
 }
 
@@ -958,7 +966,7 @@ static void bpe_word(encoder *e, const uint8_t *word, int64_t n) {
         symbol *left = &sym[p.left], *right = &sym[p.right];
         // stale: a symbol merged since the pair was queued (symbols only grow, so lengths tell)
         if (!left->length || !right->length || left->length + right->length != p.size) continue;
-        left->id = tok->merges[3 * (int32_t)-p.priority + 2];
+        left->id = tok->merges[3 * (int64_t)p.key + 2];
         left->length += right->length;
         right->length = 0;
         left->next = right->next;
@@ -978,7 +986,7 @@ static void spm_queue(encoder *e, const uint8_t *text, int32_t left, int32_t rig
     int32_t size = sym[left].length + sym[right].length;
     int32_t id = vocab_find_text(e->tok, text + sym[left].start, size);
     if (id < 0) return;
-    pair p = {e->tok->scores[id], left, right, size};
+    pair p = {score_key(e->tok->scores[id]), left, right, size};
     if (!heap_push(&e->heap, p)) e->oom = true;
 }
 
