@@ -131,9 +131,10 @@ class MetricsResource(Endpoint):
         return self.metrics.render()
 
 
-def install(root, site, api, metrics=None, reactor=None):
+def install(root, site, api, metrics=None, reactor=None, pool=None):
     """Add /tokenize, /detokenize (and /metrics when `metrics` is given, counting `site`'s requests)
-    beside the other endpoints, under /v1 and without it."""
+    beside the other endpoints, under /v1 and without it. `pool` runs the tokenizer (default: the
+    reactor's thread pool)."""
     from krafla_twisted.api.tokenize import Detokenize, Tokenize
 
     if metrics is not None:
@@ -141,7 +142,7 @@ def install(root, site, api, metrics=None, reactor=None):
         site.requestFactory = CountedRequest
 
     for node in (root, root.children[b"v1"]):
-        node.putChild(b"tokenize", Tokenize(api, reactor))
-        node.putChild(b"detokenize", Detokenize(api, reactor))
+        node.putChild(b"tokenize", Tokenize(api, reactor, pool))
+        node.putChild(b"detokenize", Detokenize(api, reactor, pool))
         if metrics is not None:
             node.putChild(b"metrics", MetricsResource(api, metrics))

@@ -66,16 +66,18 @@ class _Threaded(Endpoint):
 
     methods = ("POST",)
 
-    def __init__(self, api, reactor):
+    def __init__(self, api, reactor, pool=None):
         super().__init__(api)
         self.reactor = reactor
+        self.pool = pool  # None: the reactor's thread pool
 
     def render_POST(self, request):
         body = parse_json_body(request.content.read())
         work = self.parse(body)
         finished = []
         request.notifyFinish().addBoth(finished.append)
-        d = threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), self.compute, work)
+        pool = self.pool if self.pool is not None else self.reactor.getThreadPool()
+        d = threads.deferToThreadPool(self.reactor, pool, self.compute, work)
 
         def answer(payload):
             if not finished:
