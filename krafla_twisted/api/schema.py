@@ -14,6 +14,7 @@ from krafla_twisted.api.errors import InvalidRequest, Unsupported
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -185,7 +186,7 @@ def _sampling(body):
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
         top_k=_integer(body, "top_k", 0, INT32_MAX),
-        repeat_penalty=_number(body, penalty_name, 0.0, low_open=True),
+        repeat_penalty=_number(body, penalty_name, 0.0, FLOAT32_MAX, low_open=True),  # the sampler's float
         repeat_last_n=_integer(body, "repeat_last_n", -1, INT32_MAX),
         seed=None if seed is None else seed & UINT64_MAX,
     )
