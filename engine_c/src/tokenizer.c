@@ -1155,7 +1155,7 @@ int kr_tokenizer_encode(const kr_tokenizer *tok, const char *text_chars, int64_t
     if (any && !e.oom && !(state = calloc((size_t)n_text, 1))) e.oom = true;
     for (int32_t length = max_length; any && length > 0 && !e.oom; length--) {
         int64_t *positions = buckets[length].data;
-        qsort(positions, (size_t)buckets[length].n, sizeof *positions, cmp_i64);
+        if (buckets[length].n > 1) qsort(positions, (size_t)buckets[length].n, sizeof *positions, cmp_i64);
         for (int64_t k = 0; k < buckets[length].n && !e.oom; k++) {
             int64_t p = positions[k];
             if (state[p]) continue;  // claimed or stripped: nothing can start here any more
