@@ -5,7 +5,8 @@ tensor names docs/formats.md lists for qwen35 (the names `krafla convert HF_FOLD
 Qwen3.5 checkpoint), with weights from a seeded generator at scales that keep activations near
 unit size: matrices N(0, 1/fan_in), norm multipliers near 1, ssm_a = -exp(A_log) in (-1, -0.01)
 (a mild decay, so the state holds several tokens), dt biases near 0. The default layer pattern is the released
-models': three DeltaNet layers, then one full-attention layer.
+models': three DeltaNet layers, then one full-attention layer. `favoured_ids` (with an untied
+head) scales those rows of output.weight so greedy replies are made of those tokens only.
 """
 
 import math
@@ -18,7 +19,7 @@ from tests.support.tiny_models import encode
 DEFAULT = dict(n_vocab=89, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, max_seq=256,
                norm_eps=1e-6, rope_theta=10000000.0, rope_dims=4, tied_embeddings=1,
                linear_conv_kernel=4, linear_k_heads=2, linear_v_heads=4, linear_k_head_dim=16,
-               linear_v_head_dim=16, layer_types=None)
+               linear_v_head_dim=16, layer_types=None, favoured_ids=())
 
 
 def qwen35_container(*, seed, weight_type="f32", **overrides):
@@ -50,6 +51,8 @@ def qwen35_container(*, seed, weight_type="f32", **overrides):
 
     def matrix(name, rows, cols, type_name=weight_type):
         weights = rng.standard_normal((rows, cols)).astype(np.float32) / np.float32(math.sqrt(cols))
+        if name == "output.weight" and p["favoured_ids"]:
+            weights[list(p["favoured_ids"])] *= 8  # these tokens win the argmax nearly always
         tensor_type, data = encode(weights, type_name)
         container.add(name, tensor_type, (rows, cols), data)
 
