@@ -279,6 +279,22 @@ class UnicodeClassTests:
                 (newer if got == 0 and table_version != unicodedata.unidata_version else wrong).append(hex(cp))
         assert not wrong
         assert len(newer) < 20000
+
+    def test_generated_table_is_up_to_date(self):
+        """tokenizer_unicode.c is exactly what its generator writes (same Unicode version)."""
+        import importlib.util
+        import io
+        source = testdata.REPO / "engine_c" / "src"
+        spec = importlib.util.spec_from_file_location("tokenizer_unicode", source / "tokenizer_unicode.py")
+        generator = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(generator)
+        committed = (source / "tokenizer_unicode.c").read_text()
+        out = io.StringIO()
+        generator.main(out)
+        if f"(Unicode {unicodedata.unidata_version})" in committed:
+            assert out.getvalue() == committed
+        else:  # a newer Python: its table may only add runs (test_every_codepoint checks the classes)
+            assert len(out.getvalue()) >= len(committed) and out.getvalue().startswith(committed[:40])
         assert unicode_class(0x110000) == 0 and unicode_class(0xFFFFFFFF) == 0
 
 
