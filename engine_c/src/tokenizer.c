@@ -12,8 +12,15 @@
 //
 // Both merge loops keep a binary heap of candidate pairs over a linked list of symbols, so a
 // pre-token of n symbols costs O(n log n): one giant pre-token (a megabyte of one letter) is no
-// worse than many small ones. The special-token partition finds every occurrence with a trie walk
-// from each position (depth bounded by the longest special token), so it is linear too.
+// worse than many small ones. The special-token partition walks a trie of the special spellings
+// from each position (depth bounded by the longest one) and keeps one candidate per position, so
+// it is linear too. SentencePiece text is merged word by word when no token can span the start
+// of a "▁word" (checked at open), which gives the same ids with small heaps.
+//
+// Deliberate differences from llama.cpp, all on input it handles badly: plain text never turns
+// into a control or unknown token (llama.cpp's SPM lookups would let merges spell one); an
+// invalid UTF-8 lead byte in SPM text is one symbol, not one that swallows the next bytes; a
+// missing byte token falls back to unk (or is dropped) instead of throwing.
 //
 // Input text is bytes. NUL is an ordinary character. An invalid UTF-8 byte stays in the text as
 // one symbol of its own with no letter/number/space class, and reaches the output through the
