@@ -4,7 +4,7 @@ One server (context 256, an API key, --max-queue 0) takes the bad-input and HTTP
 each class the server must still answer a health check and a real completion. Faults that need a
 process of their own each start one: SIGTERM during a stream (daemonized, over a garbage pidfile),
 a stale pidfile, a log on a full disk. What needs a clock or exact interleavings is pinned in
-memory in test_hardening_http.py and test_hardening_input.py.
+memory in test_hardening_http.py and test_fuzz_http.py.
 """
 
 import json

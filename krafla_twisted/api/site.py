@@ -151,8 +151,8 @@ class APIChannel(http.HTTPChannel):
             channels.add(self)
 
     def dataReceived(self, data):
-        if self._closing:
-            return
+        if self._closing or self._losing:
+            return  # answered and closing: a real transport stops reading too, but bytes may be in flight
         super().dataReceived(data)
 
     def lineReceived(self, line):
