@@ -230,3 +230,18 @@ def test_safetensors_reader_matches_the_safetensors_package(tmp_path):
     reader = SafetensorsFile(tmp_path / "x.safetensors")
     for name, tensor in tensors.items():
         assert np.array_equal(reader.get(name), tensor.float().numpy()), name
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen2", "llama-bpe", "gpt-2"])
+def test_test_tokenizer_json_files_are_real_hugging_face_tokenizers(tmp_path, name):
+    """The tokenizer.json files tests/test_tokenizer_json.py converts encode llama.cpp's vectors
+    with the `tokenizers` library itself, so they stand for real Hugging Face tokenizers."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tests.support.hf_tokenizer_json import write_hf_tokenizer
+    from tests.support.testdata import vocab_cases, vocab_gguf
+
+    folder = write_hf_tokenizer(vocab_gguf(name), tmp_path, name)
+    tokenizer = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    for text, expected in vocab_cases(name):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == expected, text

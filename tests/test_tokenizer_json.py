@@ -1,0 +1,54 @@
+"""The .mlt from a Hugging Face tokenizer.json (krafla_twisted.convert.tokenizer_json).
+
+For the byte-level BPE vocabularies of llama.cpp's test vectors, a tokenizer.json is written
+from the GGUF (tests/support/hf_tokenizer_json.py; the reference environment checks with the
+`tokenizers` library that these files encode the vectors), converted by krafla, and krafla's
+tokenizer must then encode every vector input to exactly llama.cpp's ids, and pick the same
+pre-tokenizer and special ids as the GGUF path.
+"""
+
+import pytest
+
+from krafla_twisted import formats
+from krafla_twisted.convert.tokenizer import TokenizerConversionError
+from krafla_twisted.convert.tokenizer_json import container_from_folder, tables_from_json
+from krafla_twisted.tokenizer import Tokenizer
+from tests.support.hf_tokenizer_json import write_hf_tokenizer
+from tests.support.testdata import vocab_cases, vocab_gguf, vocab_mlt
+
+VOCABS = ("qwen35", "qwen2", "llama-bpe", "gpt-2")
+
+
+@pytest.fixture(scope="module", params=VOCABS)
+def converted(request, tmp_path_factory):
+    folder = write_hf_tokenizer(vocab_gguf(request.param), tmp_path_factory.mktemp(request.param), request.param)
+    mlt = folder / "tok.mlt"
+    formats.write(mlt, container_from_folder(folder))
+    return request.param, mlt
+
+
+class TokenizerJsonTests:
+    def test_vectors(self, converted):
+        """Every llama.cpp vector input encodes to the expected ids (no BOS)."""
+        name, mlt = converted
+        tokenizer = Tokenizer(mlt)
+        for text, expected in vocab_cases(name):
+            assert tokenizer.encode(text, add_bos=False) == expected, text
+
+    def test_same_settings_as_the_gguf_path(self, converted):
+        """pre-tokenizer, vocabulary size, bos/eos and the end-of-generation ids equal the .mlt
+        converted from the GGUF."""
+        name, mlt = converted
+        ours, theirs = formats.read(mlt).metadata, formats.read(vocab_mlt(name)).metadata
+        for key in ("pre", "n_vocab", "bos_id", "eos_id", "ignore_merges", "eot_ids"):
+            assert ours[key] == theirs[key], key
+
+    def test_refusals(self):
+        """A non-BPE model or an unknown split regex is refused with a message."""
+        with pytest.raises(TokenizerConversionError, match="krafla reads BPE"):
+            tables_from_json({"model": {"type": "Unigram"}})
+        odd = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a a"]},
+               "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                   {"type": "Split", "pattern": {"Regex": "x+"}}, {"type": "ByteLevel"}]}}
+        with pytest.raises(TokenizerConversionError, match="split regex"):
+            tables_from_json(odd)
