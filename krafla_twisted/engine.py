@@ -108,7 +108,7 @@ class Model:
     `info` is the file's metadata as a dict; `n_vocab`, `max_seq`, `name`, `arch` come from it.
     """
 
-    def __init__(self, path, threads=1):
+    def __init__(self, path, threads=1, pack=True, pack_cache=False):
         self.path = os.fspath(path)
         if not isinstance(threads, int) or isinstance(threads, bool):
             raise TypeError(f"threads must be an integer, not {type(threads).__name__}")
@@ -120,6 +120,14 @@ class Model:
         self._handle = handle
         self._sessions = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, self._lib.kr_model_close, handle)
+        # speed hook: weight repacking (krafla_twisted/pack.py); pack=False runs on the file's layout
+        from krafla_twisted import pack as _pack
+        try:
+            _pack.apply(self._lib, handle, self.path, pack=pack, pack_cache=pack_cache)
+        except BaseException:
+            self._handle = None
+            self._finalizer()
+            raise
         raw = kr_model_info()
         self._lib.kr_model_get_info(handle, ctypes.byref(raw), None)
         self.threads = threads

@@ -58,6 +58,13 @@ def _declare(lib):
     # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
     #                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
     clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _i32, _p, _err)
+    # int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed,
+    #                  kr_error *err);
+    clib.declare(lib, "kr_test_pack", _int, _i32, _p, _i64, _i64, _p, _err)
+    # int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols,
+    #                           const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end,
+    #                           kr_error *err);
+    clib.declare(lib, "kr_test_matmul_packed", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _p, _i64, _i64, _err)
 
 
 def isa():
@@ -176,6 +183,31 @@ def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_
     out = np.full((x.shape[0], rows), np.nan, np.float32)
     _call(clib.load().kr_test_matmul, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0],
           _ptr(out), row_begin, row_end)
+    return out
+
+
+def pack(type_name, weights, rows, cols):
+    """A q8_0/q4_0 (rows, cols) matrix (raw bytes, file layout) in the packed layout (uint8, same size)."""
+    w = _array(weights, np.uint8)
+    if w.size != rows * row_bytes(type_name, cols):
+        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    out = np.empty_like(w)
+    _call(clib.load().kr_test_pack, _weight_type(type_name), _ptr(w), rows, cols, _ptr(out))
+    return out
+
+
+def matmul_packed(type_name, packed, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
+    """`matmul` on weights in the packed layout (from `pack`)."""
+    w = _array(packed, np.uint8)
+    if w.size != rows * row_bytes(type_name, cols):
+        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    x = _array(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
+    row_end = rows if row_end is None else row_end
+    out = np.full((x.shape[0], rows), np.nan, np.float32)
+    _call(clib.load().kr_test_matmul_packed, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x),
+          x.shape[0], _ptr(out), row_begin, row_end)
     return out
 
 

@@ -301,7 +301,32 @@ int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, 
 // slows it less than wall time). Arguments as kr_test_matmul.
 int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
                     int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
+// Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0 (rows, cols) matrix into the
+// packed layout (engine_c/src/kernels.h, the same number of bytes); kr_test_matmul_packed is
+// kr_test_matmul on packed weights and gives the same bits.
+int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed, kr_error *err);
+int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols, const float *x,
+                          int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err);
 // --- end Kernels (tests)
+
+// ---------------------------------------------------------------------------------------------
+// --- Weight packing (pack.c; owner: speed)
+// Call after kr_model_open and before the first session. KR_PACK_OFF: the file's layout (nothing
+// happens). KR_PACK_ON: every q8_0/q4_0 matrix is copied once into the packed layout (the file's
+// pages of it are then released). KR_PACK_CACHE: the same, kept in the file `cache_path` (the
+// Python binding uses the model path + ".pack"), keyed by the model's checksum (every tensor's
+// type, shape and bytes), the ISA and the layout version, and
+// checked on every load: a matching cache is mapped instead of packing, a stale, foreign or
+// corrupt one is rebuilt (atomically, by rename), never trusted. A cache that cannot be written
+// leaves the model packed in memory, with the reason in kr_model_pack_status.
+#define KR_PACK_OFF 0
+#define KR_PACK_ON 1
+#define KR_PACK_CACHE 2
+int kr_model_pack(kr_model *model, int32_t mode, const char *cache_path, kr_error *err);
+// What the last kr_model_pack did: 0 not packed, 1 packed in memory, 2 cache mapped (valid), 3 cache
+// (re)built; `note` (if not NULL, size bytes) gets a one-line reason (e.g. why a cache was rebuilt).
+int32_t kr_model_pack_status(const kr_model *model, char *note, size_t size);
+// --- end Weight packing
 
 #ifdef __cplusplus
 }

@@ -35,6 +35,11 @@ void kr_matmul(int32_t weight_type, const void *w, int64_t cols, const void *pre
     KR_KERNEL(kr_matmul)(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
 }
 
+void kr_matmul_packed(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                      int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    KR_KERNEL(kr_matmul_packed)(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+}
+
 float kr_dot_f32(const float *a, const float *b, int64_t n) { return KR_KERNEL(kr_dot_f32)(a, b, n); }
 float kr_dot_f16_f32(const kr_f16 *a, const float *b, int64_t n) { return KR_KERNEL(kr_dot_f16_f32)(a, b, n); }
 void kr_axpy_f32(float a, const float *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f32)(a, x, y, n); }
@@ -204,6 +209,43 @@ int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t r
     kr_ok(err);
     return KR_OK;
 }
+
+// --- Packed weights (tests; owner: speed)
+int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed, kr_error *err) {
+    int status = check_weight_type(weight_type, cols, err);
+    if (!status) status = check_count("rows", rows, 1, err);
+    if (!status) status = check_pointers(weights, packed, err);
+    if (status) return status;
+    if (!kr_packable(weight_type))
+        return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0 (%d) and q4_0 (%d) weights are packed, not type %d", KR_Q8_0,
+                       KR_Q4_0, weight_type);
+    kr_pack_rows(weight_type, weights, packed, rows, cols);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols, const float *x,
+                          int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_weight_type(weight_type, cols, err);
+    if (!status) status = check_count("rows", rows, 1, err);
+    if (!status) status = check_count("n_tokens", n_tokens, 1, err);
+    if (!status) status = check_pointers(packed, x, err);
+    if (!status) status = check_pointers(out, out, err);
+    if (status) return status;
+    if (row_begin < 0 || row_begin > row_end || row_end > rows)
+        return kr_fail(err, KR_ERR_ARGUMENT, "row range [%lld, %lld) is not inside [0, %lld)", (long long)row_begin,
+                       (long long)row_end, (long long)rows);
+    const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
+    void *prepared = malloc(bytes ? bytes : 1);
+    if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
+    kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
+    KR_PICK(impl, kr_matmul_packed)(weight_type, packed, rows, cols, prepared, n_tokens, out, rows, row_begin, row_end);
+    free(prepared);
+    kr_ok(err);
+    return KR_OK;
+}
+// --- end Packed weights (tests)
 
 static int check_vector_type(int32_t type, kr_error *err) {
     if (type != KR_F32 && type != KR_F16)

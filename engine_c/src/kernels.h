@@ -143,4 +143,24 @@ void kr_block_lanes_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int
 void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
 void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
 
+// --- Packed weights (owner: speed; pack.c, quant_ref.c, kernels_avx2.c)
+// The packed layout of a q4_0 or q8_0 matrix, the same size as the file layout: rows in groups of
+// KR_PACK_ROWS (the last group may be smaller), each group where its rows are in the file; inside a
+// group, block after block, first the group's f16 scales side by side, then its rows' quants (16
+// bytes per row for q4_0, 32 for q8_0). A matmul tile of up to KR_PACK_ROWS rows then reads one
+// stream. Version of this layout (packed caches carry it): KR_PACK_LAYOUT.
+#define KR_PACK_ROWS 4
+#define KR_PACK_LAYOUT 1
+int kr_packable(int32_t weight_type);  // q4_0 and q8_0
+// Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
+void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
+// kr_matmul on a packed matrix (of all `rows`), bit for bit the same results; other types: kr_matmul.
+void kr_matmul_packed(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                      int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                          int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                           int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+// --- end Packed weights
+
 #endif

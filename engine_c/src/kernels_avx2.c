@@ -91,11 +91,13 @@ void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
 // Integer block sums: 8 int32 lanes, lane l = sum of products 4l..4l+3 (maddubs then madd)
 
 // q4_0 nibbles as unsigned bytes 0..15 in element order (low nibbles, then high nibbles).
-KR_INLINE __m256i q4_0_nibbles(const kr_block_q4_0 *w) {
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->q));
+KR_INLINE __m256i q4_0_nibbles_at(const char *quants) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quants));
     const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
 }
+
+KR_INLINE __m256i q4_0_nibbles(const kr_block_q4_0 *w) { return q4_0_nibbles_at((const char *)w->q); }
 
 // sum (n - 8) * a = sum n * a - sum 8 * a; the second term (`offset`) depends only on the
 // activations, so a tile computes it once per token. The sums are exact integers either way, so
@@ -143,7 +145,16 @@ void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, in
 // prepared row; out[t * out_stride + r] relative to the tile. The loops have constant bounds
 // and are unrolled, so the accumulators live in registers.
 
-KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+// Where a tile's weight blocks are: row r's block b has its f16 scale at d + r * d_stride + b * b_stride
+// and its quants at q + r * q_stride + b * b_stride. The file layout has d_stride = q_stride = the row
+// size and b_stride = the block size; the packed layout (kr_pack_rows) puts the scales of a group of
+// rows side by side, then their quants, block after block.
+typedef struct {
+    const char *d, *q;
+    size_t d_stride, q_stride, b_stride;
+} blocks;
+
+KR_INLINE void tile_q4_0(const int R, const int T, blocks wb, const char *a, size_t a_stride,
                          int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
     __m256 acc[4][4];
 #pragma GCC unroll 4
@@ -155,10 +166,10 @@ KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_strid
         __m256 w_scale[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const kr_block_q4_0 *block = (const kr_block_q4_0 *)(w + r * w_stride) + b;
-            if (next) _mm_prefetch((const char *)((const kr_block_q4_0 *)(next + r * w_stride) + b), _MM_HINT_T0);
-            nibbles[r] = q4_0_nibbles(block);
-            w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
+            const size_t at = (size_t)b * wb.b_stride;
+            if (next) _mm_prefetch(next + r * wb.q_stride + at, _MM_HINT_T0);
+            nibbles[r] = q4_0_nibbles_at(wb.q + r * wb.q_stride + at);
+            w_scale[r] = _mm256_set1_ps(f16_to_f32(*(const kr_f16 *)(wb.d + r * wb.d_stride + at)));
         }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
@@ -179,7 +190,7 @@ KR_INLINE void tile_q4_0(const int R, const int T, const char *w, size_t w_strid
         for (int t = 0; t < T; t++) out[t * out_stride + r] = hsum8(acc[r][t]);
 }
 
-KR_INLINE void tile_q8_0(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+KR_INLINE void tile_q8_0(const int R, const int T, blocks wb, const char *a, size_t a_stride,
                          int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
     __m256 acc[4][4];
 #pragma GCC unroll 4
@@ -191,11 +202,11 @@ KR_INLINE void tile_q8_0(const int R, const int T, const char *w, size_t w_strid
         __m256 w_scale[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(w + r * w_stride) + b;
-            if (next) _mm_prefetch((const char *)((const kr_block_q8_0 *)(next + r * w_stride) + b), _MM_HINT_T0);
-            weights[r] = _mm256_loadu_si256((const __m256i *)block->q);
+            const size_t at = (size_t)b * wb.b_stride;
+            if (next) _mm_prefetch(next + r * wb.q_stride + at, _MM_HINT_T0);
+            weights[r] = _mm256_loadu_si256((const __m256i *)(wb.q + r * wb.q_stride + at));
             magnitudes[r] = _mm256_abs_epi8(weights[r]);
-            w_scale[r] = _mm256_set1_ps(f16_to_f32(block->d));
+            w_scale[r] = _mm256_set1_ps(f16_to_f32(*(const kr_f16 *)(wb.d + r * wb.d_stride + at)));
         }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
@@ -284,17 +295,21 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
     default: break; \
     }
 
+KR_INLINE blocks file_blocks(const char *w, size_t w_stride, size_t block_bytes) {
+    return (blocks){w, w + 2, w_stride, w_stride, block_bytes};  // the f16 scale leads each block
+}
+
 // `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
 // alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
                  int64_t cols, float *out, int64_t out_stride, const char *next) {
     switch (weight_type) {
     case KR_Q4_0:
-#define CALL_Q4(r, t) tile_q4_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q4(r, t) tile_q4_0(r, t, file_blocks(w, w_stride, sizeof(kr_block_q4_0)), a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q4)
         break;
     case KR_Q8_0:
-#define CALL_Q8(r, t) tile_q8_0(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q8(r, t) tile_q8_0(r, t, file_blocks(w, w_stride, sizeof(kr_block_q8_0)), a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q8)
         break;
     case KR_F32:
@@ -345,6 +360,57 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
                      (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride,
                      next);
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed weights (kr_pack_rows; owner: speed). The same tiles, fed from the packed layout: a tile
+// never crosses a group of KR_PACK_ROWS rows, so its rows' scales and quants are contiguous per
+// block and one stream of memory feeds the whole tile. Same arithmetic per (token, row): the
+// results equal kr_matmul_avx2's on the file layout bit for bit.
+
+static void tile_packed(int32_t weight_type, int R, int T, blocks wb, const char *a, size_t a_stride, int64_t cols,
+                        float *out, int64_t out_stride, const char *next) {
+    if (weight_type == KR_Q4_0) {
+#define CALL_PQ4(r, t) tile_q4_0(r, t, wb, a, a_stride, cols / KR_QK, out, out_stride, next)
+        KR_TILE_SHAPES(CALL_PQ4)
+    } else {
+#define CALL_PQ8(r, t) tile_q8_0(r, t, wb, a, a_stride, cols / KR_QK, out, out_stride, next)
+        KR_TILE_SHAPES(CALL_PQ8)
+    }
+}
+
+void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                           int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    if (!kr_packable(weight_type)) {
+        kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
+    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
+    const size_t quant_bytes = block_bytes - 2;
+    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
+    const int max_tokens = tile_tokens(weight_type);
+    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
+        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
+        for (int64_t r0 = row_begin; r0 < row_end;) {
+            const int64_t group = r0 / KR_PACK_ROWS, first = group * KR_PACK_ROWS;
+            const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
+            const int64_t group_end = first + group_rows < row_end ? first + group_rows : row_end;
+            const int R = (int)(group_end - r0), offset = (int)(r0 - first);
+            const char *base = (const char *)w + (size_t)first * row_bytes;
+            const blocks wb = {base + 2 * (size_t)offset, base + 2 * (size_t)group_rows + quant_bytes * (size_t)offset,
+                               2, quant_bytes, (size_t)group_rows * block_bytes};
+            const char *next = group_end < row_end ? base + (size_t)group_rows * row_bytes : NULL;
+            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
+                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
+                tile_packed(weight_type, R, T, wb, (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols,
+                            out + t0 * out_stride + r0, out_stride, t0 == b0 ? next : NULL);
+            }
+            r0 = group_end;
         }
     }
 }

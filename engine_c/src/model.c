@@ -337,6 +337,7 @@ void kr_model_close(kr_model *m) {
     if (!m) return;
     kr_pool_free(m->pool);
     kr_qwen35_free(m->ext);  // qwen35 hook
+    kr_pack_free(m->pack);   // speed hook: packed weights
     free(m->layers);
     free(m->inv_freq_full);
     free(m->inv_freq_local);

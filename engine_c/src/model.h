@@ -33,6 +33,7 @@ typedef struct {
     const void *data;    // (rows, cols) in file layout
     int64_t rows, cols;
     uint64_t row_bytes;
+    int32_t packed;      // speed: 1 when data is in the packed layout (pack.c, kernels.h)
 } kr_matrix;
 
 typedef struct {
@@ -63,6 +64,7 @@ struct kr_model {
     kr_pool *pool;
     atomic_int busy;                  // 1 while a session of this model is evaluating
     void *ext;                        // qwen35: its own layers (forward_qwen35.c), else NULL
+    void *pack;                       // speed: pack.c's state (kr_model_pack), else NULL
 };
 
 // --- qwen35 hooks (owner: qwen35; forward_qwen35.c). model.c and forward.c hand a qwen35 model
@@ -75,5 +77,8 @@ void kr_qwen35_state_free(void *state);
 // Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL.
 void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits);
 // --- end qwen35 hooks
+
+// --- speed hook (pack.c): frees what kr_model_pack made
+void kr_pack_free(void *state);
 
 #endif

@@ -402,3 +402,70 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Packed weights (kernels.h, "Packed weights"; owner: speed)
+
+int kr_packable(int32_t weight_type) { return weight_type == KR_Q4_0 || weight_type == KR_Q8_0; }
+
+void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
+    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
+    const size_t quant_bytes = block_bytes - 2;
+    const int64_t n_blocks = cols / KR_QK;
+    for (int64_t first = 0; first < rows; first += KR_PACK_ROWS) {
+        const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
+        const char *in = (const char *)src + (size_t)first * row_bytes;
+        char *out = (char *)dst + (size_t)first * row_bytes;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            char *scales = out + (size_t)b * (size_t)group_rows * block_bytes, *quants = scales + 2 * group_rows;
+            for (int64_t r = 0; r < group_rows; r++) {
+                const char *block = in + (size_t)r * row_bytes + (size_t)b * block_bytes;
+                memcpy(scales + 2 * r, block, 2);
+                memcpy(quants + (size_t)r * quant_bytes, block + 2, quant_bytes);
+            }
+        }
+    }
+}
+
+// Row r's block b back in file form, then the reference dot's steps (dot_q4_0_ref / dot_q8_0_ref).
+void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                          int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    if (!kr_packable(weight_type)) {
+        kr_matmul_ref(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
+    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
+    const size_t quant_bytes = block_bytes - 2;
+    const size_t a_row_bytes = kr_activation_row_bytes(weight_type, cols);
+    const int64_t n_blocks = cols / KR_QK;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        const int64_t first = r - r % KR_PACK_ROWS, offset = r - first;
+        const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
+        const char *group = (const char *)w + (size_t)first * row_bytes;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const kr_block_q8_0 *a = (const kr_block_q8_0 *)((const char *)prepared + (size_t)t * a_row_bytes);
+            float lanes[8] = {0};
+            int32_t sums[8];
+            for (int64_t b = 0; b < n_blocks; b++) {
+                const char *scales = group + (size_t)b * (size_t)group_rows * block_bytes;
+                kr_f16 d;
+                memcpy(&d, scales + 2 * offset, 2);
+                const char *quants = scales + 2 * group_rows + (size_t)offset * quant_bytes;
+                if (weight_type == KR_Q4_0) {
+                    kr_block_q4_0 block = {.d = d};
+                    memcpy(block.q, quants, quant_bytes);
+                    kr_block_lanes_q4_0_ref(&block, &a[b], sums);
+                } else {
+                    kr_block_q8_0 block = {.d = d};
+                    memcpy(block.q, quants, quant_bytes);
+                    kr_block_lanes_q8_0_ref(&block, &a[b], sums);
+                }
+                const float scale = kr_f16_to_f32_ref(d) * kr_f16_to_f32_ref(a[b].d);
+                for (int l = 0; l < 8; l++) lanes[l] = fmaf(scale, (float)sums[l], lanes[l]);
+            }
+            out[t * out_stride + r] = kr_lanes_sum(lanes);
+        }
+    }
+}

@@ -1,0 +1,218 @@
+"""Weight repacking (engine_c/src/pack.c, the packed kernels) and the packed-weight cache.
+
+Pinned here: the packed layout byte for byte against a numpy construction of what kernels.h
+describes; packed matmuls equal the file-layout matmuls bit for bit (every implementation, any
+row range); a model's logits are the same bits packed or not; the cache is used when it matches
+and rebuilt, never trusted, when it is stale (another model file, ISA or layout version),
+truncated or corrupt.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from krafla_twisted import kernels, pack
+from krafla_twisted.engine import Model
+from tests.support.tiny_models import write_tiny_model
+from tests.test_kernels import avx2_or_skip, make_problem, same_bits
+
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+PACK_ROWS = 4
+HEADER_BYTES = 4096
+
+
+def numpy_packed(type_name, data, rows, cols):
+    """The packed layout built with numpy from kernels.h's description: groups of 4 rows (the last
+    may be smaller) where they are in the file; in a group, block by block, the group's f16 scales,
+    then each row's quants."""
+    block = BLOCK_BYTES[type_name]
+    blocks = data.reshape(rows, cols // 32, block)
+    out = []
+    for first in range(0, rows, PACK_ROWS):
+        group = blocks[first:first + PACK_ROWS]  # (g, n_blocks, block)
+        for b in range(cols // 32):
+            out.append(group[:, b, :2].reshape(-1))
+            out.append(group[:, b, 2:].reshape(-1))
+    return np.concatenate(out)
+
+
+@st.composite
+def packed_problems(draw):
+    type_name = draw(st.sampled_from(("q8_0", "q4_0")))
+    rows = draw(st.integers(1, 14))
+    cols = 32 * draw(st.integers(1, 6))
+    n_tokens = draw(st.integers(1, 9))
+    row_begin = draw(st.integers(0, rows - 1))
+    row_end = draw(st.integers(row_begin + 1, rows))
+    return type_name, rows, cols, n_tokens, row_begin, row_end, draw(st.integers(0, 2**32 - 1))
+
+
+class PackedKernelTests:
+    @given(packed_problems())
+    @settings(max_examples=60, deadline=None)
+    def test_layout_matches_the_documented_one(self, problem):
+        """kr_pack_rows writes exactly the layout kernels.h describes (built independently in numpy)."""
+        type_name, rows, cols, n_tokens, _, _, seed = problem
+        w, _x = make_problem(type_name, rows, cols, n_tokens, seed)
+        got = kernels.pack(type_name, w, rows, cols)
+        assert np.array_equal(got, numpy_packed(type_name, w, rows, cols))
+
+    @pytest.mark.parametrize("impl", ["reference", "avx2", "dispatch"])
+    @given(problem=packed_problems())
+    @settings(max_examples=60, deadline=None)
+    def test_packed_matmul_equals_file_layout_bit_for_bit(self, impl, problem):
+        """Every implementation gives the same bits on packed weights as the reference on the file
+        layout, for any row range (ranges that start or end inside a group of 4 included)."""
+        if impl == "avx2":
+            avx2_or_skip()
+        type_name, rows, cols, n_tokens, row_begin, row_end, seed = problem
+        w, x = make_problem(type_name, rows, cols, n_tokens, seed)
+        packed = kernels.pack(type_name, w, rows, cols)
+        want = kernels.matmul(type_name, w, rows, cols, x, impl="reference")
+        got = kernels.matmul_packed(type_name, packed, rows, cols, x, impl=impl, row_begin=row_begin, row_end=row_end)
+        assert same_bits(got[:, row_begin:row_end], want[:, row_begin:row_end])
+        assert np.isnan(got[:, :row_begin]).all() and np.isnan(got[:, row_end:]).all()
+
+    def test_float_weights_are_refused(self):
+        """Only q8_0 and q4_0 have a packed layout: packing f32 is an error, not a silent copy."""
+        with pytest.raises(Exception, match="q8_0"):
+            kernels.pack("f32", np.zeros(4 * 8 * 4, np.uint8), 4, 8)
+
+
+def logits(model, tokens, batch):
+    with model.session(ctx=64, batch=batch) as session:
+        return session.eval(tokens)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pack")
+    paths = {}
+    for arch in ("llama", "qwen2", "gemma3"):
+        for weight_type in ("q4_0", "q8_0"):
+            path = folder / f"{arch}-{weight_type}.mlb"
+            write_tiny_model(path, arch, seed=7, weight_type=weight_type)
+            paths[arch, weight_type] = path
+    return paths
+
+
+TOKENS = [3, 17, 5, 60, 2, 9, 41, 33, 12, 7, 50, 1, 28]
+
+
+class PackedModelTests:
+    @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+    @pytest.mark.parametrize("weight_type", ["q4_0", "q8_0"])
+    def test_logits_are_bitwise_identical_packed_or_not(self, tiny_models, arch, weight_type):
+        """Packing moves bytes only: the same logits, bit for bit, at batch 1, 5 and the whole prompt."""
+        path = tiny_models[arch, weight_type]
+        with Model(path, threads=2, pack=False) as plain, Model(path, threads=2, pack=True) as packed:
+            assert pack.status(plain)[0] == 0 and pack.status(packed)[0] == 1
+            for batch in (1, 5, len(TOKENS)):
+                assert same_bits(logits(plain, TOKENS, batch), logits(packed, TOKENS, batch))
+
+    def test_real_model_is_bitwise_identical_packed_or_not(self, testdata):
+        """SmolLM2-135M q4_0: 30 layers of real weights, packed and unpacked, the same bits."""
+        from tests.support.real_models import real_model
+
+        path = real_model("smollm2-135m").mlb
+        with Model(path, threads=2, pack=False) as plain, Model(path, threads=2, pack=True) as packed:
+            assert same_bits(logits(plain, TOKENS, 4), logits(packed, TOKENS, 4))
+
+    def test_cache_needs_packing(self, tiny_models):
+        """pack_cache without pack is a contradiction and is refused."""
+        with pytest.raises(ValueError, match="pack_cache"):
+            Model(tiny_models["llama", "q4_0"], pack=False, pack_cache=True)
+
+
+@pytest.fixture
+def cached_model(tiny_models, tmp_path):
+    """A private copy of a tiny model (its cache goes beside it) and its unpacked logits."""
+    path = tmp_path / "model.mlb"
+    shutil.copy(tiny_models["qwen2", "q4_0"], path)
+    with Model(path, pack=False) as plain:
+        want = logits(plain, TOKENS, 4)
+    return path, want
+
+
+def load_cached(path):
+    """(status code, note, logits) of a load with the pack cache."""
+    with Model(path, threads=1, pack=True, pack_cache=True) as model:
+        code, note = pack.status(model)
+        return code, note, logits(model, TOKENS, 4)
+
+
+def rewrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+class PackCacheTests:
+    def test_first_load_builds_second_maps(self, cached_model):
+        """The first load writes MODEL.mlb.pack; the next one maps it; both give the unpacked bits."""
+        path, want = cached_model
+        code, note, got = load_cached(path)
+        assert code == 3 and "no cache yet" in note
+        assert os.path.isfile(pack.cache_path(path))
+        assert same_bits(got, want)
+        code, note, got = load_cached(path)
+        assert code == 2, note
+        assert same_bits(got, want)
+
+    @pytest.mark.parametrize("damage, reason", [
+        ("payload", "corrupt"),
+        ("truncate", "wrong size"),
+        ("isa", "another ISA"),
+        ("layout", "layout version"),
+        ("magic", "not a krafla pack cache"),
+    ])
+    def test_damaged_or_foreign_cache_is_rebuilt(self, cached_model, damage, reason):
+        """A cache whose payload, size, ISA, layout version or magic is wrong is rebuilt with the
+        reason in the note, and the logits stay those of the unpacked model."""
+        path, want = cached_model
+        load_cached(path)
+        cache = pack.cache_path(path)
+        size = os.path.getsize(cache)
+        if damage == "payload":
+            with open(cache, "r+b") as f:
+                f.seek(HEADER_BYTES + (size - HEADER_BYTES) // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x40]))
+        elif damage == "truncate":
+            os.truncate(cache, size - 100)
+        elif damage == "isa":
+            rewrite(cache, 16, b"sse9\0")
+        elif damage == "layout":
+            rewrite(cache, 8, (99).to_bytes(4, "little"))
+        else:
+            rewrite(cache, 0, b"GARBAGE!")
+        code, note, got = load_cached(path)
+        assert code == 3 and reason in note, note
+        assert same_bits(got, want)
+        assert load_cached(path)[0] == 2  # the rebuilt cache is good
+
+    def test_cache_of_another_model_is_not_trusted(self, cached_model, tiny_models):
+        """Replacing the model file (same name, other weights) makes its old cache stale: rebuilt."""
+        path, _ = cached_model
+        load_cached(path)
+        write_tiny_model(path, "qwen2", seed=8, weight_type="q4_0")  # same shapes, other weights
+        with Model(path, pack=False) as plain:
+            want = logits(plain, TOKENS, 4)
+        code, note, got = load_cached(path)
+        assert code == 3 and "another model" in note, note
+        assert same_bits(got, want)
+        shutil.copy(tiny_models["qwen2", "q8_0"], path)  # another weight type: another payload size too
+        code, note, _ = load_cached(path)
+        assert code == 3 and "size" in note, note
+
+    def test_unwritable_cache_falls_back_to_memory(self, cached_model):
+        """When the cache cannot be written the model still runs packed, and the note says why."""
+        path, want = cached_model
+        os.mkdir(pack.cache_path(path))  # a directory where the cache file should go
+        code, note, got = load_cached(path)
+        assert code == 1 and "cannot" in note, note
+        assert same_bits(got, want)
