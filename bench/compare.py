@@ -1,0 +1,388 @@
+"""krafla against llama.cpp on the same q4_0 weights, measured side by side, in one run.
+
+    .venv/bin/python bench/compare.py                      # everything: builds, GGUFs, benches, server
+    .venv/bin/python bench/compare.py --rounds 5 --models smollm2-135m --no-server
+    .venv/bin/python bench/compare.py --isa avx2           # only the AVX2 pair
+
+What it does, caching every product under vendor/ (gitignored; nothing there is committed):
+
+1. krafla: `make BUILD=vendor/krafla ISA=avx2` (and ISA=avx512 when this CPU has AVX-512 VNNI).
+2. llama.cpp: the `llama-cpp-python` source distribution from the package index
+   (`pip download --no-deps --no-binary :all:`), its vendored llama.cpp built twice with cmake
+   (targets llama-bench and llama-quantize): `avx2`, the peer of krafla's AVX2 build
+   (GGML_NATIVE=OFF GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON), and `native` (GGML_NATIVE=ON: AVX-512
+   here), the peer of krafla's ISA=avx512 build.
+3. The GGUFs: each known model's pulled GGUF (krafla_twisted.models.fetch_source) requantized by
+   llama-quantize --allow-requantize to Q4_0, with the token embedding and output head given the
+   block types krafla's q4_0 .mlb holds (q8_0/q4_0), so both programs read the same kind of blocks.
+4. `krafla bench MODEL.mlb -t T -p P -n N --json -r 1` and `llama-bench -m MODEL.gguf -t T -p P -n N
+   -o json -r 1`, alternated model by model for --rounds rounds (the one that goes first swaps each
+   round). The machine may be busy, so a lone time says little: the ratio krafla/llama.cpp is
+   taken within each round, and the table gives the median ratio with its range over the rounds.
+5. End to end through the server (--no-server skips it): `twistd -n krafla MODEL.mlb --metrics`,
+   then streamed chat requests (each with a fresh prompt, so nothing comes from the KV cache):
+   time to first token, reply tokens/s as the client sees them, and the server's own overhead per
+   request = client wall time - the engine's prompt + generation seconds (from /metrics).
+"""
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
+# llama.cpp's flavour that is the peer of each krafla ISA
+LLAMA_PEER = {"avx2": "avx2", "avx512": "native"}
+LLAMA_CMAKE = {
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"],
+    "native": ["-DGGML_NATIVE=ON"],
+}
+LLAMA_TARGETS = ("llama-bench", "llama-quantize")
+# issue 6's targets: (test kind, model) -> minimum ratio krafla / llama.cpp
+TARGETS = {"pp": 1.2, "tg": 1.2, ("tg", "qwen2.5-coder-0.5b"): 1.0}
+TARGETS_AVX512 = 1.0
+
+
+def log(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def run(cmd, **kwargs):
+    log("+", " ".join(str(c) for c in cmd))
+    return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def cpu_flags():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(match.group(1).split()) if match else set()
+
+
+# --- builds
+
+
+def build_krafla(vendor, isa, jobs):
+    """libkrafla.so for `isa`, built by the project's Makefile into vendor/krafla."""
+    run(["make", "-C", ROOT, f"BUILD={vendor / 'krafla'}", f"ISA={isa}", f"-j{jobs}"], stdout=subprocess.DEVNULL)
+    library = vendor / "krafla" / isa / "libkrafla.so"
+    if not library.is_file():
+        raise SystemExit(f"make did not produce {library}")
+    return library
+
+
+def llama_source(vendor, requirement):
+    """The llama.cpp tree inside the llama-cpp-python sdist, downloaded and unpacked once."""
+    sdists = vendor / "llama.cpp" / "sdist"
+    found = sorted(sdists.glob("llama_cpp_python-*.tar.gz")) if sdists.is_dir() else []
+    if not found:
+        sdists.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", sdists, requirement])
+        found = sorted(sdists.glob("llama_cpp_python-*.tar.gz"))
+        if not found:
+            raise SystemExit(f"pip download left no llama_cpp_python sdist in {sdists}")
+    archive = found[-1]
+    unpacked = vendor / "llama.cpp" / "src" / archive.name[: -len(".tar.gz")]
+    tree = unpacked / "vendor" / "llama.cpp"
+    if not (tree / "CMakeLists.txt").is_file():
+        unpacked.parent.mkdir(parents=True, exist_ok=True)
+        log(f"unpacking {archive.name}")
+        with tarfile.open(archive) as tar:
+            tar.extractall(unpacked.parent, filter="data")
+        if not (tree / "CMakeLists.txt").is_file():
+            raise SystemExit(f"{archive.name} has no vendor/llama.cpp/CMakeLists.txt")
+    return tree
+
+
+def build_llama(vendor, tree, flavor, jobs):
+    """bin/ of a llama.cpp build (`avx2` or `native`) with llama-bench and llama-quantize."""
+    build = vendor / "llama.cpp" / f"build-{flavor}-{tree.parent.parent.name}"
+    binaries = build / "bin"
+    if all((binaries / t).is_file() for t in LLAMA_TARGETS):
+        return binaries
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    run(["cmake", "-S", tree, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *LLAMA_CMAKE[flavor],
+         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"], stdout=subprocess.DEVNULL)
+    run(["cmake", "--build", build, "--config", "Release", f"-j{jobs}", "--target", *LLAMA_TARGETS],
+        stdout=subprocess.DEVNULL)
+    return binaries
+
+
+# --- weights
+
+
+def krafla_types(mlb):
+    """(token embedding type, output head type) of a krafla .mlb, e.g. ('q8_0', 'q8_0')."""
+    from krafla_twisted.container import ContainerFile
+
+    types = {name: type_name for name, type_name, _shape, _bytes in ContainerFile(str(mlb)).tensors}
+    embedding = types["token_embd.weight"]
+    return embedding, types.get("output.weight", embedding)  # tied: the embedding is the head
+
+
+def llama_gguf(vendor, name, quantize):
+    """The Q4_0 GGUF llama.cpp runs for the known model `name`, made once from the pulled GGUF."""
+    from krafla_twisted import models
+
+    pulled = models.pull(name)
+    source = models.fetch_source(name)
+    embedding, output = krafla_types(pulled.mlb)
+    out = vendor / "gguf" / f"{name}-Q4_0-embd_{embedding}-out_{output}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        run([quantize, "--allow-requantize", "--output-tensor-type", output, "--token-embedding-type", embedding,
+             source, partial, "Q4_0", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        partial.rename(out)
+    return pulled, out
+
+
+# --- benches
+
+
+def krafla_bench(library, isa, mlb, threads, prompt, generate, extra=()):
+    """{'pp': tokens/s, 'tg': tokens/s} from one `krafla bench -r 1` (after its warm-up run)."""
+    env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
+    cmd = [sys.executable, "-m", "krafla_twisted.cli", "bench", mlb, "-t", threads, "-p", prompt, "-n", generate,
+           "-r", "1", "--json", *extra]
+    out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True, env=env).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {row["test"][:2]: row["median"] for row in rows}
+
+
+def llama_bench(binaries, gguf, threads, prompt, generate):
+    """{'pp': tokens/s, 'tg': tokens/s} from one `llama-bench -r 1` (after its warm-up run)."""
+    cmd = [binaries / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt, "-n", generate, "-r", "1", "-o", "json"]
+    out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
+    result = {}
+    for row in json.loads(out):
+        result["pp" if row["n_prompt"] and not row["n_gen"] else "tg"] = row["avg_ts"]
+    return result
+
+
+def compare(pairs, models, args):
+    """Rounds of alternated runs; returns rows of the ratio table."""
+    samples = {}  # (isa, model, kind) -> list of (krafla, llama)
+    for round_index in range(args.rounds):
+        for isa, library, binaries in pairs:
+            for name, (pulled, gguf) in models.items():
+                runs = [("krafla", lambda: krafla_bench(library, isa, pulled.mlb, args.threads, args.prompt,
+                                                        args.generate, args.krafla_args)),
+                        ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate))]
+                if round_index % 2:
+                    runs.reverse()
+                got = {who: fn() for who, fn in runs}
+                for kind in ("pp", "tg"):
+                    if kind in got["krafla"] and kind in got["llama"]:
+                        samples.setdefault((isa, name, kind), []).append((got["krafla"][kind], got["llama"][kind]))
+                log(f"round {round_index + 1}/{args.rounds} {isa} {name}: krafla {fmt(got['krafla'])}, "
+                    f"llama.cpp {fmt(got['llama'])}")
+    rows = []
+    for (isa, name, kind), pairs_ in samples.items():
+        ratios = [k / l for k, l in pairs_]
+        test = f"{kind}{args.prompt if kind == 'pp' else args.generate}"
+        target = TARGETS_AVX512 if isa == "avx512" else TARGETS.get((kind, name), TARGETS[kind])
+        rows.append({
+            "isa": isa, "peer": LLAMA_PEER[isa], "model": name, "test": test,
+            "krafla": statistics.median(k for k, _ in pairs_), "llama": statistics.median(l for _, l in pairs_),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "rounds": len(ratios), "target": target,
+        })
+    return rows
+
+
+def fmt(result):
+    return " ".join(f"{k} {v:.1f}" for k, v in sorted(result.items()))
+
+
+def print_ratio_table(rows, args):
+    head = ["krafla", "llama.cpp", "model", "test", "krafla t/s", "llama.cpp t/s", "ratio", "range", "target", ""]
+    lines = [[r["isa"], r["peer"], r["model"], r["test"], f"{r['krafla']:.1f}", f"{r['llama']:.1f}",
+              f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f">= {r['target']:.1f}x",
+              "met" if r["ratio"] >= r["target"] else "NOT met"] for r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("| " + " | ".join("-" * w for w in widths) + " |")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    print(f"(-t {args.threads}; t/s medians and krafla/llama.cpp ratio median over {args.rounds} alternated rounds, "
+          f"each run after its own warm-up; load average at the end: {os.getloadavg()[0]:.1f})")
+
+
+# --- end to end through the server
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def engine_seconds(port):
+    """prompt_seconds_total + generation_seconds_total from /metrics."""
+    _status, text = http_get(port, "/metrics")
+    total = 0.0
+    for name in ("krafla_prompt_seconds_total", "krafla_generation_seconds_total"):
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        if not match:
+            raise SystemExit(f"/metrics has no {name}")
+        total += float(match.group(1))
+    return total
+
+
+def streamed_chat(port, content, max_tokens):
+    """(time to first content, seconds from first to last content, content chunks, usage, total seconds)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "stream": True,
+                       "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "temperature": 0}).encode()
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"chat request: HTTP {response.status}: {response.read()[:500]!r}")
+    first = last = None
+    chunks, usage = 0, None
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            if choice.get("delta", {}).get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+    total = time.perf_counter() - start
+    conn.close()
+    if first is None:
+        raise SystemExit("chat request: the stream had no content")
+    return first - start, last - first, chunks, usage, total
+
+
+def server_figures(library, isa, pulled, args):
+    """Streamed chat requests against `twistd -n krafla`; medians of the figures."""
+    port = free_port()
+    env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
+    twistd = Path(sys.executable).parent / "twistd"
+    cmd = [twistd, "-n", "--pidfile=", "--logfile=-", "krafla", pulled.mlb, "-z", pulled.mlt, "--chat", pulled.chat,
+           "--port", port, "-t", args.threads, "--metrics", "-n", args.server_tokens, *args.krafla_args]
+    log("+", " ".join(str(c) for c in cmd))
+    server = subprocess.Popen([str(c) for c in cmd], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http_get(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start (exit status {server.poll()})")
+            time.sleep(0.2)
+        streamed_chat(port, "Warm up.", 8)
+        results = []
+        for i in range(args.server_requests):
+            before = engine_seconds(port)
+            ttft, span, chunks, usage, total = streamed_chat(
+                port, f"Request {i}: write a short story about a lighthouse keeper number {i * 7919}.",
+                args.server_tokens)
+            engine = engine_seconds(port) - before
+            tokens = usage["completion_tokens"] if usage else chunks
+            results.append({"ttft": ttft, "tg": (tokens - 1) / span if span > 0 and tokens > 1 else 0.0,
+                            "overhead": total - engine, "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+                            "tokens": tokens, "total": total})
+        return {key: statistics.median(r[key] for r in results) for key in results[0]}
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def print_server_table(rows, args):
+    print()
+    print("| krafla | model | prompt tokens | time to first token | reply tokens/s (client) | server overhead/request |")
+    print("| ------ | ----- | ------------: | ------------------: | ----------------------: | ----------------------: |")
+    for isa, name, f in rows:
+        print(f"| {isa} | {name} | {f['prompt_tokens']:.0f} | {f['ttft'] * 1000:.0f} ms | {f['tg']:.1f} | "
+              f"{f['overhead'] * 1000:.1f} ms |")
+    print(f"(median of {args.server_requests} streamed chat requests of {args.server_tokens} tokens each, -t "
+          f"{args.threads}; overhead = client wall time - engine prompt + generation seconds from /metrics)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="known model names, comma-separated")
+    parser.add_argument("--isa", default=None,
+                        help="krafla builds to compare: avx2,avx512 (default: avx2, plus avx512 on a VNNI CPU)")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("-p", "--prompt", type=int, default=512)
+    parser.add_argument("-n", "--generate", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs")
+    parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="build cache (default vendor/)")
+    parser.add_argument("--llama-cpp-python", default="llama-cpp-python", help="pip requirement of the sdist")
+    parser.add_argument("--krafla-arg", dest="krafla_args", action="append", default=[],
+                        help="extra option for krafla bench and the server, e.g. --krafla-arg=--no-pack (repeatable)")
+    parser.add_argument("--no-server", action="store_true", help="skip the end-to-end server figures")
+    parser.add_argument("--server-requests", type=int, default=3)
+    parser.add_argument("--server-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    flags = cpu_flags()
+    if args.isa:
+        isas = args.isa.split(",")
+    else:
+        isas = ["avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    for isa in isas:
+        if isa not in LLAMA_PEER:
+            parser.error(f"--isa {isa}: expected avx2 or avx512")
+    vendor = args.vendor.resolve()
+    tree = llama_source(vendor, args.llama_cpp_python)
+    pairs = [(isa, build_krafla(vendor, isa, args.jobs), build_llama(vendor, tree, LLAMA_PEER[isa], args.jobs))
+             for isa in isas]
+    quantize = build_llama(vendor, tree, "avx2", args.jobs) / "llama-quantize"
+    models = {name: llama_gguf(vendor, name, quantize) for name in args.models.split(",")}
+    rows = compare(pairs, models, args)
+    print(f"krafla vs llama.cpp ({tree.parent.parent.name}), q4_0, -t {args.threads} -p {args.prompt} "
+          f"-n {args.generate}")
+    print_ratio_table(rows, args)
+    if not args.no_server:
+        server_rows = []
+        for isa, library, _binaries in pairs:
+            for name, (pulled, _gguf) in models.items():
+                server_rows.append((isa, name, server_figures(library, isa, pulled, args)))
+        print_server_table(server_rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
