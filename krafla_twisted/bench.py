@@ -28,6 +28,8 @@ def add_arguments(parser):
     parser.add_argument("-b", "--batch", type=int, default=512, help="prompt tokens per forward step (default 512)")
     parser.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per test instead of a table")
+    # speed: weight repacking (krafla_twisted/pack.py)
+    parser.add_argument("--no-pack", action="store_true", help="run on the file's weight layout (no repacking)")
 
 
 def time_prompt(session, tokens):
@@ -121,7 +123,7 @@ def main(args):
         print(f"krafla bench: {args.model}: no such file", file=sys.stderr)
         return 1
     try:
-        model = Model(args.model, threads=args.threads)
+        model = Model(args.model, threads=args.threads, pack=not getattr(args, "no_pack", False))
     except clib.KraflaError as e:
         print(f"krafla bench: {e}", file=sys.stderr)
         return 1
