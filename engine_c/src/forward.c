@@ -44,18 +44,12 @@ struct kr_session {
 
 // --- Session lifetime
 
+// Zeroed memory (calloc: pages of a large buffer are only touched when used, so a large context
+// costs memory as it fills, and an impossible one fails here instead of at first touch).
 static void *alloc_array(size_t count, size_t size, bool *failed) {
     size_t bytes;
-    if (__builtin_mul_overflow(count, size, &bytes) || !bytes) {
-        *failed = true;
-        return NULL;
-    }
     void *p = NULL;
-    if (posix_memalign(&p, 64, bytes)) {
-        *failed = true;
-        return NULL;
-    }
-    memset(p, 0, bytes);
+    if (__builtin_mul_overflow(count, size, &bytes) || !bytes || !(p = calloc(count, size))) *failed = true;
     return p;
 }
 
