@@ -245,3 +245,64 @@ def test_test_tokenizer_json_files_are_real_hugging_face_tokenizers(tmp_path, na
     tokenizer = HFTokenizer.from_file(str(folder / "tokenizer.json"))
     for text, expected in vocab_cases(name):
         assert tokenizer.encode(text, add_special_tokens=False).ids == expected, text
+
+
+def test_multimodal_checkpoint_converts_its_language_model(tmp_path, capsys):
+    """A Qwen3_5ForConditionalGeneration folder (text_config + vision_config, weights under
+    model.language_model. and model.visual.): the vision tower is skipped with a message and the
+    language model matches transformers' logits."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(3)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    mlb, _ = convert_hf(tmp_path / "hf", tmp_path / "m.mlb", None, "f32", progress=False)
+    assert "skipping the vision model" in capsys.readouterr().err
+    for length in LENGTHS:
+        ids = prompt(101, length)
+        with torch.no_grad():
+            expected = model(input_ids=torch.tensor([ids])).logits[0, -1].double().numpy()
+        got = engine_last_logits(mlb, ids)
+        assert int(np.argmax(got)) == int(np.argmax(expected))
+        assert cosine(got, expected) >= 0.9999
+
+
+def test_krafla_convert_cli_with_tokenizer_json(tmp_path, capsys):
+    """`krafla convert FOLDER` on a tiny Qwen3.5 with the real Qwen3.5 vocabulary's tokenizer.json
+    writes a .mlb and .mlt that run together: text encoded by krafla's tokenizer gives the ids
+    transformers' tokenizer gives, and the engine's logits on them match transformers'."""
+    from transformers import AutoTokenizer
+
+    from krafla_twisted import cli
+    from krafla_twisted.tokenizer import Tokenizer
+    from tests.support.hf_tokenizer_json import write_hf_tokenizer
+    from tests.support.testdata import vocab_gguf
+
+    shape = dict(QWEN35_SHAPES["mixed-small"])
+    folder = tmp_path / "Tiny-Qwen3.5"
+    partial = shape.pop("partial_rotary_factor")
+    config = Qwen3_5TextConfig(vocab_size=151936, max_position_embeddings=256, rms_norm_eps=1e-6,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                "partial_rotary_factor": partial}, **shape)
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    model.save_pretrained(folder)
+    write_hf_tokenizer(vocab_gguf("qwen35"), folder, "qwen35")
+    assert cli.main(["convert", str(folder), "--type", "f32", "-q"]) == 0
+    mlb, mlt = tmp_path / "Tiny-Qwen3.5-F32.mlb", tmp_path / "Tiny-Qwen3.5-F32.mlt"
+    assert f"wrote {mlb} and {mlt}" in capsys.readouterr().out
+    text = "Hello, Reykjavík! 12 apples cost 3.50 € — ok?"
+    ids = Tokenizer(mlt).encode(text, add_bos=False)
+    assert ids == AutoTokenizer.from_pretrained(folder).encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    got = engine_last_logits(mlb, ids)
+    assert int(np.argmax(got)) == int(np.argmax(expected))
+    assert cosine(got, expected) >= 0.9999
