@@ -8,15 +8,18 @@ passes when it exits 0 and prints no OpenAI error body.
 """
 
 import glob
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from tests.support.real_models import real_model
-from tests.support.server import REPO, ServerProcess, server_env
+from tests.support.server import LISTENING, REPO, ServerProcess, server_env
 
 DOCS = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -140,3 +143,56 @@ class RunnableExampleTests:
         result = subprocess.run(command, cwd=REPO, env=server_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{path}:\n{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
         assert '"error":' not in result.stdout, f"{path}:\n{code}\n{result.stdout}"
+
+
+class FreshCloneTests:
+    """The README's first command from a fresh clone of the committed tree: `make serve` builds, installs,
+    pulls the default model (from the cache other tests fill) and serves, and the README's curl example
+    gets a chat reply from it."""
+
+    def test_make_serve_then_readme_curl(self, tmp_path):
+        """`make serve SERVE_ARGS="--port 0"` in a fresh clone reaches `# listening on`, and the README's curl answers."""
+        clone = tmp_path / "krafla"
+        subprocess.run(["git", "clone", "--quiet", REPO, str(clone)], check=True, timeout=300)
+        env = server_env()
+        env.pop("KRAFLA_LIB", None)  # the clone's own build
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        make = subprocess.Popen(["make", "serve", "SERVE_ARGS=--port 0"], cwd=clone, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        lines = []
+        found = threading.Event()
+
+        def read():
+            for line in make.stdout:
+                lines.append(line)
+                if LISTENING.search(line):
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            found.wait(900)
+            match = next((LISTENING.search(line) for line in lines if LISTENING.search(line)), None)
+            assert match, "make serve did not start:\n" + "".join(lines[-60:])
+            readme = read_readme_curl()
+            command = readme.replace("http://127.0.0.1:8080", match.group(1)[: -len("/v1")])
+            result = subprocess.run(["bash", "-e", "-c", command], capture_output=True, text=True, timeout=300)
+            reply = json.loads(result.stdout)
+            assert reply["object"] == "chat.completion" and "Paris" in reply["choices"][0]["message"]["content"]
+            assert os.path.exists(clone / ".venv" / "bin" / "krafla")
+        finally:
+            try:
+                os.killpg(make.pid, signal.SIGTERM)  # make and the twistd it started, in the group made for them
+            except ProcessLookupError:
+                pass
+            try:
+                make.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(make.pid, signal.SIGKILL)
+                make.wait()
+
+
+def read_readme_curl():
+    """The README's runnable curl example."""
+    return next(code for path, lang, code in BLOCKS if path == "README.md" and code.startswith("curl "))
