@@ -5,6 +5,7 @@ prometheus_client's own parser.
 
 import asyncio
 import json
+import os
 import subprocess
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.real_models import real_model
-from tests.support.server import ServerProcess
+from tests.support.server import REPO, ServerProcess
 
 KEY = "sk-test-ecosystem"
 QUESTION = "What is the capital of France?"
@@ -95,6 +96,24 @@ class OpenAIPythonTests:
         assert text.object == "text_completion" and text.usage.completion_tokens == 4
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+
+
+class OpenAINodeTests:
+    """The openai npm package under node (tests/node/client.mjs), against a server that wants a key."""
+
+    def test_node_client_with_key(self, server):
+        """Chat and completions, plain and streamed, agree; the right key is accepted and a wrong one is a 401."""
+        node_dir = os.path.join(REPO, "tests", "node")
+        if not os.path.isdir(os.path.join(node_dir, "node_modules", "openai")):
+            subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=node_dir, check=True, timeout=600)
+        result = subprocess.run(["node", "client.mjs", server.base_url, KEY], cwd=node_dir, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert "Paris" in out["chat"]["content"]
+        assert out["chat_stream"]["content"] == out["chat"]["content"]
+        assert out["completion_stream"]["text"] == out["completion"]["text"]
+        assert out["wrong_key"] == 401
 
 
 class CurlTests:
