@@ -237,3 +237,18 @@ class NginxTests:
         assert redirect.headers["location"].startswith("https://")
         for replica in replicas:
             assert os.path.exists(replica.pidfile) and "# krafla " in replica.log()
+
+
+class SystemdUnitTests:
+    def test_unit_verifies(self, tmp_path):
+        """systemd-analyze verify accepts deploy/krafla@.service as instance krafla@8081 (with twistd at a real path)."""
+        unit = open(os.path.join(DEPLOY, "krafla@.service"), encoding="utf-8").read()
+        unit = replace_all(unit, [("/opt/krafla/.venv/bin/twistd", TWISTD)])
+        path = tmp_path / "krafla@8081.service"
+        path.write_text(unit)
+        analyze = shutil.which("systemd-analyze")
+        assert analyze, "systemd-analyze is missing: `make tools` installs it"
+        result = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+        assert "Type=forking" in unit and "PIDFile=/run/krafla-%i/krafla.pid" in unit
+        assert "--pidfile /run/krafla-%i/krafla.pid" in unit and "EnvironmentFile=/etc/krafla/krafla.env" in unit
