@@ -26,7 +26,7 @@ def add_arguments(parser):
     parser.add_argument("-n", "--generate", type=int, default=128, help="generated tokens, 0 to skip (default 128)")
     parser.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs of each test (default 5)")
     parser.add_argument("-b", "--batch", type=int, default=512, help="prompt tokens per forward step (default 512)")
-    parser.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
+    parser.add_argument("--kv", choices=("f32", "f16", "q8_0"), default="f32", help="KV cache type (default f32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per test instead of a table")
     # speed: weight repacking (krafla_twisted/pack.py)
     parser.add_argument("--no-pack", action="store_true", help="run on the file's weight layout (no repacking)")

@@ -266,6 +266,19 @@ def axpy_rows(weights, rows, y, impl="dispatch"):
     return out
 
 
+def axpy_rows_q8_0(weights, blocks, y, impl="dispatch"):
+    """y + sum_i weights[i] * dequantized row i, for rows of q8_0 blocks (uint8 (n_rows, len(y)/32*34),
+    a KV cache q8_0 head): per element fma(weights[i] * d, q, y), row after row; returns a new y."""
+    out = np.array(y, dtype=np.float32, copy=True, order="C")
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    weights = _array(weights, np.float32)
+    if blocks.ndim != 2 or weights.shape != (blocks.shape[0],):
+        raise ValueError(f"one weight per row of blocks: blocks {blocks.shape}, weights {weights.shape}")
+    _call(clib.load().kr_test_axpy_rows, _impl(impl), WEIGHT_TYPES["q8_0"], _ptr(weights), _ptr(blocks),
+          blocks.shape[1], blocks.shape[0], _ptr(out), out.size)
+    return out
+
+
 def _elementwise(which, x, y, impl, shift=0.0):
     x = np.array(x, dtype=np.float32, copy=True, order="C").reshape(-1)
     y = np.array(y, dtype=np.float32, copy=True, order="C").reshape(-1)

@@ -55,6 +55,11 @@ static void *alloc_array(size_t count, size_t size, bool *failed) {
 
 static void note_type(bool *used, const kr_matrix *w) { used[w->type] = true; }
 
+// speed hook: bytes of n cache values (q8_0: blocks of 32 values in 34 bytes).
+static size_t kv_bytes(const kr_session *s, int64_t n) {
+    return s->kv_type == KR_Q8_0 ? (size_t)(n / KR_QK) * sizeof(kr_block_q8_0) : (size_t)n * s->kv_elem;
+}
+
 kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err) {
     if (!m) {
         kr_fail(err, KR_ERR_ARGUMENT, "kr_session_new: model is NULL");
@@ -66,12 +71,18 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
         kr_fail(err, KR_ERR_ARGUMENT, "context %d is out of range (1 to %d)", n_ctx, 1 << 24);
         return NULL;
     }
-    if (kv_type == KR_Q8_0) {
-        kr_fail(err, KR_ERR_UNSUPPORTED, "KV cache type q8_0 is not supported yet (f32, f16)");
+    // speed hook: KV cache q8_0 quantizes each position's head row in blocks of 32
+    if (kv_type == KR_Q8_0 && m->ext) {
+        kr_fail(err, KR_ERR_UNSUPPORTED, "KV cache q8_0 is not supported for qwen35 models (f32, f16)");
         return NULL;
     }
-    if (kv_type != KR_F32 && kv_type != KR_F16) {
-        kr_fail(err, KR_ERR_ARGUMENT, "KV cache type %d is not one of f32 (0), f16 (1)", kv_type);
+    if (kv_type == KR_Q8_0 && h->head_dim % KR_QK) {
+        kr_fail(err, KR_ERR_UNSUPPORTED, "KV cache q8_0 needs head_dim a multiple of %d, not %d (use f32 or f16)",
+                KR_QK, h->head_dim);
+        return NULL;
+    }
+    if (kv_type != KR_F32 && kv_type != KR_F16 && kv_type != KR_Q8_0) {
+        kr_fail(err, KR_ERR_ARGUMENT, "KV cache type %d is not one of f32 (0), f16 (1), q8_0 (3)", kv_type);
         return NULL;
     }
     if (n_batch < 1 || n_batch > MAX_BATCH) {
@@ -103,8 +114,8 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
     size_t b = (size_t)n_batch, half = (size_t)h->rope_dims / 2;
     size_t kv_rows = (size_t)h->n_layers * (size_t)n_ctx;
     bool failed = false;
-    s->k_cache = alloc_array(kv_rows, (size_t)m->kv_dim * s->kv_elem, &failed);
-    s->v_cache = alloc_array(kv_rows, (size_t)m->kv_dim * s->kv_elem, &failed);
+    s->k_cache = alloc_array(kv_rows, kv_bytes(s, m->kv_dim), &failed);  // speed hook: kv_bytes (q8_0)
+    s->v_cache = alloc_array(kv_rows, kv_bytes(s, m->kv_dim), &failed);
     s->x = alloc_array(b * (size_t)h->dim, sizeof(float), &failed);
     s->xb = alloc_array(b * (size_t)h->dim, sizeof(float), &failed);
     s->q = alloc_array(b * (size_t)m->q_dim, sizeof(float), &failed);
@@ -131,7 +142,7 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
         if (used[t]) s->prepared[t] = alloc_array(kr_activation_bytes(t, n_batch, widest), 1, &failed);
     if (failed) {
         kr_fail(err, KR_ERR_MEMORY, "out of memory for a session of context %d, batch %d (KV cache %.1f MiB)", n_ctx,
-                n_batch, 2.0 * (double)kv_rows * (double)m->kv_dim * (double)s->kv_elem / (1 << 20));
+                n_batch, 2.0 * (double)kv_rows * (double)kv_bytes(s, m->kv_dim) / (1 << 20));
         kr_session_free(s);
         return NULL;
     }
@@ -198,7 +209,7 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 // The (n_ctx, head_dim) keys or the (head_dim, n_ctx) values of one layer's KV head.
 static uint8_t *cache_head(const kr_session *s, uint8_t *cache, int32_t layer, int32_t kv_head) {
     size_t heads = (size_t)layer * (size_t)s->model->info.n_kv_heads + (size_t)kv_head;
-    return cache + heads * (size_t)s->n_ctx * (size_t)s->model->info.head_dim * s->kv_elem;
+    return cache + heads * (size_t)s->n_ctx * kv_bytes(s, s->model->info.head_dim);  // speed hook: kv_bytes
 }
 
 // --- Pool jobs
@@ -322,7 +333,11 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
             uint8_t *keys = cache_head(s, s->k_cache, j->layer, head), *values = cache_head(s, s->v_cache, j->layer, head);
             const float *k_head = k + head * hd, *v_head = v + head * hd;
-            if (s->kv_type == KR_F32) {
+            if (s->kv_type == KR_Q8_0) {  // speed hook: q8_0 rows (n_ctx, head_dim), V not transposed
+                size_t row = kv_bytes(s, hd);
+                kr_quantize_row_q8_0(k_head, (kr_block_q8_0 *)(keys + pos * row), hd);
+                kr_quantize_row_q8_0(v_head, (kr_block_q8_0 *)(values + pos * row), hd);
+            } else if (s->kv_type == KR_F32) {
                 memcpy((float *)keys + pos * (size_t)hd, k_head, (size_t)hd * sizeof(float));
                 for (int32_t d = 0; d < hd; d++) ((float *)values)[(size_t)d * n_ctx + pos] = v_head[d];
             } else {
@@ -347,7 +362,11 @@ static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, cons
     // transformers' sliding_window_overlay and llama.cpp's is_masked_swa).
     int32_t first = m->layers[layer].sliding && pos >= h->sliding_window ? pos - h->sliding_window + 1 : 0;
     // Float weights read the f32 activations as they are, so q needs no preparing.
-    kr_matmul(s->kv_type, cache_head(s, s->k_cache, layer, kv_head), hd, q, 1, scores, s->n_ctx, first, pos + 1);
+    // speed hook: q8_0 keys take q quantized to q8_0, the integer kernel
+    kr_block_q8_0 q8[KR_KV_Q8_MAX_HEAD_DIM / KR_QK];
+    if (s->kv_type == KR_Q8_0) kr_quantize_row_q8_0(q, q8, hd);
+    kr_matmul(s->kv_type, cache_head(s, s->k_cache, layer, kv_head), hd, s->kv_type == KR_Q8_0 ? (const void *)q8 : q, 1,
+              scores, s->n_ctx, first, pos + 1);
     float max_score = -INFINITY;
     for (int32_t p = first; p <= pos; p++) {
         float score = scores[p] * h->attn_scale;
@@ -366,6 +385,12 @@ static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, cons
     // out[d] = sum_p weight[p] V[d, p] over the visible positions.
     const uint8_t *values = cache_head(s, s->v_cache, layer, kv_head);
     int64_t count = pos - first + 1;
+    if (s->kv_type == KR_Q8_0) {  // speed hook: out = sum_p weight[p] V[p], one q8_0 row per position
+        for (int32_t d = 0; d < hd; d++) out[d] = 0.0f;
+        size_t row = kv_bytes(s, hd);
+        kr_axpy_rows(KR_Q8_0, scores + first, values + (size_t)first * row, row, count, out, hd);
+        return;
+    }
     for (int32_t d = 0; d < hd; d++) {
         size_t row = (size_t)d * (size_t)s->n_ctx + (size_t)first;
         out[d] = s->kv_type == KR_F32 ? kr_dot_f32((const float *)values + row, scores + first, count)

@@ -337,12 +337,15 @@ int kr_test_dot_rows(int impl, int32_t type, const void *rows, int64_t row_strid
 int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *rows, int64_t row_stride, int64_t n_rows,
                       float *y, int64_t n, kr_error *err) {
     int status = check_impl(impl, err);
-    if (!status) status = check_vector_type(type, err);
+    const int q8 = type == KR_Q8_0;  // KV cache q8_0 rows (owner: speed): whole blocks of 32
+    if (!status && !q8) status = check_vector_type(type, err);
+    if (!status && q8 && n % KR_QK)
+        status = kr_fail(err, KR_ERR_ARGUMENT, "q8_0 rows hold whole blocks of %d values, not %lld", KR_QK, (long long)n);
     if (!status) status = check_count("n", n, 1, err);
     if (!status) status = check_count("n_rows", n_rows, 1, err);
     if (!status) status = check_pointers(rows, y, err);
     if (!status) status = check_pointers(weights, weights, err);
-    if (!status && n_rows > 0 && row_stride < n * (type == KR_F32 ? 4 : 2))
+    if (!status && n_rows > 0 && row_stride < (q8 ? n / KR_QK * 34 : n * (type == KR_F32 ? 4 : 2)))
         status = kr_fail(err, KR_ERR_ARGUMENT, "row stride %lld bytes is shorter than a row of %lld values",
                          (long long)row_stride, (long long)n);
     if (status) return status;

@@ -478,8 +478,30 @@ KR_INLINE void axpy_rows_chunk(const int half, const int width, const float *wei
     for (int v = 0; v < width; v++) _mm256_storeu_ps(y + 8 * v, acc[v]);
 }
 
+// KV cache q8_0 (owner: speed): one block of 32 values at a time, y in registers across the rows;
+// per element fma(weight * d, (float)q, y), the reference's operations.
+static void axpy_rows_q8_0(const float *weights, const char *rows, size_t row_stride, int64_t n_rows, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / KR_QK; b++) {
+        __m256 acc[4];
+        for (int v = 0; v < 4; v++) acc[v] = _mm256_loadu_ps(y + b * KR_QK + 8 * v);
+        for (int64_t i = 0; i < n_rows; i++) {
+            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(rows + (size_t)i * row_stride) + b;
+            const __m256 scale = _mm256_set1_ps(weights[i] * f16_to_f32(block->d));
+            for (int v = 0; v < 4; v++) {
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block->q + 8 * v))));
+                acc[v] = _mm256_fmadd_ps(scale, q, acc[v]);
+            }
+        }
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(y + b * KR_QK + 8 * v, acc[v]);
+    }
+}
+
 void kr_axpy_rows_avx2(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
                        int64_t n) {
+    if (type == KR_Q8_0) {
+        axpy_rows_q8_0(weights, rows, row_stride, n_rows, y, n);
+        return;
+    }
     const int half = type == KR_F16;
     const size_t elem = half ? 2 : 4;
     int64_t e = 0;

@@ -304,7 +304,13 @@ void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size
                       int64_t n) {
     for (int64_t i = 0; i < n_rows; i++) {
         const void *row = (const char *)rows + (size_t)i * row_stride;
-        if (type == KR_F16)
+        if (type == KR_Q8_0) {  // KV cache q8_0 (owner: speed): y += (weight * d) * q, per block
+            const kr_block_q8_0 *blocks = row;
+            for (int64_t e = 0; e < n; e++) {
+                const float scale = weights[i] * kr_f16_to_f32_ref(blocks[e / KR_QK].d);
+                y[e] = fmaf(scale, (float)blocks[e / KR_QK].q[e % KR_QK], y[e]);
+            }
+        } else if (type == KR_F16)
             kr_axpy_f16_f32_ref(weights[i], row, y, n);
         else
             kr_axpy_f32_ref(weights[i], row, y, n);
