@@ -194,7 +194,7 @@ class KraflaService(service.Service):
         # /tokenize, /detokenize and --metrics (owner: ecosystem).
         from krafla_twisted.api import listen, metrics
 
-        counters = metrics.Metrics(pending=lambda: len(self.worker._jobs) if self.worker else 0) if config.get("metrics") else None
+        counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0) if config.get("metrics") else None
         site = APISite(root, self.reactor)
         self.site = site
         metrics.install(root, site, api, counters, self.reactor)

@@ -34,7 +34,7 @@ def harness(with_metrics=True, api_key=None):
     h = APIHarness(api_key=api_key)
     h.backend.tokenizer = tokenizer()
     h.backend.n_vocab = tokenizer().n_vocab
-    counters = Metrics(pending=lambda: len(h.worker._jobs)) if with_metrics else None
+    counters = Metrics(pending=h.worker.pending) if with_metrics else None
     metrics_module.install(h.root, h.stub._agent._serverFactory, h.api, counters, h.reactor, pool=h.pool)
     h.metrics = counters
     return h
