@@ -42,6 +42,8 @@ class Options(usage.Options):
         ["api-key", None, None, "Require 'Authorization: Bearer KEY' (default: $KRAFLA_API_KEY if set)."],
         ["alias", None, None, "Model id in responses and /v1/models (default: the file name without .mlb)."],
         ["cors", None, None, "Let web pages from ORIGIN (* for any) call the server from a browser."],
+        ["allow-host", None, None, "Without an API key, also answer requests addressed to these DNS names "
+         "(comma-separated; * for any); by default only localhost and IP addresses, against DNS rebinding."],
         ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait behind the one being answered; more get 503 "
          "with Retry-After.", int],
     ] + _ENGINE_PARAMETERS
@@ -188,7 +190,9 @@ class KraflaService(service.Service):
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
         cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
-        api = API(backend, self.worker, Access(config["api-key"], cors), self.reactor, max_queue=config["max-queue"])
+        hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
+        access = Access(config["api-key"], cors, allowed_hosts=hosts)
+        api = API(backend, self.worker, access, self.reactor, max_queue=config["max-queue"])
         self.api = api
         root = build_root(api)
         # /tokenize, /detokenize and --metrics (owner: ecosystem).

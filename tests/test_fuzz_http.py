@@ -21,7 +21,7 @@ from tests.support.fake_backend import APIHarness, RawConnection
 # KRAFLA_FUZZ_EXAMPLES=5000 for a longer run by hand; make test runs 200 per property.
 BOUNDED = settings(max_examples=int(os.environ.get("KRAFLA_FUZZ_EXAMPLES", "200")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KEY = "fuzz-key"
-STATUS_OK = {200, 204, 400, 401, 404, 405, 408, 411, 413, 431, 503}
+STATUS_OK = {200, 204, 400, 401, 403, 404, 405, 408, 411, 413, 431, 503}
 
 valid_chat = st.fixed_dictionaries({
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
@@ -121,7 +121,8 @@ HEADERS = [b"Host: x", b"Content-Length: 14", b"Content-Length: 0", b"Content-Le
            b"Expect: 100-continue", b"Connection: keep-alive", b"Connection: Upgrade", b"Upgrade: h2c",
            b"Authorization: Bearer " + KEY.encode(), b"Authorization: Bearer", b"Authorization: bearer " + KEY.encode(),
            b"Origin: http://evil.example", b"X-Folded: a\r\n b", b"NoColon", b": empty-name", b"X: \x00\xff",
-           b"Content-Type: application/json", b"X-Long: " + b"a" * 4000]
+           b"Content-Type: application/json", b"X-Long: " + b"a" * 4000, b"Host: rebind.evil.example",
+           b"Host: localhost:8080", b"Host: [::1]:1"]
 BODIES = [b"", b'{"prompt":"x"}', b"e\r\n{\"prompt\":\"x\"}\r\n0\r\n\r\n", b"0\r\n\r\n", b"zz\r\n", b"\x00" * 20,
           b'{"messages":[{"role":"user","content":"hi"}]}', b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
 

@@ -505,3 +505,46 @@ class EngineErrorTests(unittest.TestCase):
         harness.pool.run_all()
         events = sse_events(split_response(connection.output())[2])
         self.assertEqual("".join(e["choices"][0]["text"] for e in events[:-1]), "Hello, world!")
+
+
+class DNSRebindingTests(unittest.TestCase):
+    """Without an API key, requests addressed to a DNS name a web page could re-point at 127.0.0.1 are refused."""
+
+    def status(self, harness, host, method=b"GET", path=b"/v1/models", key=None):
+        connection = RawConnection(harness)
+        head = method + b" " + path + b" HTTP/1.1\r\n"
+        if host is not None:
+            head += b"Host: " + host + b"\r\n"
+        if key:
+            head += b"Authorization: Bearer " + key.encode() + b"\r\n"
+        body = b'{"prompt":"x"}' if method == b"POST" else b""
+        connection.send(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        harness.pool.run_all()
+        return split_response(connection.output())
+
+    def test_dns_names_refused_without_a_key(self):
+        """Host rebind.evil.example: 403 host_not_allowed on every route and method, the engine untouched;
+        localhost, *.localhost, IP addresses (v4, v6, with ports), single labels and no Host pass."""
+        harness = APIHarness()
+        for method, path in ((b"GET", b"/v1/models"), (b"GET", b"/health"), (b"POST", b"/v1/completions"),
+                             (b"OPTIONS", b"/v1/completions"), (b"GET", b"/nope")):
+            for host in (b"rebind.evil.example", b"rebind.evil.example:8080", b"EVIL.example.", b"localhost.evil.example",
+                         b"127.0.0.1.nip.io"):
+                status, _, body = self.status(harness, host, method, path)
+                self.assertEqual(status, 403, (host, path))
+                self.assertEqual(error_of(self, body)["code"], "host_not_allowed")
+        self.assertEqual(harness.backend.calls, [])
+        for host in (b"localhost", b"localhost:8080", b"app.localhost", b"127.0.0.1", b"127.0.0.1:8080", b"[::1]:8080",
+                     b"[::1]", b"192.168.1.5:8080", b"x", b"myhost", None):
+            self.assertEqual(self.status(harness, host)[0], 200, host)
+
+    def test_allow_host_and_api_key(self):
+        """--allow-host admits the names given (any case, a trailing dot, any port); an API key lifts the check."""
+        harness = APIHarness(allowed_hosts=("api.example.com",))
+        self.assertEqual(self.status(harness, b"api.example.com")[0], 200)
+        self.assertEqual(self.status(harness, b"API.Example.COM.:443")[0], 200)
+        self.assertEqual(self.status(harness, b"other.example.com")[0], 403)
+        harness = APIHarness(api_key=KEY)
+        self.assertEqual(self.status(harness, b"rebind.evil.example")[0], 401)
+        self.assertEqual(self.status(harness, b"rebind.evil.example", key=KEY)[0], 200)
+        self.assertEqual(self.status(APIHarness(allowed_hosts=("*",)), b"any.example")[0], 200)

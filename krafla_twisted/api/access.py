@@ -1,8 +1,10 @@
-"""Who may call: the API key (Authorization: Bearer KEY) and the browser origins allowed by --cors."""
+"""Who may call: the API key (Authorization: Bearer KEY), the browser origins allowed by --cors, and
+(without a key) the Host names a request may be addressed to, against DNS rebinding."""
 
 import hmac
+import ipaddress
 
-from krafla_twisted.api.errors import Unauthorized
+from krafla_twisted.api.errors import HostNotAllowed, Unauthorized
 
 CORS_METHODS = b"GET, POST, OPTIONS"
 CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
@@ -10,11 +12,29 @@ CORS_MAX_AGE = b"600"
 
 
 class Access:
-    """The access policy: `api_key` (str or None) and `cors_origins` (a tuple; "*" means any)."""
+    """The access policy: `api_key` (str or None), `cors_origins` (a tuple; "*" means any) and
+    `allowed_hosts` (extra Host names accepted without a key; "*" means any)."""
 
-    def __init__(self, api_key=None, cors_origins=()):
+    def __init__(self, api_key=None, cors_origins=(), allowed_hosts=()):
         self._key = api_key.encode("utf-8") if api_key else None
         self.cors_origins = tuple(cors_origins)
+        self.allowed_hosts = frozenset(_normal_host(h) for h in allowed_hosts)
+
+    def check_host(self, request):
+        """Without an API key, refuse requests addressed to a DNS name (other than localhost).
+
+        DNS rebinding: a web page at evil.example re-points its own name at 127.0.0.1, and the browser
+        then sends the page's requests here as same-origin, so CORS does not stop it reading replies.
+        Such requests carry `Host: evil.example`. An IP address, localhost or a single-label name
+        cannot be re-pointed by a page's author, so they pass; other names need --allow-host. With a
+        key the page cannot authenticate anyway.
+        """
+        if self._key is not None or "*" in self.allowed_hosts:
+            return
+        for value in request.requestHeaders.getRawHeaders(b"host") or ():
+            name = _normal_host(value.decode("latin-1"))
+            if not _host_is_local(name) and name not in self.allowed_hosts:
+                raise HostNotAllowed(name)
 
     @property
     def needs_key(self):
@@ -64,3 +84,26 @@ class Access:
             request.setHeader(b"access-control-allow-headers", asked or CORS_DEFAULT_HEADERS)
             request.setHeader(b"access-control-max-age", CORS_MAX_AGE)
         return b""
+
+
+def _normal_host(value):
+    """The host name of a Host header value or --allow-host entry: no port, no brackets, lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    name, colon, port = value.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        value = name
+    return value.rstrip(".")
+
+
+def _host_is_local(name):
+    if not name or "." not in name and ":" not in name:
+        return True  # no Host, or a single label (resolved locally, never through public DNS)
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True

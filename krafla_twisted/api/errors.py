@@ -89,6 +89,20 @@ class LengthRequired(APIError):
         super().__init__("Send the request body with a Content-Length (chunked request bodies are not accepted)")
 
 
+class HostNotAllowed(APIError):
+    """403: without an API key, a request addressed to a DNS name (DNS rebinding)."""
+
+    status = 403
+
+    def __init__(self, name):
+        super().__init__(
+            f"Requests addressed to {name!r} are not answered: without an API key this server answers only "
+            f"requests to localhost or an IP address (against DNS rebinding). Start it with --allow-host "
+            f"{name} or set an API key",
+            code="host_not_allowed",
+        )
+
+
 class RequestTimeout(APIError):
     status = 408
 

@@ -85,6 +85,10 @@ class APIResource(Resource):
 
     def render(self, request):
         access = self.api.access
+        try:
+            access.check_host(request)
+        except APIError as error:
+            return error_response(request, error)
         access.add_cors_headers(request)
         if request.method == b"OPTIONS":
             return access.preflight(request)

@@ -130,12 +130,12 @@ class APIHarness:
     meet the same Request class (body limits, Connection: close, log line) as real ones.
     """
 
-    def __init__(self, backend=None, *, api_key=None, cors_origins=()):
+    def __init__(self, backend=None, *, api_key=None, cors_origins=(), allowed_hosts=()):
         self.backend = backend if backend is not None else FakeBackend()
         self.reactor = ThreadlessReactor()
         self.pool = SynchronousPool()
         self.worker = EngineWorker(self.reactor, self.backend, self.pool)
-        self.api = API(self.backend, self.worker, Access(api_key, cors_origins), self.reactor)
+        self.api = API(self.backend, self.worker, Access(api_key, cors_origins, allowed_hosts), self.reactor)
         self.root = build_root(self.api)
         self.stub = StubTreq(self.root)
         agent = self.stub._agent
