@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
@@ -281,22 +280,28 @@ class LoadTests:
         import openai
 
         start = len(server.lines)
-        long_reply = {}
-
-        def run_long():
-            long_reply["result"] = post(server, "/completions", {"prompt": COUNTING, "max_tokens": 120})
-
-        thread = threading.Thread(target=run_long)
-        thread.start()
-        time.sleep(0.5)
-        status, body = post(server, "/completions", {"prompt": COUNTING, "max_tokens": 1})
-        error = assert_error(status, body, 503)
+        # A streamed reply to the end of the context, seen running (its first event) before the others.
+        body = json.dumps({"prompt": "1,", "max_tokens": CTX - 8, "stream": True}).encode()
+        long_reply = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+        long_reply.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                           + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while b"data: " not in received:
+            received += long_reply.recv(65536)
+        status, headers, content = treq_call("POST", server.url("/completions"), {"prompt": COUNTING, "max_tokens": 1}, AUTH)
+        error = assert_error(status, json.loads(content), 503)
         assert error["code"] == "server_overloaded"
+        assert headers.getRawHeaders("retry-after") == ["1"]
         client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=8)
         reply = client.completions.create(model="x", prompt=COUNTING, max_tokens=2)
         assert reply.usage.completion_tokens == 2
-        thread.join(120)
-        assert long_reply["result"][0] == 200
+        while True:
+            chunk = long_reply.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        long_reply.close()
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received
         lines = server.lines[start:]
         assert sum("POST /v1/completions 503" in line for line in lines) >= 2, lines
         assert any("POST /v1/completions 200" in line and "reply 2 tokens" in line for line in lines), lines
