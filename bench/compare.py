@@ -106,8 +106,11 @@ def llama_source(vendor, requirement):
     return tree
 
 
-def build_llama(vendor, tree, flavor, jobs):
-    """bin/ of a llama.cpp build (`avx2` or `native`) with llama-bench and llama-quantize."""
+def build_llama(vendor, tree, flavor, jobs, prebuilt=None):
+    """bin/ of a llama.cpp build (`avx2` or `native`) with llama-bench and llama-quantize (or the
+    `prebuilt` bin/ given for that flavour with --llama-bin)."""
+    if prebuilt and flavor in prebuilt:
+        return prebuilt[flavor]
     build = vendor / "llama.cpp" / f"build-{flavor}-{tree.parent.parent.name}"
     binaries = build / "bin"
     if all((binaries / t).is_file() for t in LLAMA_TARGETS):
@@ -353,6 +356,8 @@ def main(argv=None):
     parser.add_argument("--llama-cpp-python", default="llama-cpp-python", help="pip requirement of the sdist")
     parser.add_argument("--krafla-arg", dest="krafla_args", action="append", default=[],
                         help="extra option for krafla bench and the server, e.g. --krafla-arg=--no-pack (repeatable)")
+    parser.add_argument("--llama-bin", action="append", default=[], metavar="FLAVOR=DIR",
+                        help="use an existing llama.cpp bin/ for avx2 or native instead of building it (repeatable)")
     parser.add_argument("--no-server", action="store_true", help="skip the end-to-end server figures")
     parser.add_argument("--server-requests", type=int, default=3)
     parser.add_argument("--server-tokens", type=int, default=128)
@@ -365,14 +370,22 @@ def main(argv=None):
     for isa in isas:
         if isa not in LLAMA_PEER:
             parser.error(f"--isa {isa}: expected avx2 or avx512")
+    prebuilt = {}
+    for item in args.llama_bin:
+        flavor, _, folder = item.partition("=")
+        if flavor not in LLAMA_CMAKE or not all((Path(folder) / t).is_file() for t in LLAMA_TARGETS):
+            parser.error(f"--llama-bin {item}: expected avx2=DIR or native=DIR holding {' and '.join(LLAMA_TARGETS)}")
+        prebuilt[flavor] = Path(folder).resolve()
     vendor = args.vendor.resolve()
-    tree = llama_source(vendor, args.llama_cpp_python)
-    pairs = [(isa, build_krafla(vendor, isa, args.jobs), build_llama(vendor, tree, LLAMA_PEER[isa], args.jobs))
-             for isa in isas]
-    quantize = build_llama(vendor, tree, "avx2", args.jobs) / "llama-quantize"
+    needed = {LLAMA_PEER[isa] for isa in isas} | {"avx2"}
+    tree = llama_source(vendor, args.llama_cpp_python) if needed - set(prebuilt) else None
+    pairs = [(isa, build_krafla(vendor, isa, args.jobs),
+              build_llama(vendor, tree, LLAMA_PEER[isa], args.jobs, prebuilt)) for isa in isas]
+    quantize = build_llama(vendor, tree, "avx2", args.jobs, prebuilt) / "llama-quantize"
     models = {name: llama_gguf(vendor, name, quantize) for name in args.models.split(",")}
     rows = compare(pairs, models, args)
-    print(f"krafla vs llama.cpp ({tree.parent.parent.name}), q4_0, -t {args.threads} -p {args.prompt} "
+    source = tree.parent.parent.name if tree else ", ".join(f"{k}: {v}" for k, v in prebuilt.items())
+    print(f"krafla vs llama.cpp ({source}), q4_0, -t {args.threads} -p {args.prompt} "
           f"-n {args.generate}")
     print_ratio_table(rows, args)
     if not args.no_server:
