@@ -16,7 +16,7 @@ from krafla_twisted.tokenizer import Tokenizer
 from tests.support.hf_tokenizer_json import write_hf_tokenizer
 from tests.support.testdata import vocab_cases, vocab_gguf, vocab_mlt
 
-VOCABS = ("qwen35", "qwen2", "llama-bpe", "gpt-2")
+VOCABS = ("qwen35", "llama-bpe", "gpt-2", "llama-spm")  # qwen2: the reference env checks its file
 
 
 @pytest.fixture(scope="module", params=VOCABS)
@@ -36,11 +36,12 @@ class TokenizerJsonTests:
             assert tokenizer.encode(text, add_bos=False) == expected, text
 
     def test_same_settings_as_the_gguf_path(self, converted):
-        """pre-tokenizer, vocabulary size, bos/eos and the end-of-generation ids equal the .mlt
-        converted from the GGUF."""
+        """kind, pre-tokenizer, vocabulary size, special ids, add_bos / add_space_prefix and the
+        end-of-generation ids equal the .mlt converted from the GGUF."""
         name, mlt = converted
         ours, theirs = formats.read(mlt).metadata, formats.read(vocab_mlt(name)).metadata
-        for key in ("pre", "n_vocab", "bos_id", "eos_id", "ignore_merges", "eot_ids"):
+        for key in ("kind", "pre", "n_vocab", "bos_id", "eos_id", "unk_id", "ignore_merges", "eot_ids", "add_bos",
+                    "add_space_prefix"):
             assert ours[key] == theirs[key], key
 
     def test_refusals(self):

@@ -1,20 +1,30 @@
 """The tokenizer file (.mlt) from a Hugging Face folder: tokenizer.json + tokenizer_config.json.
 
-Byte-level BPE only (the tokenizers of llama 3, qwen2, qwen3.5, SmolLM, GPT-2): the vocabulary in
+Byte-level BPE (the tokenizers of llama 3, qwen2, qwen3.5, SmolLM, GPT-2): the vocabulary in
 tokenizer.json is already spelled in GPT-2's byte alphabet, as the .mlt stores it. The
 pre-tokenizer is recognised from its split regex (or GPT-2's ByteLevel regex, or SmolLM's
 individual digits), added tokens become control (special) or user-defined tokens, ids missing
 from the vocabulary become unused `[PAD{i}]` tokens (up to the model's embedding rows, as
 llama.cpp's converter pads), and the end-of-generation rules are the GGUF path's
 (convert/tokenizer.py), whose `build_container` packs the tables.
+
+SentencePiece-style BPE (Llama 2, TinyLlama, Gemma: `byte_fallback`, spaces spelled U+2581)
+becomes a `spm` table. Its merge scores are not in tokenizer.json, but Hugging Face's converter
+wrote the merges in the order of those scores, so a token's score is minus the rank of the first
+merge that makes it (tokens no merge makes score below all of them): the same merge order.
+`<0xXX>` pieces are byte tokens, the unk_token is unknown, and a `Prepend("▁")` normalizer or a
+Metaspace pre-tokenizer that prepends sets add_space_prefix.
 """
 
 import json
+import re
 from pathlib import Path
 
 from krafla_twisted.convert.tokenizer import (
-    CONTROL, END_OF_GENERATION, FIM_CONTROL, FIM_END_OF_GENERATION, NORMAL, UNUSED, USER_DEFINED,
+    BYTE, CONTROL, END_OF_GENERATION, FIM_CONTROL, FIM_END_OF_GENERATION, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
     TokenizerConversionError, TokenizerTables, build_container)
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _pre_tokenizer(pre):
@@ -76,7 +86,11 @@ def tables_from_json(tokenizer, config=None, n_vocab=None):
             tokens[i] = f"[PAD{i}]".encode()
         elif not tokens[i]:
             tokens[i] = f"[EMPTY_{i}]".encode()
-    pre, ignore_merges = _pre_tokenizer(tokenizer.get("pre_tokenizer"))
+    spm = bool(model.get("byte_fallback")) or "\u2581" in json.dumps(tokenizer.get("normalizer"), ensure_ascii=False)
+    if spm:
+        pre, ignore_merges = "none", False
+    else:
+        pre, ignore_merges = _pre_tokenizer(tokenizer.get("pre_tokenizer"))
     if model.get("ignore_merges"):
         ignore_merges = True
     merges = []
@@ -92,13 +106,16 @@ def tables_from_json(tokenizer, config=None, n_vocab=None):
         raise TokenizerConversionError("tokenizer.json has no BPE merges")
 
     by_text = {t: i for i, t in enumerate(tokens)}
-    tables = TokenizerTables("bpe", pre, tokens, types, merges=merges, ignore_merges=ignore_merges)
+    if spm:
+        tables = _spm_tables(tokenizer, model, tokens, types, merges, by_text)
+    else:
+        tables = TokenizerTables("bpe", pre, tokens, types, merges=merges, ignore_merges=ignore_merges)
     for attribute, key in (("bos_id", "bos_token"), ("eos_id", "eos_token"), ("unk_id", "unk_token"),
                            ("pad_id", "pad_token")):
         text = _token_text(config.get(key))
         if text is not None and text.encode() in by_text:
             setattr(tables, attribute, by_text[text.encode()])
-    tables.add_bos = bool(config.get("add_bos_token", pre == "llama3")) and tables.bos_id >= 0
+    tables.add_bos = bool(config.get("add_bos_token", pre in ("llama3", "none"))) and tables.bos_id >= 0
     tables.add_eos = bool(config.get("add_eos_token", False)) and tables.eos_id >= 0
     eot = set()
     for text, i in by_text.items():
@@ -110,8 +127,34 @@ def tables_from_json(tokenizer, config=None, n_vocab=None):
     if tables.eos_id >= 0:
         eot.add(tables.eos_id)
     tables.eot_ids = eot
-    tables.extra = {"source": "tokenizer.json", "source_model": "BPE", "source_pre": pre,
+    tables.extra = {"source": "tokenizer.json", "source_model": "BPE (SentencePiece)" if spm else "BPE",
+                    "source_pre": pre,
                     "name": str(config.get("name_or_path") or "")}
+    return tables
+
+
+def _spm_tables(tokenizer, model, tokens, types, merges, by_text):
+    """The spm table: byte/unknown types, scores from merge ranks, the space prefix."""
+    for i, text in enumerate(tokens):
+        if types[i] == NORMAL and _BYTE_TOKEN.fullmatch(text.decode("utf-8", "replace")):
+            types[i] = BYTE
+    n_merges = len(merges)
+    scores = [float(-(n_merges + i)) for i in range(len(tokens))]
+    for rank in range(n_merges - 1, -1, -1):  # the first merge making a token wins
+        left, right = merges[rank]
+        made = by_text.get(left + right)
+        if made is not None:
+            scores[made] = float(-rank)
+    tables = TokenizerTables("spm", "none", tokens, types, scores=scores)
+    unk = model.get("unk_token")
+    if unk is not None and unk.encode() in by_text:
+        tables.unk_id = by_text[unk.encode()]
+        if types[tables.unk_id] in (NORMAL, CONTROL):
+            types[tables.unk_id] = UNKNOWN
+    normalizer = json.dumps(tokenizer.get("normalizer"), ensure_ascii=False)
+    pre = tokenizer.get("pre_tokenizer") or {}
+    prepend = '"Prepend"' in normalizer or (pre.get("type") == "Metaspace" and pre.get("prepend_scheme", "always") != "never")
+    tables.add_space_prefix = prepend
     return tables
 
 

@@ -232,7 +232,7 @@ def test_safetensors_reader_matches_the_safetensors_package(tmp_path):
         assert np.array_equal(reader.get(name), tensor.float().numpy()), name
 
 
-@pytest.mark.parametrize("name", ["qwen35", "qwen2", "llama-bpe", "gpt-2"])
+@pytest.mark.parametrize("name", ["qwen35", "qwen2", "llama-bpe", "gpt-2", "llama-spm"])
 def test_test_tokenizer_json_files_are_real_hugging_face_tokenizers(tmp_path, name):
     """The tokenizer.json files tests/test_tokenizer_json.py converts encode llama.cpp's vectors
     with the `tokenizers` library itself, so they stand for real Hugging Face tokenizers."""
