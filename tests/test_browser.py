@@ -2,8 +2,9 @@
 
 tests/web/ (a small chat page) is served by a static server on two loopback ports, two origins.
 krafla runs with `--cors` for the first one only. From the allowed origin the page streams a chat
-reply with fetch and a stream reader; from the other, the browser blocks the read (the CORS
-preflight gets no grant, so the POST is never even sent). The page reports what happened by
+reply with fetch and a stream reader; from the other, and from the allowed one against a second
+server started without `--cors`, the browser blocks the read (the CORS preflight gets no grant, so
+the POST is never even sent). The page reports what happened by
 POSTing to /result on its own origin, which is how the test learns it.
 """
 
@@ -137,3 +138,15 @@ class BrowserTests:
         lines = server.lines[start:]
         assert any("OPTIONS /v1/chat/completions 204" in line for line in lines), lines
         assert not any("POST /v1/chat/completions" in line for line in lines), lines
+
+    def test_server_without_cors_is_blocked(self, origins, tmp_path):
+        """The same page and origin against a server started without --cors: the browser blocks the read."""
+        allowed, _ = origins
+        model = real_model("smollm2-135m")
+        plain = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2"]).start()
+        try:
+            report = open_page(allowed, page(allowed, plain), tmp_path / "profile")
+        finally:
+            plain.stop()
+        assert report.get("blocked") is True, report
+        assert not any("POST /v1/chat/completions" in line for line in plain.lines), plain.lines
