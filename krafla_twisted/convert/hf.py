@@ -330,6 +330,8 @@ def _map_names(arch, names, path):
         if hf_name.startswith(_SKIPPED):
             skipped.append(hf_name)
             continue
+        if hf_name.endswith("rotary_emb.inv_freq"):  # older checkpoints save RoPE's cache: recomputed
+            continue
         if hf_name in ("lm_head.weight", "language_model.lm_head.weight"):
             mapped["output.weight"] = hf_name
             continue
