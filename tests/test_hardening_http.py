@@ -167,7 +167,8 @@ class BodyFramingTests(unittest.TestCase):
 
     def test_ambiguous_lengths_refused(self):
         """Two Content-Lengths (equal or not), a list, a sign, Content-Length with Transfer-Encoding,
-        an encoding other than chunked: 400 and the connection closed, nothing reaches the engine."""
+        an encoding other than chunked: 400 with the error body and the connection closed, nothing reaches
+        the engine."""
         body = b'{"prompt":"x"}'
         start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
         for headers in (b"Content-Length: 14\r\nContent-Length: 14\r\n", b"Content-Length: 14\r\nContent-Length: 15\r\n",
@@ -175,7 +176,8 @@ class BodyFramingTests(unittest.TestCase):
                         b"Content-Length: 0x0e\r\n", b"Content-Length: 14\r\nTransfer-Encoding: chunked\r\n",
                         b"Transfer-Encoding: chunked\r\nContent-Length: 14\r\n", b"Transfer-Encoding: gzip, chunked\r\n",
                         b"Transfer-Encoding: identity\r\n"):
-            self.assert_refused(start + headers + b"\r\n" + body, 400)
+            connection = self.assert_refused(start + headers + b"\r\n" + body, 400)
+            self.assertEqual(error_of(self, split_response(connection.output())[2])["code"], "invalid_http_request")
 
     def test_chunked_refused_after_its_end_or_at_the_bound(self):
         """A short chunked body: 411 once it ends. An endless one: 411 after 16 MiB read, then nothing more is read."""

@@ -9,7 +9,7 @@ import io
 from twisted.logger import Logger
 from twisted.web import http, server
 
-from krafla_twisted.api.errors import APIError, BodyTooLarge, HeadTooLarge, LengthRequired, RequestTimeout
+from krafla_twisted.api.errors import APIError, BodyTooLarge, HeadTooLarge, InvalidRequest, LengthRequired, RequestTimeout
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
@@ -62,7 +62,12 @@ class APIRequest(server.Request):
 
     def gotLength(self, length):
         # This runs in the I/O thread, when the head has been read and before any body byte.
-        if length is None:
+        codings = b",".join(self.requestHeaders.getRawHeaders(b"transfer-encoding") or ())
+        if codings and [c.strip().lower() for c in codings.split(b",")] != [b"chunked"]:
+            # Twisted reads "identity" (and the like) as no body; a proxy might not: refuse the ambiguity.
+            self.body_error = InvalidRequest(f"Transfer-Encoding {codings.decode('latin-1')!r} is not accepted; send a "
+                                             f"Content-Length", code="invalid_http_request")
+        elif length is None:
             self.body_error = LengthRequired()
         elif length > MAX_BODY_BYTES:
             self.body_error = BodyTooLarge(MAX_BODY_BYTES)
@@ -178,6 +183,12 @@ class APIChannel(http.HTTPChannel):
 
     def _refuse_head(self):
         self.answer_and_close(HeadTooLarge(MAX_HEADER_BYTES))
+
+    def _respondToBadRequestAndDisconnect(self):
+        # Twisted's answer to a malformed request line, header or framing has no body: give it the API's.
+        self.answer_and_close(InvalidRequest("The request is not valid HTTP/1.1: its request line, a header, or its "
+                                             "framing (Content-Length, Transfer-Encoding) is malformed or ambiguous",
+                                             code="invalid_http_request"))
 
     def _send100Continue(self):
         # "Expect: 100-continue" on a body we refuse: say no now instead of inviting the body.
