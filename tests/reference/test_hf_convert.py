@@ -156,6 +156,20 @@ class Qwen35TransformersTests:
         model.load_state_dict(_reload(folder / "hf"), strict=False)
         assert np.median(cosines) >= floor, cosines
 
+    def test_numpy_reference_matches_transformers(self, qwen35):
+        """tests/support/reference_qwen35.py (the main suite's truth for qwen35) equals
+        transformers on every position: same argmax, cosine >= 0.99999."""
+        from tests.support.reference_qwen35 import ReferenceQwen35
+
+        model, _, mlb = qwen35
+        ids = prompt(model.config.vocab_size, 23)
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0].double().numpy()
+        got = ReferenceQwen35(mlb).forward(ids)
+        for row_got, row_expected in zip(got, expected):
+            assert int(np.argmax(row_got)) == int(np.argmax(row_expected))
+            assert cosine(row_got, row_expected) >= 0.99999
+
     def test_batch_and_single_steps_agree_bitwise(self, qwen35):
         """Prompt processing in batches leaves the same state as token by token: the logits of
         the next token are the same bits."""
