@@ -472,6 +472,70 @@ static void qk_norm_job(void *arg, int thread, int n_threads, int worker) {
     }
 }
 
+// The two passes over one row of a value head's state per token (dk values), fused so the state
+// is read twice instead of four times:
+//   decay_dot:  row *= decay, returns dot(row, k)
+//   update_dot: row += delta * k, returns dot(row, q)
+// AVX2 with 8 lanes summed in a fixed order, or plain C; either way the same for any batch.
+#if defined(KR_HAVE_AVX2)
+#include <immintrin.h>
+static float lanes_total(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+static float decay_dot(float *row, const float *k, float decay, int32_t n) {
+    __m256 d = _mm256_set1_ps(decay), acc = _mm256_setzero_ps();
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + i), d);
+        _mm256_storeu_ps(row + i, r);
+        acc = _mm256_fmadd_ps(r, _mm256_loadu_ps(k + i), acc);
+    }
+    float sum = lanes_total(acc);
+    for (; i < n; i++) {
+        row[i] *= decay;
+        sum += row[i] * k[i];
+    }
+    return sum;
+}
+
+static float update_dot(float *row, const float *k, const float *q, float delta, int32_t n) {
+    __m256 d = _mm256_set1_ps(delta), acc = _mm256_setzero_ps();
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 r = _mm256_fmadd_ps(d, _mm256_loadu_ps(k + i), _mm256_loadu_ps(row + i));
+        _mm256_storeu_ps(row + i, r);
+        acc = _mm256_fmadd_ps(r, _mm256_loadu_ps(q + i), acc);
+    }
+    float sum = lanes_total(acc);
+    for (; i < n; i++) {
+        row[i] += delta * k[i];
+        sum += row[i] * q[i];
+    }
+    return sum;
+}
+#else
+static float decay_dot(float *row, const float *k, float decay, int32_t n) {
+    float sum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        row[i] *= decay;
+        sum += row[i] * k[i];
+    }
+    return sum;
+}
+
+static float update_dot(float *row, const float *k, const float *q, float delta, int32_t n) {
+    float sum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        row[i] += delta * k[i];
+        sum += row[i] * q[i];
+    }
+    return sum;
+}
+#endif
+
 // The delta rule, token after token, for the value heads of this thread; then the gated norm.
 static void delta_job(void *arg, int thread, int n_threads, int worker) {
     job *j = arg;
@@ -494,10 +558,8 @@ static void delta_job(void *arg, int thread, int n_threads, int worker) {
             float *o = s->core + (size_t)t * q->value_dim + (size_t)h * dv;
             for (int32_t d = 0; d < dv; d++) {
                 float *Sd = S + (size_t)d * dk;
-                for (int32_t i = 0; i < dk; i++) Sd[i] *= decay;
-                float delta = (vv[d] - kr_dot_f32(Sd, kv, dk)) * beta;
-                kr_axpy_f32(delta, kv, Sd, dk);
-                o[d] = kr_dot_f32(Sd, qv, dk);
+                float delta = (vv[d] - decay_dot(Sd, kv, decay, dk)) * beta;
+                o[d] = update_dot(Sd, kv, qv, delta, dk);
             }
             // gated RMSNorm: norm(o) * w * silu(z)
             const float *z = s->z + (size_t)t * q->value_dim + (size_t)h * dv;
