@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,7 @@ class FreshCloneTests:
             except subprocess.TimeoutExpired:
                 os.killpg(make.pid, signal.SIGKILL)
                 make.wait()
+            shutil.rmtree(clone, ignore_errors=True)  # its .venv is a few hundred MB
 
 
 def read_readme_curl():
