@@ -58,6 +58,19 @@ class ReceiveDeadlineTests(unittest.TestCase):
         connection.send(b"\r\n\r\n")  # too late: nothing more is read
         self.assertEqual(connection.output().count(b"HTTP/1.1 "), 1)
 
+    def test_silent_connection_closed_once(self):
+        """Nothing sent: the idle timer and the head deadline both fall at 60 s; the connection closes once,
+        with at most one answer, and the only timers left are the ones that abort a close that hangs."""
+        harness = APIHarness()
+        connection = RawConnection(harness)
+        harness.reactor.advance(HEAD_DEADLINE_SECONDS)
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertLessEqual(connection.output().count(b"HTTP/1.1 "), 1)
+        pending = [call.func.__name__ for call in harness.reactor.getDelayedCalls() if call.active()]
+        self.assertTrue(set(pending) <= {"forceAbortClient", "_not_reading"}, pending)
+        connection.lose()
+        self.assertEqual([call for call in harness.reactor.getDelayedCalls() if call.active()], [])
+
     def test_body_one_byte_every_five_seconds(self):
         """A complete head and a body trickling in: cut off at 120 s, the engine never called."""
         harness = APIHarness()

@@ -204,7 +204,7 @@ class APIChannel(http.HTTPChannel):
 
     def answer_and_close(self, error: APIError):
         """Answer `error` outside any Request (the request is not whole), then close the connection."""
-        if self._closing or self.transport is None:
+        if self._closing or self._losing or self.transport is None:
             return
         self._closing = True
         self._cancel("_head_call")
@@ -225,6 +225,8 @@ class APIChannel(http.HTTPChannel):
             return
         self._losing = True
         self.setTimeout(None)
+        self._cancel("_head_call")
+        self._cancel("_request_call")
         self._start_write_deadline()
         super().loseConnection()
 
