@@ -80,13 +80,16 @@ class SafetensorsFile:
     def shape(self, name):
         return tuple(int(d) for d in self._entries[name]["shape"])
 
-    def get(self, name):
+    def get(self, name, start=None, stop=None):
+        """The tensor as float32, or only rows [start, stop) of its first axis."""
         entry = self._entries[name]
         if self._map is None:
             self._map = np.memmap(self.path, np.uint8, "r")
         begin, end = entry["data_offsets"]
         raw = self._map[self._base + begin:self._base + end]
         values = raw.view(_DTYPES[entry["dtype"]]).reshape(self.shape(name))
+        if start is not None:
+            values = values[start:stop]
         if entry["dtype"] == "BF16":
             values = (values.astype(np.uint32) << 16).view(np.float32)
         return np.asarray(values, dtype=np.float32)
@@ -375,6 +378,32 @@ def _output_type(name, shape, type_name, tied):
     return gguf_convert._output_type(name, shape, type_name, tied)
 
 
+def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src):
+    """One tensor encoded as `tensor_type`; matrices a few million weights at a time, so a large
+    embedding never needs a whole float32 copy."""
+    def checked(values, expected_shape):
+        if values.shape != expected_shape:
+            raise ConvertError(f"{src}: tensor {hf_name} has shape {st.shape(hf_name)}, expected {shape} "
+                               "from config.json")
+        if not np.isfinite(values).all():
+            raise ConvertError(f"{src}: tensor {hf_name} holds NaN or infinite weights")
+        return gguf_convert._encode(values, tensor_type)
+
+    if len(shape) != 2 or st.shape(hf_name) != shape or krafla_name.endswith("ssm_conv1d.weight"):
+        return checked(_values(arch, krafla_name, st.get(hf_name)), shape)
+    rows, cols = shape
+    step = max(1, gguf_convert._CHUNK_WEIGHTS // cols)
+    out = None
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        encoded = checked(_values(arch, krafla_name, st.get(hf_name, start, stop)), (stop - start, cols))
+        encoded = np.ascontiguousarray(encoded).view(np.uint8).reshape(stop - start, -1)
+        if out is None:
+            out = np.empty((rows, encoded.shape[1]), np.uint8)
+        out[start:stop] = encoded
+    return out.reshape(-1)
+
+
 def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
     """Convert the Hugging Face folder `src` to `out_mlb` (and `out_mlt` from tokenizer.json unless
     it is None). Returns (out_mlb, out_mlt) as Paths."""
@@ -423,15 +452,10 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
     try:
         for krafla_name in sorted(expected, key=gguf_convert._tensor_order):
             hf_name = mapped[krafla_name]
-            values = _values(arch, krafla_name, where[hf_name].get(hf_name))
             shape = expected[krafla_name]
-            if values.shape != shape:
-                raise ConvertError(f"{src}: tensor {hf_name} has shape {values.shape}, expected {shape} "
-                                   "from config.json")
-            if not np.isfinite(values).all():
-                raise ConvertError(f"{src}: tensor {hf_name} holds NaN or infinite weights")
             tensor_type = _output_type(krafla_name, shape, type_name, tied)
-            model.add(krafla_name, tensor_type, shape, gguf_convert._encode(values, tensor_type))
+            model.add(krafla_name, tensor_type, shape,
+                      _convert_tensor(where[hf_name], hf_name, arch, krafla_name, shape, tensor_type, src))
             if bar is not None:
                 bar.update(1)
     finally:

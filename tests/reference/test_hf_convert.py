@@ -235,6 +235,16 @@ class HuggingFaceFolderTests:
         for name in a.tensors:
             assert np.array_equal(a.array(name), b.array(name)), name
 
+    def test_matrices_converted_in_row_chunks_are_the_same(self, tmp_path, arch, monkeypatch):
+        """Matrices encoded a few rows at a time (a tiny chunk size) give the same file bytes."""
+        write_tiny_hf_model(tmp_path / "hf", arch, seed=8)
+        whole = formats.read(convert_hf(tmp_path / "hf", tmp_path / "a.mlb", None, "q4_0", progress=False)[0])
+        from krafla_twisted.convert import gguf as gguf_convert
+        monkeypatch.setattr(gguf_convert, "_CHUNK_WEIGHTS", 100)
+        chunked = formats.read(convert_hf(tmp_path / "hf", tmp_path / "b.mlb", None, "q4_0", progress=False)[0])
+        for name in whole.tensors:
+            assert np.array_equal(whole.tensors[name].data, chunked.tensors[name].data), name
+
 
 def test_safetensors_reader_matches_the_safetensors_package(tmp_path):
     """Our reader gives the arrays the safetensors package gives, for f32, f16 and bf16."""
