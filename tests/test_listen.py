@@ -94,8 +94,9 @@ class EndpointServer(ServerProcess):
 def server(model, tls, tmp_path_factory):
     cert, key = tls
     sock = str(tmp_path_factory.mktemp("sock") / "krafla.sock")
+    tls_endpoint = f"ssl:0:privateKey={key}:certKey={cert}:interface=127.0.0.1"
     process = EndpointServer([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2",
-                              "--listen", f"unix:{sock}", "--listen", f"ssl:0:privateKey={key}:certKey={cert}:interface=127.0.0.1"])
+                              "--listen", f"unix:{sock}", "--listen", tls_endpoint])
     yield process.start()
     process.stop()
 

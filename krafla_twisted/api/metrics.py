@@ -77,12 +77,14 @@ class Metrics:
                [((("endpoint", e),), n) for e, n in sorted(self.gone.items())])
         metric("completions_total", "counter", "Completions the engine ran (finished, stopped or cancelled).",
                [((), self.completions)])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of completions, cached ones included.", [((), self.prompt_tokens)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of completions, cached ones included.",
+               [((), self.prompt_tokens)])
         metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from the KV cache.", [((), self.cached_tokens)])
         metric("completion_tokens_total", "counter", "Tokens generated.", [((), self.completion_tokens)])
         metric("prompt_seconds_total", "counter", "Seconds spent evaluating prompts.", [((), self.prompt_seconds)])
         metric("generation_seconds_total", "counter", "Seconds spent generating replies.", [((), self.generation_seconds)])
-        metric("cache_hits_total", "counter", "Completions that reused at least one cached prompt token.", [((), self.cache_hits)])
+        metric("cache_hits_total", "counter", "Completions that reused at least one cached prompt token.",
+               [((), self.cache_hits)])
         computed = self.prompt_tokens - self.cached_tokens
         metric("prompt_tokens_per_second", "gauge", "Prompt tokens evaluated per second, on average since start.",
                [((), computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0)])

@@ -72,6 +72,7 @@ class _Threaded(Endpoint):
         self.pool = pool  # None: the reactor's thread pool
 
     def render_POST(self, request):
+        # I/O thread: parse and check the body here; the tokenizer runs in the pool.
         body = parse_json_body(request.content.read())
         work = self.parse(body)
         finished = []
@@ -103,6 +104,7 @@ class Tokenize(_Threaded):
         return parse_tokenize(body)
 
     def compute(self, work):
+        # This runs in a thread of the pool, never in the I/O thread.
         content, add_special, parse_special, with_pieces = work
         tokenizer = self.api.backend.tokenizer
         ids = tokenizer.encode(content, add_bos=None if add_special else False, special=parse_special)
@@ -116,5 +118,6 @@ class Detokenize(_Threaded):
         return parse_detokenize(body, self.api.backend.n_vocab)
 
     def compute(self, tokens):
+        # This runs in a thread of the pool, never in the I/O thread.
         text = self.api.backend.tokenizer.decode(tokens)
         return {"content": text.decode("utf-8", "replace")}
