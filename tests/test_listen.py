@@ -162,3 +162,15 @@ class ListenOptionTests:
         options = Options()
         options.parseOptions([arg for text in wanted for arg in ("--listen", text)])
         assert options["listen"] == wanted
+
+    def test_taken_address_fails_start(self, model):
+        """--listen on an address already in use stops the start with exit status 1 and a line naming the endpoint."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            where = f"tcp:{taken.getsockname()[1]}:interface=127.0.0.1"
+            result = subprocess.run([TWISTD, "-n", "--pidfile=", "krafla", str(model.mlb), "-z", str(model.mlt),
+                                     "--listen", where], capture_output=True, text=True, timeout=300, cwd=REPO,
+                                    env=ServerProcess([]).env)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"cannot listen on {where}" in result.stdout + result.stderr
