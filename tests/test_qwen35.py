@@ -9,6 +9,8 @@ qwen35 files are refused with a message.
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from krafla_twisted import formats
 from krafla_twisted.engine import EngineError, Model
@@ -159,3 +161,39 @@ class Qwen35ReferenceTests:
             got = np.array([session.eval([t]).astype(np.float64) for t in PROMPT[:30]])
         cosines = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
         assert np.median(cosines) >= 0.99
+
+
+@st.composite
+def qwen35_shapes(draw):
+    """Small qwen35 shapes: head counts and widths, conv width, partial rope, layer patterns."""
+    n_kv_heads = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([8, 16, 32]))
+    linear_k_heads = draw(st.integers(1, 3))
+    n_layers = draw(st.integers(1, 4))
+    return dict(
+        dim=draw(st.sampled_from([32, 64])), n_layers=n_layers,
+        layer_types=draw(st.lists(st.sampled_from([0, 2]), min_size=n_layers, max_size=n_layers)),
+        n_heads=n_kv_heads * draw(st.integers(1, 3)), n_kv_heads=n_kv_heads, head_dim=head_dim,
+        rope_dims=draw(st.sampled_from([d for d in (2, 4, 8, 16, 32) if d <= head_dim])),
+        ffn_dim=draw(st.sampled_from([32, 64, 96])), linear_conv_kernel=draw(st.integers(1, 5)),
+        linear_k_heads=linear_k_heads, linear_v_heads=linear_k_heads * draw(st.integers(1, 3)),
+        linear_k_head_dim=draw(st.sampled_from([4, 8, 16, 24])), linear_v_head_dim=draw(st.sampled_from([4, 8, 16])),
+        tied_embeddings=draw(st.integers(0, 1)))
+
+
+class Qwen35ShapeTests:
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(shape=qwen35_shapes(), length=st.integers(1, 12), batch=st.integers(1, 5), seed=st.integers(0, 1000))
+    def test_hypothesis_shapes_match_the_reference(self, tmp_path, shape, length, batch, seed):
+        """Any small shape: the last position's logits match the numpy reference (same argmax up to
+        float32 near-ties, cosine >= 0.9999), whatever the batch size."""
+        from tests.support.reference_qwen35 import ReferenceQwen35
+
+        path = write_tiny_qwen35(tmp_path / f"h{seed}.mlb", seed=seed, **shape)
+        ids = PROMPT[:length]
+        expected = ReferenceQwen35(path).forward(ids)[-1]
+        with Model(path) as model:
+            got = model.session(batch=batch).eval(ids).astype(np.float64)
+        # the same argmax, unless the reference's top two are a near-tie float32 cannot order
+        assert expected[int(np.argmax(got))] >= expected.max() - 1e-4 * np.abs(expected).max()
+        assert float(got @ expected / np.linalg.norm(got) / np.linalg.norm(expected)) >= 0.9999
