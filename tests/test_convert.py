@@ -484,3 +484,50 @@ class TinyConversionTests:
             raw_rows = np.asarray(by_name[name].data)
             expected = gguf.quants.dequantize(raw_rows, by_name[name].tensor_type).reshape(model.tensors[name].shape)
             np.testing.assert_array_equal(model.array(name), expected.astype(np.float32), err_msg=name)
+
+
+class HuggingFaceConfigTests:
+    """krafla_twisted.convert.hf.hyperparameters on config.json files as transformers writes them
+    (the logits themselves are checked against transformers in tests/reference/test_hf_convert.py)."""
+
+    def test_gemma3_multimodal_config_with_only_non_default_text_values(self, capsys):
+        """Gemma 3 4B's config.json: text_config lists only what differs from Gemma3TextConfig's
+        defaults, so the converter supplies them (head_dim 256, rope bases 1e6 / 1e4, GELU-tanh,
+        query_pre_attn_scalar 256, five sliding layers per full one) and keeps linear scaling 8."""
+        from krafla_twisted.convert.hf import hyperparameters
+
+        config = {"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"},
+                  "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                                  "num_attention_heads": 8, "num_hidden_layers": 12, "num_key_value_heads": 4,
+                                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+        arch, _, meta = hyperparameters(config)
+        assert "skipping the vision model" in capsys.readouterr().err
+        assert arch == "gemma3"
+        assert (meta["head_dim"], meta["rope_theta"], meta["rope_theta_local"], meta["rope_scale"]) == (256, 1e6, 1e4, 8.0)
+        assert meta["activation"] == "gelu_tanh" and meta["attn_scale"] == 256 ** -0.5
+        assert meta["layer_types"] == [1, 1, 1, 1, 1, 0] * 2 and meta["sliding_window"] == 1024
+
+    def test_qwen3_5_config(self):
+        """A Qwen3.5 config: layer types from full_attention_interval, a quarter of each head rotated."""
+        from krafla_twisted.convert.hf import hyperparameters
+
+        text = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [11, 11, 10]}}
+        arch, _, meta = hyperparameters({"model_type": "qwen3_5", "text_config": text})
+        assert arch == "qwen35"
+        assert meta["layer_types"] == [2, 2, 2, 0, 2, 2, 2, 0]
+        assert (meta["rope_dims"], meta["rope_theta"], meta["linear_conv_kernel"]) == (16, 1e7, 4)
+
+    def test_refusals(self):
+        """Unknown model types and RoPE scalings are refused by name."""
+        from krafla_twisted.convert.hf import hyperparameters
+
+        with pytest.raises(ConvertError, match="model_type 'mamba' is not supported"):
+            hyperparameters({"model_type": "mamba"})
+        base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 96}
+        with pytest.raises(ConvertError, match="RoPE type 'yarn' is not supported"):
+            hyperparameters(dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0}))

@@ -144,12 +144,13 @@ ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": 
          "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
 
 
-def _rope(config, layer_type=None):
-    """(theta, linear factor, partial rotary factor) from rope_parameters or the older flat keys."""
+def _rope(config, layer_type=None, default_theta=10000.0):
+    """(theta, linear factor, partial rotary factor) from rope_parameters or the older flat keys
+    (rope_theta, rope_scaling); a key the config leaves out takes transformers' default."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if layer_type and layer_type in params:
         params = params[layer_type]
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "linear"):
         raise ConvertError(f"RoPE type {kind!r} is not supported (default, linear)")
@@ -178,8 +179,9 @@ def hyperparameters(config, path="<config>"):
 
     dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     n_kv = int(text.get("num_key_value_heads") or n_heads)
-    head_dim = int(text.get("head_dim") or dim // n_heads)
     gemma, qwen35 = arch == "gemma3", arch == "qwen35"
+    # Sub-configs saved by older transformers list only non-default values: Gemma 3's defaults.
+    head_dim = int(text.get("head_dim") or (256 if gemma else dim // n_heads))
     layer_names = text.get("layer_types")
     if qwen35 and not layer_names:
         interval = int(text.get("full_attention_interval", 4))
@@ -193,12 +195,15 @@ def hyperparameters(config, path="<config>"):
     codes = {"full_attention": 0, "sliding_attention": 1, "linear_attention": 2}
     if any(name not in codes for name in layer_names):
         raise ConvertError(f"{path}: unknown layer types in {sorted(set(layer_names))}")
-    theta, factor, partial = _rope(text, "full_attention" if gemma else None)
-    theta_local = _rope(text, "sliding_attention")[0] if gemma else theta
+    theta, factor, partial = _rope(text, "full_attention" if gemma else None, 1e6 if gemma else 10000.0)
+    theta_local = theta
+    if gemma:
+        sliding = (text.get("rope_parameters") or {}).get("sliding_attention")
+        theta_local = float(sliding["rope_theta"]) if sliding else float(text.get("rope_local_base_freq", 10000.0))
     rope_dims = int(head_dim * partial) if qwen35 else head_dim
     if rope_dims % 2 or rope_dims > head_dim or rope_dims < 2:
         raise ConvertError(f"{path}: {rope_dims} rotated dimensions do not fit a head of {head_dim}")
-    act = text.get("hidden_act") or text.get("hidden_activation") or "silu"
+    act = (text.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else (text.get("hidden_act") or "silu")
     activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
     if activation is None:
         raise ConvertError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
@@ -221,7 +226,7 @@ def hyperparameters(config, path="<config>"):
         "rope_dims": rope_dims,
         "activation": activation,
         "embedding_scale": math.sqrt(dim) if gemma else 1.0,
-        "attn_scale": float(text.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else head_dim ** -0.5,
+        "attn_scale": float(text.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim ** -0.5,
         "sliding_window": int(text.get("sliding_window") or 0) if gemma else 0,
         "layer_types": [codes[name] for name in layer_names],
         "attn_softcap": 0.0,  # transformers' Gemma 3 does not apply attn_logit_softcapping
