@@ -32,7 +32,7 @@ def cache_path(model_path):
 def apply(lib, handle, model_path, pack=True, pack_cache=False):
     """Pack a freshly opened model's weights (before any session). Raises clib.KraflaError."""
     if pack_cache and not pack:
-        raise ValueError("pack_cache needs pack=True (a cache of packed weights)")
+        raise ValueError("--pack-cache (pack_cache) keeps packed weights: it cannot go with --no-pack (pack=False)")
     mode = PACK_CACHE if pack_cache else PACK_ON if pack else PACK_OFF
     path = os.fsencode(cache_path(model_path)) if pack_cache else None
     error = clib.kr_error()

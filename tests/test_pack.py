@@ -123,7 +123,7 @@ class PackedModelTests:
 
     def test_cache_needs_packing(self, tiny_models):
         """pack_cache without pack is a contradiction and is refused."""
-        with pytest.raises(ValueError, match="pack_cache"):
+        with pytest.raises(ValueError, match="--no-pack"):
             Model(tiny_models["llama", "q4_0"], pack=False, pack_cache=True)
 
 

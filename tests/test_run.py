@@ -240,7 +240,7 @@ class RunTests:
         (["/nonexistent/model.mlb", "-z", "/nonexistent/tok.mlt", "-p", "x"], "/nonexistent/model.mlb"),
         (["MODEL", "-p", "x"], "-z TOKENIZER.mlt is required"),
         (["MODEL", "-z", "TOK", "-p", ""], "the prompt is empty"),
-        (["MODEL", "-z", "TOK", "--pack-cache", "-p", "x"], "--pack-cache"),
+        (["MODEL", "-z", "TOK", "--no-pack", "--pack-cache", "-p", "x"], "--pack-cache"),  # speed: the engine packs now
     ])
     def test_errors_are_one_line(self, smollm, argv, fragment):
         """Bad files and arguments exit 1 with one `krafla run:` line naming the problem."""
