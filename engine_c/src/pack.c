@@ -239,7 +239,8 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     if (!m) return kr_fail(err, KR_ERR_ARGUMENT, "kr_model_pack: model is NULL");
     if (mode != KR_PACK_OFF && mode != KR_PACK_ON && mode != KR_PACK_CACHE)
         return kr_fail(err, KR_ERR_ARGUMENT, "pack mode %d is not one of off (0), on (1), cache (2)", mode);
-    if (m->pack) return kr_fail(err, KR_ERR_STATE, "the model's weights are already packed");
+    if (m->pack) return kr_fail(err, KR_ERR_STATE, "kr_model_pack: already called for this model");
+    if (atomic_load(&m->busy)) return kr_fail(err, KR_ERR_STATE, "kr_model_pack: a session is evaluating");
     pack_state *state = calloc(1, sizeof *state);
     if (!state) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     m->pack = state;
