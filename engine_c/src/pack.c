@@ -104,7 +104,16 @@ static uint64_t checksum(const void *data, size_t n) {
     return h;
 }
 
-// The model's checksum: every tensor's type, shape and bytes, and the file's size.
+// Give the file's pages of [data, data + bytes) back: the mapping is private and never written,
+// so a page read again later is simply faulted in from the page cache.
+static void release_range(const void *data, size_t bytes) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t begin = ((uintptr_t)data + page - 1) / page * page, end = ((uintptr_t)data + bytes) / page * page;
+    if (end > begin) madvise((void *)begin, end - begin, MADV_DONTNEED);
+}
+
+// The model's checksum: every tensor's type, shape and bytes, and the file's size. Reading them
+// all would leave the whole file resident, so each tensor's pages are released after it.
 static uint64_t model_checksum(const kr_model *m, uint64_t *bytes) {
     *bytes = kr_file_size(m->file);
     uint64_t h = checksum(bytes, sizeof *bytes);
@@ -115,6 +124,7 @@ static uint64_t model_checksum(const kr_model *m, uint64_t *bytes) {
         memcpy(shape + 2, t.dims, sizeof t.dims);
         h = h * 0x9E3779B185EBCA87ull ^ checksum(shape, sizeof shape);
         h = h * 0x9E3779B185EBCA87ull ^ checksum(t.data, t.n_bytes);
+        release_range(t.data, t.n_bytes);
     }
     return h;
 }
@@ -137,16 +147,10 @@ static void repoint(kr_matrix **list, int n, const char *payload) {
     }
 }
 
-// The file's pages of the matrices just packed are not read again: give them back (the token
-// embedding stays, its rows are looked up; a tied output head shares it).
-static void release_sources(const kr_model *m, kr_matrix **list, const void **sources, int n) {
-    long page = sysconf(_SC_PAGESIZE);
-    for (int i = 0; i < n; i++) {
-        if (sources[i] == m->token_embd.data) continue;
-        uintptr_t begin = ((uintptr_t)sources[i] + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
-        uintptr_t end = ((uintptr_t)sources[i] + matrix_bytes(list[i])) / (uintptr_t)page * (uintptr_t)page;
-        if (end > begin) madvise((void *)begin, end - begin, MADV_DONTNEED);
-    }
+// The file's pages of the matrices just packed are not read again (the token embedding's rows are
+// looked up, a tied output head shares it: those pages come back one row at a time, as needed).
+static void release_sources(kr_matrix **list, const void **sources, int n) {
+    for (int i = 0; i < n; i++) release_range(sources[i], matrix_bytes(list[i]));
 }
 
 // --- The cache file
@@ -279,7 +283,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
             repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
             state->status = 2;
             snprintf(state->note, sizeof state->note, "packed weights mapped from the cache");
-            release_sources(m, list, sources, n);
+            release_sources(list, sources, n);
             goto done;
         }
         char *payload = NULL;
@@ -303,7 +307,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
             state->status = 1;
             snprintf(state->note, sizeof state->note, "packed in memory; %.200s", write_why);
         }
-        release_sources(m, list, sources, n);
+        release_sources(list, sources, n);
         goto done;
     }
     if (posix_memalign(&state->memory, PACK_ALIGN, payload_bytes)) {
@@ -315,7 +319,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     repoint(list, n, state->memory);
     state->status = 1;
     snprintf(state->note, sizeof state->note, "packed in memory (%zu bytes)", payload_bytes);
-    release_sources(m, list, sources, n);
+    release_sources(list, sources, n);
 done:
     free(list), free(sources);
     if (!status) kr_ok(err);
