@@ -82,6 +82,11 @@ class PackedKernelTests:
             kernels.pack("f32", np.zeros(4 * 8 * 4, np.uint8), 4, 8)
 
 
+def resident_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def logits(model, tokens, batch):
     with model.session(ctx=64, batch=batch) as session:
         return session.eval(tokens)
@@ -120,6 +125,24 @@ class PackedModelTests:
         path = real_model("smollm2-135m").mlb
         with Model(path, threads=2, pack=False) as plain, Model(path, threads=2, pack=True) as packed:
             assert same_bits(logits(plain, TOKENS, 4), logits(packed, TOKENS, 4))
+
+    @pytest.mark.parametrize("pack_cache", [False, True])
+    def test_resident_memory_stays_at_the_model_file_plus_kv_cache(self, tmp_path, pack_cache):
+        """Packing copies the weights but gives the file's pages back: the process grows by no more
+        than 10% above the model file plus the KV cache (keeping both copies would be about 2x)."""
+        from tests.support.real_models import real_model
+
+        path = tmp_path / "model.mlb"
+        shutil.copy(real_model("smollm2-135m").mlb, path)  # its own cache file, beside the copy
+        ctx = 512
+        before = resident_bytes()
+        with Model(path, threads=1, pack=True, pack_cache=pack_cache) as model:
+            with model.session(ctx=ctx, batch=32) as session:
+                session.eval(list(range(1, 200)))
+                grown = resident_bytes() - before
+            info = model.info
+        kv = 2 * info["n_layers"] * ctx * info["n_kv_heads"] * info["head_dim"] * 4
+        assert grown <= 1.10 * (os.path.getsize(path) + kv), (grown, os.path.getsize(path), kv)
 
     def test_cache_needs_packing(self, tiny_models):
         """pack_cache without pack is a contradiction and is refused."""
