@@ -331,10 +331,19 @@ static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stri
 // Tile shape, rows x tokens (measured with bench/kernels.py): 4x4 for the integer kernels; 3x4 for
 // the float ones at several tokens (their weight conversion takes registers too), 4x1 at one token
 // (more independent FMA chains).
+// KR_TILE_QROWS / KR_TILE_QTOKENS (at most 4) override the integer kernels' tile at build time,
+// for measuring other shapes; the results are the same bits whatever the tile.
+#ifndef KR_TILE_QROWS
+#define KR_TILE_QROWS 4
+#endif
+#ifndef KR_TILE_QTOKENS
+#define KR_TILE_QTOKENS 4
+#endif
 static int tile_rows(int32_t weight_type, int64_t n_tokens) {
-    return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 || n_tokens == 1 ? 4 : 3;
+    if (weight_type == KR_Q4_0 || weight_type == KR_Q8_0) return n_tokens == 1 ? 4 : KR_TILE_QROWS;
+    return n_tokens == 1 ? 4 : 3;
 }
-static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
+static int tile_tokens(int32_t weight_type) { return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 ? KR_TILE_QTOKENS : 4; }
 
 // Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each row tile
 // finds them there; the weights are read once per block.
