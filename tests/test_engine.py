@@ -376,7 +376,7 @@ class ModelFileErrorTests:
         assert str(path) in str(e.value)
 
     def test_unsupported_architectures(self, tmp_path):
-        """qwen35 (not yet), unknown architectures, rope styles and activations are unsupported."""
+        """Unknown architectures, rope styles, activations and linear layers outside qwen35 are unsupported."""
         cases = [
             (set_meta("arch", "mamba"), "architecture 'mamba' is not supported"),
             (set_meta("rope_style", "yarn"), "rope_style 'yarn' is not supported"),
