@@ -8,11 +8,13 @@ package (krafla_twisted/_native/libkrafla.so); the build tree next to the source
 import ctypes
 import os
 import threading
+import weakref
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOT = os.path.dirname(PACKAGE_DIR)
 
 KR_OK = 0
+KR_ERR_STATE = 7
 KR_ERROR_MESSAGE_SIZE = 512
 
 
@@ -57,6 +59,43 @@ def library_path(isa=None):
         if os.path.exists(path):
             return path
     raise KraflaError(f"libkrafla.so not found (looked in {', '.join(candidates)}); run `make` first")
+
+
+class OwnedHandle:
+    """Owns one C handle, freed exactly once: by close(), on leaving a `with` block, or when the
+    object is collected. A subclass calls `_own(handle, free)` once its C call succeeded and
+    names itself in `_closed_error` for calls made after close()."""
+
+    _handle = None
+
+    def _own(self, handle, free):
+        self._handle = handle
+        self._finalizer = weakref.finalize(self, free, handle)
+
+    def _closed_error(self):
+        return KraflaError(f"{type(self).__name__} is closed", KR_ERR_STATE)
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _check_open(self):
+        """The live handle, or the subclass's closed error."""
+        if self._handle is None:
+            raise self._closed_error()
+        return self._handle
+
+    def close(self):
+        """Free the C handle; closing twice is harmless."""
+        if self._handle is not None:
+            self._handle = None
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 _lock = threading.Lock()

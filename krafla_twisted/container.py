@@ -103,7 +103,7 @@ def type_size(code, n_elements):
     return clib.load().kr_type_size(code, n_elements)
 
 
-class ContainerFile:
+class ContainerFile(clib.OwnedHandle):
     """One .mlb or .mlt file opened and validated by the C loader.
 
     `magic` (MODEL_MAGIC, TOKENIZER_MAGIC or None for either) makes the loader refuse the other
@@ -113,7 +113,6 @@ class ContainerFile:
     """
 
     def __init__(self, path, magic=None):
-        self._handle = None
         self.path = path
         if magic is not None and magic not in (MODEL_MAGIC, TOKENIZER_MAGIC):
             raise ValueError(f"magic must be {MODEL_MAGIC!r}, {TOKENIZER_MAGIC!r} or None, not {magic!r}")
@@ -122,7 +121,7 @@ class ContainerFile:
         handle = self._lib.kr_file_open(os.fsencode(path), magic, ctypes.byref(err))
         if not handle:
             err.check(err.status or 1)
-        self._handle = handle
+        self._own(handle, self._lib.kr_file_close)
         try:
             self.magic = ctypes.string_at(self._lib.kr_file_magic(handle), 8)
             self.size = self._lib.kr_file_size(handle)
@@ -137,12 +136,10 @@ class ContainerFile:
     @property
     def handle(self):
         """The raw kr_file pointer (for other bindings); valid until close()."""
-        self._check_open()
-        return self._handle
+        return self._check_open()
 
-    def _check_open(self):
-        if not self._handle:
-            raise clib.KraflaError(f"{self.path}: the file is closed", 7)
+    def _closed_error(self):
+        return clib.KraflaError(f"{self.path}: the file is closed", clib.KR_ERR_STATE)
 
     def _read_metadata(self):
         lib, handle = self._lib, self._handle
@@ -190,20 +187,6 @@ class ContainerFile:
             raise KeyError(f"{self.path}: no tensor {name}")
         _, _, _, n_bytes, data = self._infos[self._index[name]]
         return np.frombuffer(ctypes.string_at(data, n_bytes), dtype=np.uint8)
-
-    def close(self):
-        if self._handle:
-            self._lib.kr_file_close(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
     def __repr__(self):
         state = "open" if self._handle else "closed"

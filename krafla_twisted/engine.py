@@ -102,7 +102,7 @@ def _raise(error):
     raise cls(message, error.status)
 
 
-class Model:
+class Model(clib.OwnedHandle):
     """A .mlb model loaded by the C engine, with a pool of `threads` threads.
 
     `info` is the file's metadata as a dict; `n_vocab`, `max_seq`, `name`, `arch` come from it.
@@ -117,16 +117,14 @@ class Model:
         handle = self._lib.kr_model_open(os.fsencode(self.path), threads, ctypes.byref(error))
         if not handle:
             _raise(error)
-        self._handle = handle
+        self._own(handle, self._lib.kr_model_close)
         self._sessions = weakref.WeakSet()
-        self._finalizer = weakref.finalize(self, self._lib.kr_model_close, handle)
         # speed hook: weight repacking (krafla_twisted/pack.py); pack=False runs on the file's layout
         from krafla_twisted import pack as _pack
         try:
             _pack.apply(self._lib, handle, self.path, pack=pack, pack_cache=pack_cache)
         except BaseException:
-            self._handle = None
-            self._finalizer()
+            self.close()
             raise
         raw = kr_model_info()
         self._lib.kr_model_get_info(handle, ctypes.byref(raw), None)
@@ -141,14 +139,8 @@ class Model:
             self.info = dict(container.metadata)
         self.name = self.info.get("name") or os.path.splitext(os.path.basename(self.path))[0]
 
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _check_open(self):
-        if self._handle is None:
-            raise ClosedError(f"model {self.path} is closed", KR_ERR_STATE)
-        return self._handle
+    def _closed_error(self):
+        return ClosedError(f"model {self.path} is closed", KR_ERR_STATE)
 
     @property
     def handle(self):
@@ -181,40 +173,26 @@ class Model:
             return
         for session in list(self._sessions):
             session.close()
-        self._finalizer()
-        self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().close()
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.arch}, {self.weight_type}, {self.threads} threads"
         return f"<krafla Model {self.name} ({state})>"
 
 
-class Session:
+class Session(clib.OwnedHandle):
     """A KV cache over one Model: eval tokens, read the last token's logits, truncate."""
 
     def __init__(self, model, handle, kv):
         self.model = model
         self._lib = model._lib
-        self._handle = handle
-        self._finalizer = weakref.finalize(self, self._lib.kr_session_free, handle)
+        self._own(handle, self._lib.kr_session_free)
         self.kv = kv
         self.n_ctx = self._lib.kr_session_n_ctx(handle)
         self.batch = self._lib.kr_session_n_batch(handle)
 
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _check_open(self):
-        if self._handle is None:
-            raise ClosedError("session is closed", KR_ERR_STATE)
-        return self._handle
+    def _closed_error(self):
+        return ClosedError("session is closed", KR_ERR_STATE)
 
     @property
     def n_tokens(self):
@@ -266,18 +244,6 @@ class Session:
         error = clib.kr_error()
         if self._lib.kr_session_truncate(handle, int(n_tokens), ctypes.byref(error)):
             _raise(error)
-
-    def close(self):
-        if self._handle is None:
-            return
-        self._finalizer()
-        self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         if self.closed:

@@ -44,7 +44,7 @@ def _sampler(lib):
 SEED_MODULUS = 2**64
 
 
-class Sampler:
+class Sampler(clib.OwnedHandle):
     """Chooses tokens from logits with one seeded random stream; see krafla.h for the rules.
 
     `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n and seed
@@ -53,7 +53,6 @@ class Sampler:
     """
 
     def __init__(self, params, n_vocab):
-        self._handle = None
         self._lib = clib.load()
         raw = kr_sampler_params(
             temperature=float(params.temperature),
@@ -68,13 +67,12 @@ class Sampler:
         if not handle:
             err.check()
             raise clib.KraflaError("kr_sampler_new failed without a message")
-        self._handle = handle
+        self._own(handle, self._lib.kr_sampler_free)
         self.n_vocab = int(n_vocab)
 
     def sample(self, logits, history=()):
         """The next token id for `logits` (n_vocab floats) after `history` (token ids, oldest first)."""
-        if self._handle is None:
-            raise clib.KraflaError("sampler is closed", 7)
+        handle = self._check_open()
         logits = np.ascontiguousarray(logits, dtype=np.float32)
         if logits.ndim != 1:
             raise ValueError(f"logits must be one row, got shape {logits.shape}")
@@ -82,29 +80,17 @@ class Sampler:
         token = ctypes.c_int32(-1)
         err = clib.kr_error()
         status = self._lib.kr_sampler_sample(
-            self._handle, logits.ctypes.data_as(_float_p), logits.shape[0],
+            handle, logits.ctypes.data_as(_float_p), logits.shape[0],
             history.ctypes.data_as(_int32_p), history.shape[0], ctypes.byref(token), ctypes.byref(err))
         err.check(status)
         return token.value
 
     def reseed(self, seed):
         err = clib.kr_error()
-        err.check(self._lib.kr_sampler_reseed(self._handle, int(seed) % SEED_MODULUS, ctypes.byref(err)))
+        err.check(self._lib.kr_sampler_reseed(self._check_open(), int(seed) % SEED_MODULUS, ctypes.byref(err)))
 
-    def close(self):
-        if self._handle is not None:
-            self._lib.kr_sampler_free(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None) is not None:
-            self.close()
+    def _closed_error(self):
+        return clib.KraflaError("sampler is closed", clib.KR_ERR_STATE)
 
 
 def _int32(value, name):

@@ -93,7 +93,7 @@ def _tristate(flag):
     return -1 if flag is None else int(bool(flag))
 
 
-class Tokenizer:
+class Tokenizer(clib.OwnedHandle):
     """A .mlt tokenizer (byte-level BPE or SentencePiece), per docs/formats.md."""
 
     def __init__(self, mlt_path):
@@ -103,7 +103,7 @@ class Tokenizer:
         handle = self._lib.kr_tokenizer_open(self.path.encode(), ctypes.byref(err))
         if not handle:
             err.check(err.status or 1)
-        self._handle = handle
+        self._own(handle, self._lib.kr_tokenizer_close)
         info = kr_tokenizer_info()
         err.check(self._lib.kr_tokenizer_get_info(handle, ctypes.byref(info), ctypes.byref(err)))
         self.n_vocab = info.n_vocab
@@ -119,31 +119,14 @@ class Tokenizer:
         self._lib.kr_tokenizer_eot_ids(handle, eot, info.n_eot)
         self.eot_ids = frozenset(eot[:info.n_eot])
 
-    def close(self):
-        if self._handle:
-            self._lib.kr_tokenizer_close(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", None):
-            self.close()
-
-    def _live(self):
-        if not self._handle:
-            raise clib.KraflaError(f"{self.path}: tokenizer is closed", 7)
-        return self._handle
+    def _closed_error(self):
+        return clib.KraflaError(f"{self.path}: tokenizer is closed", clib.KR_ERR_STATE)
 
     def encode(self, text, add_bos=None, special=False, add_eos=None):
         """Token ids of `text`. add_bos/add_eos None: as the file says. special=True lets exact
         control-token spellings become those tokens; with False they are plain text."""
         data = _text_bytes(text)
-        handle = self._live()
+        handle = self._check_open()
         err = clib.kr_error()
         count = ctypes.c_int64()
         capacity = len(data) + 8
@@ -159,7 +142,7 @@ class Tokenizer:
 
     def decode(self, ids, special=False):
         """The bytes of `ids`; control tokens give nothing unless special=True."""
-        handle = self._live()
+        handle = self._check_open()
         array = np.ascontiguousarray(ids, dtype=np.int64)
         if array.size and (array.min() < -2**31 or array.max() >= 2**31):
             raise ValueError(f"token id out of range for this vocabulary of {self.n_vocab}")
@@ -181,7 +164,7 @@ class Tokenizer:
         length = ctypes.c_int64()
         if not 0 <= token_id < self.n_vocab:
             raise ValueError(f"token id {token_id} is outside the vocabulary of {self.n_vocab}")
-        pointer = function(self._live(), token_id, ctypes.byref(length))
+        pointer = function(self._check_open(), token_id, ctypes.byref(length))
         return ctypes.string_at(pointer, length.value)
 
     def token_bytes(self, token_id):
@@ -194,7 +177,7 @@ class Tokenizer:
 
     def token_type(self, token_id):
         """GGUF token type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
-        return self._lib.kr_tokenizer_token_type(self._live(), token_id)
+        return self._lib.kr_tokenizer_token_type(self._check_open(), token_id)
 
     def is_control(self, token_id):
         return self.token_type(token_id) in (CONTROL, UNKNOWN)
@@ -203,7 +186,7 @@ class Tokenizer:
         """The id of the vocabulary entry spelled exactly `text` (for special tokens such as
         "<|im_start|>"), or None."""
         data = _text_bytes(text)
-        token = self._lib.kr_tokenizer_find(self._live(), data, len(data))
+        token = self._lib.kr_tokenizer_find(self._check_open(), data, len(data))
         return token if token >= 0 else None
 
     def pretokenize(self, text):
@@ -213,7 +196,7 @@ class Tokenizer:
         count = ctypes.c_int64()
         capacity = len(data) + 1
         ends = np.empty(capacity, np.int64)
-        err.check(self._lib.kr_tokenizer_pretokenize(self._live(), data, len(data), ends.ctypes.data_as(_I64P), capacity,
+        err.check(self._lib.kr_tokenizer_pretokenize(self._check_open(), data, len(data), ends.ctypes.data_as(_I64P), capacity,
                                                      ctypes.byref(count), ctypes.byref(err)))
         starts = [0] + ends[:count.value - 1].tolist()
         return [data[a:b] for a, b in zip(starts, ends[:count.value].tolist())]
