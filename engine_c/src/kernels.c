@@ -62,6 +62,7 @@ void kr_axpy_rows(int32_t type, const float *weights, const void *rows, size_t r
 #include "internal.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -188,8 +189,9 @@ int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, cons
     return KR_OK;
 }
 
-int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
-                   int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
+// The body of kr_test_matmul and kr_test_matmul_packed: check, prepare x, one matmul of the rows.
+static int test_matmul(int impl, bool packed, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
+                       const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
     int status = check_impl(impl, err);
     if (!status) status = check_weight_type(weight_type, cols, err);
     if (!status) status = check_count("rows", rows, 1, err);
@@ -204,10 +206,19 @@ int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t r
     void *prepared = malloc(bytes ? bytes : 1);
     if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
     kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
-    KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, row_begin, row_end);
+    if (packed)
+        KR_PICK(impl, kr_matmul_packed)(weight_type, weights, rows, cols, prepared, n_tokens, out, rows, row_begin,
+                                        row_end);
+    else
+        KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, row_begin, row_end);
     free(prepared);
     kr_ok(err);
     return KR_OK;
+}
+
+int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
+                   int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
+    return test_matmul(impl, false, weight_type, weights, rows, cols, x, n_tokens, out, row_begin, row_end, err);
 }
 
 // --- Packed weights (tests; owner: speed)
@@ -226,24 +237,7 @@ int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t
 
 int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols, const float *x,
                           int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_weight_type(weight_type, cols, err);
-    if (!status) status = check_count("rows", rows, 1, err);
-    if (!status) status = check_count("n_tokens", n_tokens, 1, err);
-    if (!status) status = check_pointers(packed, x, err);
-    if (!status) status = check_pointers(out, out, err);
-    if (status) return status;
-    if (row_begin < 0 || row_begin > row_end || row_end > rows)
-        return kr_fail(err, KR_ERR_ARGUMENT, "row range [%lld, %lld) is not inside [0, %lld)", (long long)row_begin,
-                       (long long)row_end, (long long)rows);
-    const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
-    void *prepared = malloc(bytes ? bytes : 1);
-    if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
-    kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
-    KR_PICK(impl, kr_matmul_packed)(weight_type, packed, rows, cols, prepared, n_tokens, out, rows, row_begin, row_end);
-    free(prepared);
-    kr_ok(err);
-    return KR_OK;
+    return test_matmul(impl, true, weight_type, packed, rows, cols, x, n_tokens, out, row_begin, row_end, err);
 }
 // --- end Packed weights (tests)
 
