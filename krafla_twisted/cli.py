@@ -26,18 +26,11 @@ def main(argv=None):
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        try:
-            modules[name] = importlib.import_module(module_name)
-        except ImportError as e:
-            sub.set_defaults(unavailable=f"krafla {name}: not available in this build ({e})")
-            continue
+        modules[name] = importlib.import_module(module_name)
         modules[name].add_arguments(sub)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
-        return 2
-    if getattr(args, "unavailable", None):
-        print(args.unavailable, file=sys.stderr)
         return 2
     return modules[args.command].main(args)
 
