@@ -219,18 +219,3 @@ def weight_rows(draw, max_rows=4, max_blocks=4):
     values = draw(hnp.arrays(np.float32, shape, elements=elements))
     scale = draw(st.sampled_from([1e-30, 1e-6, 1.0, 127.0, 1e3, 1e7, 1e30]))
     return values * np.float32(scale)
-
-
-# ------------------------------------------------------------------------------------------
-# Tokenizer text (tests/test_tokenizer.py; owner: tokenizer)
-
-# Pieces that stress the pre-tokenizers: space and newline runs, contractions in both cases,
-# digit runs, combining marks, scripts without spaces, emoji sequences, non-ASCII spaces.
-_tokenizer_pieces = st.one_of(
-    st.sampled_from([" ", "  ", "   ", "\n", "\n\n", "\t", "\r\n", " \n ", "'s", "'LL", "'ve", "'D", "...", "!!", "(",
-                     "0", "123", "12345", "Hello", " world", "é", "e\u0301", "ß", "ſ", "中文", "😀", "👩\u200d💻",
-                     "\u00a0", "\u3000", "\u2028", "ﬁ", "١٢٣", "Ⅻ", "ก่", "\x1c", "\0"]),
-    st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6),
-    st.text(alphabet="abcXYZ019 \n\t'.,-_", max_size=12),
-)
-tokenizer_texts = st.lists(_tokenizer_pieces, max_size=10).map("".join)
