@@ -284,6 +284,7 @@ class QueueTests:
     def test_two_concurrent_requests_answered_in_order(self, server):
         """Two requests sent together: the first sent is answered first, the second waits for it."""
         # Counting goes on: neither reply ends before max_tokens.
+        start = len(server.lines)
         first = raw_request(server, {"prompt": "1, 2, 3, 4,", "max_tokens": 24})
         time.sleep(0.3)
         second = raw_request(server, {"prompt": "10, 11, 12,", "max_tokens": 4})
@@ -293,8 +294,10 @@ class QueueTests:
         second_done = time.monotonic()
         assert first_reply.startswith(b"HTTP/1.1 200") and second_reply.startswith(b"HTTP/1.1 200")
         assert first_done <= second_done
-        lines = [l for l in server.lines if "POST /v1/completions 200" in l]
-        assert "reply 24 tokens" in lines[-2] and "reply 4 tokens" in lines[-1]
+        # A request's log line is written after its reply, so wait for both lines to arrive.
+        server.wait_for(lambda l: "reply 4 tokens" in l, start=start)
+        lines = [l for l in server.lines[start:] if "POST /v1/completions 200" in l]
+        assert len(lines) == 2 and "reply 24 tokens" in lines[0] and "reply 4 tokens" in lines[1], lines
 
     def test_cancel_running_and_queued(self, server):
         """A streaming client that leaves stops generation at the next token; a queued one that leaves never runs."""
