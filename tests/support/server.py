@@ -138,4 +138,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        # The log reader may still hold the last lines: wait until it has read to the end.
+        with self._changed:
+            self._changed.wait_for(lambda: self._eof, timeout=10)
         return self.process.returncode
