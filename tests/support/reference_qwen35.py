@@ -45,7 +45,8 @@ class ReferenceQwen35:
         out = np.zeros_like(mixed)
         for j in range(kernel):
             shift = kernel - 1 - j  # weight j multiplies the input `shift` steps back
-            out[shift:] += conv[:, j] * mixed[:n - shift]
+            if shift < n:  # a prompt shorter than the kernel never reaches the oldest taps
+                out[shift:] += conv[:, j] * mixed[:n - shift]
         mixed = _silu(out)
         key_dim = nk * dk
         q = mixed[:, :key_dim].reshape(n, nk, dk)
