@@ -440,7 +440,9 @@ def real_greedy(request):
             produced.append(int(np.argmax(steps[-1])))
             if len(produced) < GREEDY_TOKENS:
                 steps.append(session.eval([produced[-1]]))
-    reference = ReferenceModel(pulled.mlb).forward(ids + produced[:-1])[len(ids) - 1:]
+    # q4_0: the reference rounds activations to q8_0 before quantized matmuls, as the engine does.
+    reference = ReferenceModel(pulled.mlb, q8_activations=weight_type != "f32").forward(ids + produced[:-1])
+    reference = reference[len(ids) - 1:]
     return weight_type, np.array(steps, np.float64), reference.astype(np.float64), produced
 
 
@@ -449,8 +451,8 @@ class RealModelReferenceTests:
 
     def test_prompt_logits(self, real_greedy):
         """f32: the prompt's next-token logits have the reference's argmax and cosine >= 0.9999.
-        q4_0 (activations quantized to q8_0 per block, as llama.cpp does, while the reference
-        multiplies exact floats): cosine >= 0.99 and a top token within 0.5 of the reference's."""
+        q4_0 (activations rounded to q8_0 per block on both sides, as llama.cpp does): cosine
+        >= 0.99 and a top token within 0.5 of the reference's."""
         weight_type, engine, reference, _ = real_greedy
         similarity = cosine(engine[0], reference[0])
         if weight_type == "f32":
@@ -462,22 +464,23 @@ class RealModelReferenceTests:
 
     def test_greedy_continuation(self, real_greedy):
         """f32: the 32-token greedy continuation is the reference's, token for token, with
-        cosine >= 0.9999 at every step. q4_0: every engine pick is the reference's top token or
-        a near-tie (within the engine's own error at that step, and at most 0.5 behind); the
-        logits keep cosine >= 0.99 on average and >= 0.95 at every step. (SmolLM2-135M at q4_0
-        is the sensitive one: its outlier activations make the q8_0 rounding of a block move
-        single steps to cosine ~0.97, while f32 matches the reference exactly.)"""
+        cosine >= 0.9999 at every step. q4_0, against the reference that also rounds activations
+        to q8_0: every engine pick is the reference's top token or a near-tie (within the
+        engine's own error at that step, and at most 0.5 behind), cosine >= 0.995 on average and
+        >= 0.98 at every step. (Measured: Qwen2.5 and Gemma3 pick the reference's token at all
+        32 steps; SmolLM2-135M, whose outlier activations make a block's q8_0 rounding flip on
+        float32-vs-float64 differences upstream, at 30 of 32, the other two near-ties.)"""
         weight_type, engine, reference, produced = real_greedy
         similarities = [cosine(e, r) for e, r in zip(engine, reference)]
         if weight_type != "f32":
-            assert np.mean(similarities) >= 0.99, similarities
+            assert np.mean(similarities) >= 0.995, similarities
         for step, token in enumerate(produced):
             similarity = similarities[step]
             if weight_type == "f32":
                 assert similarity >= 0.9999, (step, similarity)
                 assert token == int(np.argmax(reference[step])), (step, produced)
             else:
-                assert similarity >= 0.95, (step, similarity)
+                assert similarity >= 0.98, (step, similarity)
                 error = np.abs(engine[step] - reference[step]).max()
                 gap = reference[step].max() - reference[step][token]
                 assert gap <= min(error, 0.5), (step, token, int(np.argmax(reference[step])), gap, error)

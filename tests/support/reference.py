@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from krafla_twisted import formats
+from krafla_twisted.convert import quantize
 
 ROPE_STYLES = ("norm", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -218,8 +219,12 @@ class Cache:
 class ReferenceModel:
     """A .mlb model run by numpy: `forward(ids)` -> (n_tokens, n_vocab) float32 logits."""
 
-    def __init__(self, mlb_path):
+    def __init__(self, mlb_path, q8_activations=False):
+        """`q8_activations`: multiply q8_0/q4_0 weights by activations rounded to q8_0 blocks
+        (ggml's quantizer, as the engine and llama.cpp do) instead of exact ones. This is the
+        arithmetic the engine defines for quantized weights, so greedy picks can be compared."""
         self.path = str(mlb_path)
+        self.q8_activations = q8_activations
         self.container = formats.read(self.path, magic=formats.MODEL_MAGIC)
         self.config = Config(self.container.metadata, self.path)
         self._weights = {}
@@ -267,17 +272,25 @@ class ReferenceModel:
             self._weights[name] = None if tensor is None else dequantize(tensor)
         return self._weights[name]
 
+    def _linear(self, x, name, bias=None):
+        """x @ weight `name`.T (+ bias), with x rounded to q8_0 first where q8_activations says."""
+        if self.q8_activations and self.container.tensors[name].type.name in ("q8_0", "q4_0"):
+            rows = quantize.quantize_q8_0(x.astype(np.float32))
+            x = quantize.dequantize("Q8_0", rows, x.shape[1]).reshape(x.shape).astype(np.float64)
+        return linear(x, self.weight(name), bias)
+
     def _layer(self, layer, x, positions, cache):
         """One transformer block on x (n, dim) at `positions`; returns the new x."""
         config = self.config
         w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
+        lin = lambda x, name, bias=None: self._linear(x, f"blk.{layer}.{name}", bias)  # noqa: E731
         n = x.shape[0]
         sliding = config.layer_types[layer] == SLIDING_ATTENTION
 
         h = rms_norm(x, w("attn_norm.weight"), config.norm_eps)
-        q = linear(h, w("attn_q.weight"), w("attn_q.bias")).reshape(n, config.n_heads, config.head_dim)
-        k = linear(h, w("attn_k.weight"), w("attn_k.bias")).reshape(n, config.n_kv_heads, config.head_dim)
-        v = linear(h, w("attn_v.weight"), w("attn_v.bias")).reshape(n, config.n_kv_heads, config.head_dim)
+        q = lin(h, "attn_q.weight", w("attn_q.bias")).reshape(n, config.n_heads, config.head_dim)
+        k = lin(h, "attn_k.weight", w("attn_k.bias")).reshape(n, config.n_kv_heads, config.head_dim)
+        v = lin(h, "attn_v.weight", w("attn_v.bias")).reshape(n, config.n_kv_heads, config.head_dim)
         if w("attn_q_norm.weight") is not None:
             q = rms_norm(q, w("attn_q_norm.weight"), config.norm_eps)
         if w("attn_k_norm.weight") is not None:
@@ -288,14 +301,14 @@ class ReferenceModel:
         keys, values = cache.extend(layer, k, v)
         out = attention(q, keys, values, positions, np.arange(len(keys)), config.attn_scale,
                         config.sliding_window if sliding else 0, config.attn_softcap)
-        out = linear(out, w("attn_output.weight"))
+        out = lin(out, "attn_output.weight")
         if w("post_attention_norm.weight") is not None:
             out = rms_norm(out, w("post_attention_norm.weight"), config.norm_eps)
         x = x + out
 
         h = rms_norm(x, w("ffn_norm.weight"), config.norm_eps)
-        hidden = activation(config.activation, linear(h, w("ffn_gate.weight"))) * linear(h, w("ffn_up.weight"))
-        out = linear(hidden, w("ffn_down.weight"))
+        hidden = activation(config.activation, lin(h, "ffn_gate.weight")) * lin(h, "ffn_up.weight")
+        out = lin(hidden, "ffn_down.weight")
         if w("post_ffw_norm.weight") is not None:
             out = rms_norm(out, w("post_ffw_norm.weight"), config.norm_eps)
         return x + out
@@ -316,8 +329,8 @@ class ReferenceModel:
         return rms_norm(x, self.weight("output_norm.weight"), self.config.norm_eps)
 
     def _logits(self, hidden):
-        head = self.weight("token_embd.weight" if self.config.tied_embeddings else "output.weight")
-        return softcap(linear(hidden, head), self.config.final_softcap)
+        head = "token_embd.weight" if self.config.tied_embeddings else "output.weight"
+        return softcap(self._linear(hidden, head), self.config.final_softcap)
 
     def forward(self, token_ids):
         """Logits at every position of token_ids (from an empty context): (n_tokens, n_vocab) float32."""
