@@ -168,29 +168,36 @@ def block_lanes(type_name, weights, activations, impl="dispatch"):
     return lanes
 
 
-def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
-    """W (rows, cols) of type_name @ x (n_tokens, cols) -> float32 (n_tokens, rows).
-
-    Only output rows [row_begin, row_end) are computed; the others are NaN. The activations are
-    prepared (quantized to q8_0 for q8_0/q4_0 weights) by the same implementation."""
+def _weight_bytes(type_name, weights, rows, cols):
     w = _array(weights, np.uint8)
     if w.size != rows * row_bytes(type_name, cols):
         raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    return w
+
+
+def _matmul(entry, type_name, weights, rows, cols, x, impl, row_begin, row_end):
+    w = _weight_bytes(type_name, weights, rows, cols)
     x = _array(x, np.float32)
     if x.ndim != 2 or x.shape[1] != cols:
         raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
     row_end = rows if row_end is None else row_end
     out = np.full((x.shape[0], rows), np.nan, np.float32)
-    _call(clib.load().kr_test_matmul, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0],
-          _ptr(out), row_begin, row_end)
+    _call(entry, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0], _ptr(out),
+          row_begin, row_end)
     return out
+
+
+def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
+    """W (rows, cols) of type_name @ x (n_tokens, cols) -> float32 (n_tokens, rows).
+
+    Only output rows [row_begin, row_end) are computed; the others are NaN. The activations are
+    prepared (quantized to q8_0 for q8_0/q4_0 weights) by the same implementation."""
+    return _matmul(clib.load().kr_test_matmul, type_name, weights, rows, cols, x, impl, row_begin, row_end)
 
 
 def pack(type_name, weights, rows, cols):
     """A q8_0/q4_0 (rows, cols) matrix (raw bytes, file layout) in the packed layout (uint8, same size)."""
-    w = _array(weights, np.uint8)
-    if w.size != rows * row_bytes(type_name, cols):
-        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
+    w = _weight_bytes(type_name, weights, rows, cols)
     out = np.empty_like(w)
     _call(clib.load().kr_test_pack, _weight_type(type_name), _ptr(w), rows, cols, _ptr(out))
     return out
@@ -198,17 +205,7 @@ def pack(type_name, weights, rows, cols):
 
 def matmul_packed(type_name, packed, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
     """`matmul` on weights in the packed layout (from `pack`)."""
-    w = _array(packed, np.uint8)
-    if w.size != rows * row_bytes(type_name, cols):
-        raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
-    x = _array(x, np.float32)
-    if x.ndim != 2 or x.shape[1] != cols:
-        raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
-    row_end = rows if row_end is None else row_end
-    out = np.full((x.shape[0], rows), np.nan, np.float32)
-    _call(clib.load().kr_test_matmul_packed, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x),
-          x.shape[0], _ptr(out), row_begin, row_end)
-    return out
+    return _matmul(clib.load().kr_test_matmul_packed, type_name, packed, rows, cols, x, impl, row_begin, row_end)
 
 
 def dot(a, b, impl="dispatch"):
