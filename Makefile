@@ -23,7 +23,7 @@ lib: $(LIBRARY)
 
 $(BUILD)/$(ISA)/obj/%.o: engine_c/src/%.c $(HEADERS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_$(ISA)) -c $< -o $@
+	$(CC) $(CFLAGS_$(ISA)) $(EXTRA_CFLAGS) -c $< -o $@
 
 $(LIBRARY): $(OBJECTS)
 	$(CC) -shared -pthread -o $@ $(OBJECTS) -lm

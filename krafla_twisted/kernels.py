@@ -34,9 +34,6 @@ def _declare(lib):
     clib.declare(lib, "kr_test_quantize_q8_0", _int, _int, _p, _p, _i64, _err)
     # int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_dequantize", _int, _i32, _p, _p, _i64, _err)
-    # int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
-    #                         int64_t n_blocks, int32_t *lanes, kr_error *err);
-    clib.declare(lib, "kr_test_block_lanes", _int, _int, _i32, _p, _p, _i64, _p, _err)
     # int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
     #                    const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end,
     #                    kr_error *err);
@@ -152,20 +149,6 @@ def dequantize(type_name, row, n):
     out = np.empty(n, np.float32)
     _call(clib.load().kr_test_dequantize, _weight_type(type_name), _ptr(data), _ptr(out), n)
     return out
-
-
-def block_lanes(type_name, weights, activations, impl="dispatch"):
-    """The exact integer sums of each block pair: int32 (n_blocks, 8), lane l = products 4l..4l+3.
-
-    weights: a q8_0 or q4_0 row (raw bytes); activations: q8_0 blocks of the same count."""
-    w = _array(weights, np.uint8)
-    a = _array(activations, np.uint8)
-    n_blocks = a.size // BLOCK_BYTES["q8_0"]
-    if a.size != n_blocks * BLOCK_BYTES["q8_0"] or w.size != n_blocks * BLOCK_BYTES[type_name]:
-        raise ValueError(f"{n_blocks} activation blocks need {n_blocks * BLOCK_BYTES[type_name]} bytes of {type_name}")
-    lanes = np.empty((n_blocks, 8), np.int32)
-    _call(clib.load().kr_test_block_lanes, _impl(impl), _weight_type(type_name), _ptr(w), _ptr(a), n_blocks, _ptr(lanes))
-    return lanes
 
 
 def _weight_bytes(type_name, weights, rows, cols):

@@ -281,49 +281,37 @@ class QuantizeTests:
 # ---------------------------------------------------------------------------------------------
 
 
-def random_blocks(rng, type_name, n_blocks):
-    """Random weight blocks (any bytes: q8_0 quants may be -128) and q8_0 activation blocks
-    (quants in [-127, 127], as the quantizer makes them)."""
-    weights = rng.integers(0, 256, (n_blocks, kernels.BLOCK_BYTES[type_name]), dtype=np.uint8)
-    activations = rng.integers(0, 256, (n_blocks, 34), dtype=np.uint8)
-    activations[:, 2:] = rng.integers(-127, 128, (n_blocks, 32)).astype(np.int8).view(np.uint8)
-    return weights, activations
-
-
-def numpy_block_lanes(type_name, weights, activations):
-    a = activations[:, 2:].view(np.int8).astype(np.int64)
-    if type_name == "q8_0":
-        w = weights[:, 2:].view(np.int8).astype(np.int64)
-    else:
-        nibbles = weights[:, 2:]
-        w = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int64) - 8
-    return (w * a).reshape(-1, 8, 4).sum(axis=2)
-
-
 class BlockSumTests:
     @KERNEL_SETTINGS
-    @given(type_name=st.sampled_from(QUANTIZED), n_blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1),
-           extremes=st.booleans())
-    def test_integer_block_sums_are_exact(self, type_name, n_blocks, seed, extremes):
-        """The integer part of a quantized dot product (8 lanes of 4 products per block) is exact,
-        in the reference and in AVX2 (no int16 saturation in maddubs), extreme quants included."""
+    @given(type_name=st.sampled_from(QUANTIZED), rows=st.integers(1, 19), n_blocks=st.integers(1, 12),
+           n_tokens=st.integers(1, 6), seed=st.integers(0, 2**32 - 1), extremes=st.booleans())
+    def test_integer_block_sums_are_exact(self, type_name, rows, n_blocks, n_tokens, seed, extremes):
+        """The integer part of a quantized dot product is exact in every implementation and layout
+        (no int16 saturation in maddubs, extreme quants included): with every scale 1, a matmul is
+        the exact integer dot product of the quants (all partial sums are below 2^24)."""
         rng = np.random.default_rng(seed)
-        weights, activations = random_blocks(rng, type_name, n_blocks)
+        cols = 32 * n_blocks
+        # integer activations with a 127 in every block quantize to themselves with scale 1
+        x = rng.integers(-127, 128, (n_tokens, cols)).astype(np.float32)
+        x[:, ::32] = 127 * np.where(rng.random((n_tokens, n_blocks)) < 0.5, -1, 1)
+        weights = np.zeros((rows, n_blocks, kernels.BLOCK_BYTES[type_name]), np.uint8)
+        weights[:, :, :2] = np.array([1.0], np.float16).view(np.uint8)
+        weights[:, :, 2:] = rng.integers(0, 256, weights[:, :, 2:].shape, dtype=np.uint8)
         if extremes:
-            weights[:, 2:] = 0x80 if type_name == "q8_0" else 0x00  # q8_0 -128, q4_0 nibbles 0 (-8)
-            activations[:, 2:] = np.int8(-127).view(np.uint8)
-        expected = numpy_block_lanes(type_name, weights, activations)
-        assert np.array_equal(kernels.block_lanes(type_name, weights, activations, "reference"), expected)
-        if kernels.has_avx2():
-            assert np.array_equal(kernels.block_lanes(type_name, weights, activations, "avx2"), expected)
-
-    def test_activation_minus_128_is_refused(self):
-        """-128 is outside what the sign trick handles, and outside what the quantizer produces."""
-        rng = np.random.default_rng(1)
-        weights, activations = random_blocks(rng, "q8_0", 2)
-        activations[1, 5] = 0x80
-        with pytest.raises(clib.KraflaError, match="-128"):
-            kernels.block_lanes("q8_0", weights, activations, "reference")
+            weights[:, :, 2:] = 0x80 if type_name == "q8_0" else 0x00  # q8_0 -128, q4_0 nibbles 0 (-8)
+            x[:] = -127.0
+        quants = weights[:, :, 2:]
+        if type_name == "q8_0":
+            w = quants.view(np.int8).astype(np.int64).reshape(rows, cols)
+        else:
+            w = (np.concatenate([quants & 0x0F, quants >> 4], axis=2).astype(np.int64) - 8).reshape(rows, cols)
+        expected = (x.astype(np.int64) @ w.T).astype(np.float64)
+        weights = weights.reshape(-1)
+        packed = kernels.pack(type_name, weights, rows, cols)
+        impls = ("reference", "avx2", "dispatch") if kernels.has_avx2() else ("reference", "dispatch")
+        for impl in impls:
+            assert np.array_equal(kernels.matmul(type_name, weights, rows, cols, x, impl), expected), impl
+            assert np.array_equal(kernels.matmul_packed(type_name, packed, rows, cols, x, impl=impl), expected), impl
 
 
 # ---------------------------------------------------------------------------------------------

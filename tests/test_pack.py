@@ -20,29 +20,33 @@ from tests.support.tiny_models import write_tiny_model
 from tests.test_kernels import avx2_or_skip, make_problem, same_bits
 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-PACK_ROWS = 4
+PACK_ROWS = 8
 HEADER_BYTES = 4096
 
 
 def numpy_packed(type_name, data, rows, cols):
-    """The packed layout built with numpy from kernels.h's description: groups of 4 rows (the last
-    may be smaller) where they are in the file; in a group, block by block, the group's f16 scales,
-    then each row's quants."""
+    """The packed layout built with numpy from kernels.h's description: whole groups of 8 rows where
+    they are in the file, the rows past the last group as they are; in a group, block by block, the
+    8 rows' f16 scales, then chunks of 4 quant bytes from each row (chunk i: bytes 4i..4i+3)."""
     block = BLOCK_BYTES[type_name]
-    blocks = data.reshape(rows, cols // 32, block)
+    n_blocks = cols // 32
+    blocks = data.reshape(rows, n_blocks, block)
+    grouped = rows - rows % PACK_ROWS
     out = []
-    for first in range(0, rows, PACK_ROWS):
-        group = blocks[first:first + PACK_ROWS]  # (g, n_blocks, block)
-        for b in range(cols // 32):
+    for first in range(0, grouped, PACK_ROWS):
+        group = blocks[first:first + PACK_ROWS]  # (8, n_blocks, block)
+        for b in range(n_blocks):
             out.append(group[:, b, :2].reshape(-1))
-            out.append(group[:, b, 2:].reshape(-1))
+            quants = group[:, b, 2:].reshape(PACK_ROWS, -1, 4)  # (row, chunk, byte)
+            out.append(quants.transpose(1, 0, 2).reshape(-1))
+    out.append(blocks[grouped:].reshape(-1))
     return np.concatenate(out)
 
 
 @st.composite
 def packed_problems(draw):
     type_name = draw(st.sampled_from(("q8_0", "q4_0")))
-    rows = draw(st.integers(1, 14))
+    rows = draw(st.integers(1, 27))
     cols = 32 * draw(st.integers(1, 6))
     n_tokens = draw(st.integers(1, 9))
     row_begin = draw(st.integers(0, rows - 1))
@@ -65,7 +69,7 @@ class PackedKernelTests:
     @settings(max_examples=60, deadline=None)
     def test_packed_matmul_equals_file_layout_bit_for_bit(self, impl, problem):
         """Every implementation gives the same bits on packed weights as the reference on the file
-        layout, for any row range (ranges that start or end inside a group of 4 included)."""
+        layout, for any row range (ranges that start or end inside a group of 8, and the rows past the last group, included)."""
         if impl == "avx2":
             avx2_or_skip()
         type_name, rows, cols, n_tokens, row_begin, row_end, seed = problem

@@ -276,10 +276,6 @@ int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_erro
 int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
 // One row of n weights of `type` -> n floats.
 int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
-// The exact integer sums of n_blocks block pairs, 8 per block (lane l: products 4l..4l+3), for a
-// q8_0 or q4_0 weight row against q8_0 activation blocks with quants in [-127, 127].
-int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
-                        int64_t n_blocks, int32_t *lanes, kr_error *err);
 // W (rows, cols) of weight_type @ x (n_tokens, cols) f32 -> out (n_tokens, rows): prepares the
 // activations with impl's quantizer, then kr_matmul over rows [row_begin, row_end) only.
 int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
@@ -327,6 +323,21 @@ int kr_model_pack(kr_model *model, int32_t mode, const char *cache_path, kr_erro
 // (re)built; `note` (if not NULL, size bytes) gets a one-line reason (e.g. why a cache was rebuilt).
 int32_t kr_model_pack_status(const kr_model *model, char *note, size_t size);
 // --- end Weight packing
+
+// ---------------------------------------------------------------------------------------------
+// --- Attention kernel (tests) (attention.c; owner: attn)
+// kr_attend_values (engine_c/src/attention.h) on caller buffers, `impl` as in "Kernels (tests)":
+// value rows of n values of `type` (KR_F32, KR_F16, or KR_Q8_0 with n a multiple of 32), row p at
+// byte offset p * row_stride, n_rows of them; weights (n_queries, n_rows) f32; query i folds
+// rows [begin[i], end[i]) (0 <= begin <= end <= n_rows) into out (n_queries, n):
+// out[i][e] = fma(w_p, V[p][e], ...) over p ascending from 0, as kr_axpy_rows does row by row.
+int kr_test_attend_values(int impl, int32_t type, const void *values, int64_t row_stride, int64_t n_rows, int64_t n,
+                          const float *weights, int64_t n_queries, const int32_t *begin, const int32_t *end, float *out,
+                          kr_error *err);
+// kr_attention_softmax on n values in place: x = softmax(scale * x), or with softcap > 0
+// softmax(softcap * tanh(scale * x / softcap)).
+int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float softcap, kr_error *err);
+// --- end Attention kernel (tests)
 
 #ifdef __cplusplus
 }

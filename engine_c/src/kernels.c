@@ -150,45 +150,6 @@ int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_
     return KR_OK;
 }
 
-int kr_test_block_lanes(int impl, int32_t weight_type, const void *weights, const void *activations,
-                        int64_t n_blocks, int32_t *lanes, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n_blocks", n_blocks, 1, err);
-    if (!status) status = check_pointers(weights, activations, err);
-    if (!status) status = check_pointers(lanes, lanes, err);
-    if (status) return status;
-    if (weight_type != KR_Q8_0 && weight_type != KR_Q4_0)
-        return kr_fail(err, KR_ERR_ARGUMENT, "block sums need q8_0 or q4_0 weights, got type %d", weight_type);
-    const kr_block_q8_0 *a = activations;
-    for (int64_t b = 0; b < n_blocks; b++)
-        for (int j = 0; j < KR_QK; j++)
-            if (a[b].q[j] == -128)
-                return kr_fail(err, KR_ERR_ARGUMENT, "activation block %lld holds -128; q8_0 activations are in [-127, 127]", (long long)b);
-    for (int64_t b = 0; b < n_blocks; b++) {
-        if (weight_type == KR_Q8_0) {
-            const kr_block_q8_0 *w = weights;
-#if defined(KR_HAVE_AVX2)
-            if (impl != KR_KERNEL_REFERENCE) {
-                kr_block_lanes_q8_0_avx2(&w[b], &a[b], lanes + 8 * b);
-                continue;
-            }
-#endif
-            kr_block_lanes_q8_0_ref(&w[b], &a[b], lanes + 8 * b);
-        } else {
-            const kr_block_q4_0 *w = weights;
-#if defined(KR_HAVE_AVX2)
-            if (impl != KR_KERNEL_REFERENCE) {
-                kr_block_lanes_q4_0_avx2(&w[b], &a[b], lanes + 8 * b);
-                continue;
-            }
-#endif
-            kr_block_lanes_q4_0_ref(&w[b], &a[b], lanes + 8 * b);
-        }
-    }
-    kr_ok(err);
-    return KR_OK;
-}
-
 // The body of kr_test_matmul and kr_test_matmul_packed: check, prepare x, one matmul of the rows.
 static int test_matmul(int impl, bool packed, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
                        const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {

@@ -7,7 +7,15 @@
 // Reproducibility contract: the value computed for one (token, output row) pair depends only on
 // that token's activations and that row's weights, never on how many tokens are in the batch,
 // which rows a thread was given, or how the loops are tiled. So the reduction order over the
-// columns (K) is fixed per kernel and per ISA.
+// columns (K) is fixed per kernel, and the same in every ISA:
+//   - float weights (f32, f16, bf16): 8 lanes over K, then a fixed horizontal sum and a scalar
+//     tail (quant_ref.c, kr_lanes_sum);
+//   - quantized weights (q8_0, q4_0): per block of 32, the exact integer sum of the 32 products,
+//     then one fused multiply-add per block in block order:
+//         acc = fmaf(d_weight * d_activation, (float)block_sum, acc),   acc starting at 0.
+//     The integer sums are exact however they are computed (|sum| < 2^24), and the scale product
+//     of two f16 values is exact in float, so every kernel that keeps the block order gives the
+//     same bits: one row at a time, 8 rows in the lanes of a vector, AVX2 or VNNI.
 #ifndef KRAFLA_KERNELS_H
 #define KRAFLA_KERNELS_H
 
@@ -29,7 +37,17 @@ typedef struct {
     uint8_t q[KR_QK / 2];  // byte j: weight j (low nibble), weight j+16 (high nibble); w = d*(n-8)
 } kr_block_q4_0;
 
+// Activations prepared for q4_0 weights: q8_0 blocks (kr_quantize_row_q8_0's values) with the scale
+// as a float and the sum of the quants, so a kernel subtracts 8 * sum once per block instead of 8
+// from every weight.
+typedef struct {
+    float d;               // the q8_0 block's f16 scale, as a float
+    int32_t sum;           // sum of q
+    int8_t q[KR_QK];
+} kr_block_q8_sum;
+
 static_assert(sizeof(kr_block_q8_0) == 2 + 32, "q8_0 block size");
+static_assert(sizeof(kr_block_q8_sum) == 8 + 32, "q8_0 activation block with sum");
 static_assert(sizeof(kr_block_q4_0) == 2 + 16, "q4_0 block size");
 
 // f16 <-> f32, IEEE round-to-nearest-even (bit-exact with F16C and numpy; NaNs come out quiet,
@@ -62,9 +80,9 @@ void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n);
 // One row of any weight type to floats (embedding lookup, tests).
 void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
 
-// Prepared activations: what a matmul against weights of `weight_type` reads. For q8_0 and q4_0
-// weights each token's row is quantized to q8_0; for f32, f16 and bf16 weights the f32 rows are
-// used as they are. kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
+// Prepared activations: what a matmul against weights of `weight_type` reads. For q8_0 weights each
+// token's row is quantized to q8_0 blocks, for q4_0 weights to kr_block_q8_sum blocks (the same
+// quantization); for f32, f16 and bf16 weights the f32 rows are used as they are. kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token's share
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
@@ -136,21 +154,24 @@ void kr_silu_mul_f32_avx2(float *gate, const float *up, int64_t n);
 void kr_gelu_tanh_mul_f32_avx2(float *gate, const float *up, int64_t n);
 
 // The pieces of the fixed reduction order (quant_ref.c explains it): the horizontal sum of 8
-// lanes, and the exact integer sums of one block pair, 4 products per lane.
+// lanes (float kernels), and the exact integer sum of one quantized block pair (32 products).
 float kr_lanes_sum(const float lanes[8]);
-void kr_block_lanes_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
-void kr_block_lanes_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
-void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
-void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]);
+int32_t kr_block_sum_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a);
+int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 
 // --- Packed weights (owner: speed; pack.c, quant_ref.c, kernels_avx2.c)
-// The packed layout of a q4_0 or q8_0 matrix, the same size as the file layout: rows in groups of
-// KR_PACK_ROWS (the last group may be smaller), each group where its rows are in the file; inside a
-// group, block after block, first the group's f16 scales side by side, then its rows' quants (16
-// bytes per row for q4_0, 32 for q8_0). A matmul tile of up to KR_PACK_ROWS rows then reads one
-// stream. Version of this layout (packed caches carry it): KR_PACK_LAYOUT.
-#define KR_PACK_ROWS 4
-#define KR_PACK_LAYOUT 1
+// The packed layout of a q4_0 or q8_0 matrix, the same size as the file layout. The rows go in
+// groups of KR_PACK_ROWS (8), each group where its rows are in the file; rows past the last whole
+// group stay as they are in the file. Inside a group, block after block: first the 8 rows' f16
+// scales (16 bytes), then the quants in chunks of 32 bytes, chunk i holding bytes 4i..4i+3 of each
+// row's quants, row after row (4 chunks for q4_0, 8 for q8_0). One 32-byte load then gives 8 rows x
+// 4 bytes: a vector whose lanes are rows, so a kernel multiplies it by 4 activation bytes
+// broadcast to every lane and adds the block's integer sums of 8 rows in the lanes, and 8 outputs
+// take their per-block fused multiply-add in one instruction. For q4_0, chunk i's low nibbles are
+// elements 4i..4i+3 of the rows and its high nibbles elements 16+4i..16+4i+3. Version of this
+// layout (packed caches carry it): KR_PACK_LAYOUT.
+#define KR_PACK_ROWS 8
+#define KR_PACK_LAYOUT 2
 int kr_packable(int32_t weight_type);  // q4_0 and q8_0
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);

@@ -88,142 +88,226 @@ void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer block sums: 8 int32 lanes, lane l = sum of products 4l..4l+3 (maddubs then madd)
+// Integer block sums. A quantized dot product is exact integers per block (kernels.h), so these
+// only have to be exact: 4 products per int32 lane, from unsigned weight bytes u and signed
+// activation bytes s. The ISA=avx512 build has VNNI, which multiplies, adds 4 neighbours and
+// accumulates in int32 in one instruction; AVX2 multiplies and adds pairs into int16 (maddubs) and
+// widens them (madd).
+//   isum_add:      q4_0 steps (u <= 15), int16 pairs in AVX2: 8 steps add up to at most
+//                  8 * 2 * 15 * 127 = 30480, below int16's 32767; isum_lanes widens them at the end.
+//   isum_add_wide: q8_0 steps (u <= 128: 2 * 128 * 127 = 32512 fits one maddubs, not two), widened
+//                  every step.
+// Activations are in [-127, 127] (kr_quantize_row_q8_0 never makes -128).
+#if defined(KR_HAVE_AVX512)
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+KR_INLINE __m256i isum_lanes(__m256i acc) { return acc; }
+KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+KR_INLINE __m256i isum_lanes(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
 
 // q4_0 nibbles as unsigned bytes 0..15 in element order (low nibbles, then high nibbles).
-KR_INLINE __m256i q4_0_nibbles_at(const char *quants) {
+KR_INLINE __m256i q4_0_nibbles(const char *quants) {
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quants));
     const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
 }
 
-KR_INLINE __m256i q4_0_nibbles(const kr_block_q4_0 *w) { return q4_0_nibbles_at((const char *)w->q); }
-
-// sum (n - 8) * a = sum n * a - sum 8 * a; the second term (`offset`) depends only on the
-// activations, so a tile computes it once per token. The sums are exact integers either way, so
-// the ISA=avx512 build's VNNI instruction (multiply, add 4 neighbours and accumulate in one) gives
-// the same lanes. Without VNNI no int16 step can saturate: |15 * 128 * 2| < 32767.
-#if defined(KR_HAVE_AVX512)
-KR_INLINE __m256i q4_0_offset(__m256i a) {
-    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), a));
+// 4 activation bytes (elements at..at+3) in every int32 lane.
+KR_INLINE __m256i broadcast4(const int8_t *q) {
+    int32_t v;
+    __builtin_memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
 }
 
-KR_INLINE __m256i q4_0_lanes(__m256i nibbles, __m256i a, __m256i offset) { return _mm256_dpbusd_epi32(offset, nibbles, a); }
-#else
-KR_INLINE __m256i q4_0_offset(__m256i a) { return _mm256_maddubs_epi16(_mm256_set1_epi8(8), a); }
-
-KR_INLINE __m256i q4_0_lanes(__m256i nibbles, __m256i a, __m256i offset) {
-    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(nibbles, a), offset);
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-#endif
-
-// q8_0 x q8_0 by the sign trick: |w| (unsigned) times a with w's sign. Exact for activations in
-// [-127, 127], which is all kr_quantize_row_q8_0 produces (|128 * 127 * 2| < 32767).
-KR_INLINE __m256i q8_0_lanes(__m256i w_magnitude, __m256i w, __m256i a) {
-#if defined(KR_HAVE_AVX512)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_magnitude, _mm256_sign_epi8(a, w));
-#else
-    const __m256i pairs = _mm256_maddubs_epi16(w_magnitude, _mm256_sign_epi8(a, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
-}
-
-void kr_block_lanes_q4_0_avx2(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
-    const __m256i av = _mm256_loadu_si256((const __m256i *)a->q);
-    _mm256_storeu_si256((__m256i *)lanes, q4_0_lanes(q4_0_nibbles(w), av, q4_0_offset(av)));
-}
-
-void kr_block_lanes_q8_0_avx2(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i *)w->q);
-    const __m256i av = _mm256_loadu_si256((const __m256i *)a->q);
-    _mm256_storeu_si256((__m256i *)lanes, q8_0_lanes(_mm256_abs_epi8(wv), wv, av));
+// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
+KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
 // ---------------------------------------------------------------------------------------------
-// Matmul tiles. R rows x T tokens; `w` points at the tile's first row, `a` at its first token's
-// prepared row; out[t * out_stride + r] relative to the tile. The loops have constant bounds
-// and are unrolled, so the accumulators live in registers.
-
-// Where a tile's weight blocks are: row r's block b has its f16 scale at d + r * d_stride + b * b_stride
-// and its quants at q + r * q_stride + b * b_stride. The file layout has d_stride = q_stride = the row
-// size and b_stride = the block size; the packed layout (kr_pack_rows) puts the scales of a group of
-// rows side by side, then their quants, block after block.
-typedef struct {
-    const char *d, *q;
-    size_t d_stride, q_stride, b_stride;
-} blocks;
-
-KR_INLINE void tile_q4_0(const int R, const int T, blocks wb, const char *a, size_t a_stride,
-                         int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
-    __m256 acc[4][4];
+// Quantized matmul tiles, file layout: R <= 4 rows x T <= 4 tokens. Per block, each (row, token)
+// pair's integer sum (lanes added up for 4 rows at once), then for each token the 4 rows' fused
+// multiply-adds in the lanes of one 128-bit vector: acc = fma(d_w * d_a, sum, acc), block after
+// block. `w` points at the tile's first row, `a` at its first token's prepared row; out relative
+// to the tile. Used without packing, for the rows past a packed matrix's last group of 8, and for
+// q8_0 keys in attention.
+KR_INLINE void tile_quant_rows(const int is_q4, const int R, const int T, const char *w, size_t w_stride, const char *a,
+                               size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
+    const size_t w_block = is_q4 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
+    const size_t a_block = is_q4 ? sizeof(kr_block_q8_sum) : sizeof(kr_block_q8_0);
+    __m128 acc[4];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
-        __m256i nibbles[4];
-        __m256 w_scale[4];
+        __m256i weights[4];
+        float scales[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)b * wb.b_stride;
-            if (next) _mm_prefetch(next + r * wb.q_stride + at, _MM_HINT_T0);
-            nibbles[r] = q4_0_nibbles_at(wb.q + r * wb.q_stride + at);
-            w_scale[r] = _mm256_set1_ps(f16_to_f32(*(const kr_f16 *)(wb.d + r * wb.d_stride + at)));
+            const char *block = w + r * w_stride + (size_t)b * w_block;
+            if (next) _mm_prefetch(next + r * w_stride + (size_t)b * w_block, _MM_HINT_T0);
+            weights[r] = is_q4 ? q4_0_nibbles(block + 2) : _mm256_loadu_si256((const __m256i *)(block + 2));
+            scales[r] = f16_to_f32(*(const kr_f16 *)block);
         }
+        const __m128 w_scale = _mm_loadu_ps(scales);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
-            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(a + t * a_stride) + b;
-            const __m256i av = _mm256_loadu_si256((const __m256i *)block->q);
-            const __m256i offset = q4_0_offset(av);
-            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(block->d));
+            const char *block = a + t * a_stride + (size_t)b * a_block;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(block + (is_q4 ? 8 : 2)));
+            __m256i lanes[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m256 sums = _mm256_cvtepi32_ps(q4_0_lanes(nibbles[r], av, offset));
-                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale[r], a_scale), sums, acc[r][t]);
+            for (int r = 0; r < 4; r++) {
+                if (r >= R) lanes[r] = _mm256_setzero_si256();
+                else if (is_q4) lanes[r] = isum_lanes(isum_add(_mm256_setzero_si256(), weights[r], av));
+                else lanes[r] = isum_add_wide(_mm256_setzero_si256(), _mm256_abs_epi8(weights[r]), _mm256_sign_epi8(av, weights[r]));
             }
+            __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
+            float a_scale;
+            if (is_q4) {
+                const kr_block_q8_sum *ab = (const kr_block_q8_sum *)block;
+                sums = _mm_sub_epi32(sums, _mm_set1_epi32(8 * ab->sum));  // the nibbles' offset of 8
+                a_scale = ab->d;
+            } else {
+                a_scale = f16_to_f32(((const kr_block_q8_0 *)block)->d);
+            }
+            acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, _mm_set1_ps(a_scale)), _mm_cvtepi32_ps(sums), acc[t]);
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) out[t * out_stride + r] = hsum8(acc[r][t]);
+    for (int t = 0; t < T; t++) {
+        float lanes[4];
+        _mm_storeu_ps(lanes, acc[t]);
+        for (int r = 0; r < R; r++) out[t * out_stride + r] = lanes[r];
+    }
 }
 
-KR_INLINE void tile_q8_0(const int R, const int T, blocks wb, const char *a, size_t a_stride,
-                         int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
-    __m256 acc[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+// ---------------------------------------------------------------------------------------------
+// Quantized matmul tiles, packed layout (kernels.h): G <= 2 groups of 8 rows x T <= 4 tokens. The
+// lanes of a vector are a group's 8 rows: each step multiplies a 32-byte chunk (8 rows x 4 weights)
+// by 4 activation bytes broadcast to every lane, and each block ends with one fused multiply-add
+// for 8 outputs. acc[g][t] are the outputs of rows 8g..8g+7 of the tile for token t.
+// `group_stride` is the distance between two groups (8 rows of the file), `next` the group after
+// the tile (prefetched alongside, NULL if none).
+#define Q4_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q4_0))  // 144 bytes: 16 of scales, 4 chunks
+#define Q8_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q8_0))  // 272 bytes: 16 of scales, 8 chunks
+
+KR_INLINE void group_tile_q4_0(const int G, const int T, const char *w, size_t group_stride, const char *a,
+                               size_t a_stride, int64_t n_blocks, __m256 acc[2][4], const char *next) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < n_blocks; b++) {
-        __m256i weights[4], magnitudes[4];
-        __m256 w_scale[4];
+        const char *group_block = w + (size_t)b * Q4_GROUP_BLOCK;
+        __m256i sums[2][4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)b * wb.b_stride;
-            if (next) _mm_prefetch(next + r * wb.q_stride + at, _MM_HINT_T0);
-            weights[r] = _mm256_loadu_si256((const __m256i *)(wb.q + r * wb.q_stride + at));
-            magnitudes[r] = _mm256_abs_epi8(weights[r]);
-            w_scale[r] = _mm256_set1_ps(f16_to_f32(*(const kr_f16 *)(wb.d + r * wb.d_stride + at)));
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) sums[g][t] = _mm256_setzero_si256();
+        if (next) {
+            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK, _MM_HINT_T0);
+            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK + 64, _MM_HINT_T0);
+            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK + 128, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m256i low[2], high[2];
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++) {
+                const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + g * group_stride + 16 + 32 * i));
+                low[g] = _mm256_and_si256(chunk, low4);
+                high[g] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
+                const __m256i a_low = broadcast4(ab->q + 4 * i), a_high = broadcast4(ab->q + 16 + 4 * i);
+#pragma GCC unroll 2
+                for (int g = 0; g < G; g++) sums[g][t] = isum_add(isum_add(sums[g][t], low[g], a_low), high[g], a_high);
+            }
         }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
-            const kr_block_q8_0 *block = (const kr_block_q8_0 *)(a + t * a_stride) + b;
-            const __m256i av = _mm256_loadu_si256((const __m256i *)block->q);
-            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(block->d));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m256 sums = _mm256_cvtepi32_ps(q8_0_lanes(magnitudes[r], weights[r], av));
-                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale[r], a_scale), sums, acc[r][t]);
+            const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
+            const __m256 a_scale = _mm256_set1_ps(ab->d);
+            const __m256i offset = _mm256_set1_epi32(8 * ab->sum);  // the nibbles' offset of 8
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++) {
+                const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group_block + g * group_stride)));
+                const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum_lanes(sums[g][t]), offset));
+                acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), block_sums, acc[g][t]);
             }
         }
     }
+}
+
+KR_INLINE void group_tile_q8_0(const int G, const int T, const char *w, size_t group_stride, const char *a,
+                               size_t a_stride, int64_t n_blocks, __m256 acc[2][4], const char *next) {
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const char *group_block = w + (size_t)b * Q8_GROUP_BLOCK;
+        __m256i sums[2][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) out[t * out_stride + r] = hsum8(acc[r][t]);
+            for (int t = 0; t < T; t++) sums[g][t] = _mm256_setzero_si256();
+        if (next)
+            for (int line = 0; line < (int)Q8_GROUP_BLOCK; line += 64) _mm_prefetch(next + (size_t)b * Q8_GROUP_BLOCK + line, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m256i weights[2], magnitudes[2];
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++) {
+                weights[g] = _mm256_loadu_si256((const __m256i *)(group_block + g * group_stride + 16 + 32 * i));
+                magnitudes[g] = _mm256_abs_epi8(weights[g]);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                const __m256i av = broadcast4(((const kr_block_q8_0 *)(a + t * a_stride) + b)->q + 4 * i);
+#pragma GCC unroll 2
+                for (int g = 0; g < G; g++)
+                    sums[g][t] = isum_add_wide(sums[g][t], magnitudes[g], _mm256_sign_epi8(av, weights[g]));
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(((const kr_block_q8_0 *)(a + t * a_stride) + b)->d));
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++) {
+                const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group_block + g * group_stride)));
+                acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(sums[g][t]), acc[g][t]);
+            }
+        }
+    }
+}
+
+// One packed tile: computes the G x 8 rows for T tokens and stores the rows of [keep_begin,
+// keep_end) (relative to the tile's first row: a row range may start or end inside a group).
+KR_INLINE void group_tile(const int is_q4, const int G, const int T, const char *w, size_t group_stride, const char *a,
+                          size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                          const char *next) {
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[g][t] = _mm256_setzero_ps();
+    if (is_q4) group_tile_q4_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
+    else group_tile_q8_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
+#pragma GCC unroll 2
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            float *row = out + t * out_stride + KR_PACK_ROWS * g;
+            if (keep_begin <= KR_PACK_ROWS * g && KR_PACK_ROWS * (g + 1) <= keep_end) {
+                _mm256_storeu_ps(row, acc[g][t]);
+            } else {
+                float lanes[KR_PACK_ROWS];
+                _mm256_storeu_ps(lanes, acc[g][t]);
+                for (int r = 0; r < KR_PACK_ROWS; r++)
+                    if (keep_begin <= KR_PACK_ROWS * g + r && KR_PACK_ROWS * g + r < keep_end) row[r] = lanes[r];
+            }
+        }
 }
 
 // Float weights: 8 columns at a time into the lanes, then the scalar tail in order.
@@ -295,21 +379,17 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
     default: break; \
     }
 
-KR_INLINE blocks file_blocks(const char *w, size_t w_stride, size_t block_bytes) {
-    return (blocks){w, w + 2, w_stride, w_stride, block_bytes};  // the f16 scale leads each block
-}
-
 // `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
 // alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
                  int64_t cols, float *out, int64_t out_stride, const char *next) {
     switch (weight_type) {
     case KR_Q4_0:
-#define CALL_Q4(r, t) tile_q4_0(r, t, file_blocks(w, w_stride, sizeof(kr_block_q4_0)), a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q4(r, t) tile_quant_rows(1, r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q4)
         break;
     case KR_Q8_0:
-#define CALL_Q8(r, t) tile_q8_0(r, t, file_blocks(w, w_stride, sizeof(kr_block_q8_0)), a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q8(r, t) tile_quant_rows(0, r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q8)
         break;
     case KR_F32:
@@ -328,22 +408,14 @@ static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stri
     }
 }
 
-// Tile shape, rows x tokens (measured with bench/kernels.py): 4x4 for the integer kernels; 3x4 for
-// the float ones at several tokens (their weight conversion takes registers too), 4x1 at one token
-// (more independent FMA chains).
-// KR_TILE_QROWS / KR_TILE_QTOKENS (at most 4) override the integer kernels' tile at build time,
-// for measuring other shapes; the results are the same bits whatever the tile.
-#ifndef KR_TILE_QROWS
-#define KR_TILE_QROWS 4
-#endif
-#ifndef KR_TILE_QTOKENS
-#define KR_TILE_QTOKENS 4
-#endif
+// Tile shape, rows x tokens: 4x4 for the file layout's quantized tiles (their 4 rows' sums are
+// added up together); 3x4 for the float ones at several tokens (their weight conversion takes
+// registers too), 4x1 at one token (more independent FMA chains).
 static int tile_rows(int32_t weight_type, int64_t n_tokens) {
-    if (weight_type == KR_Q4_0 || weight_type == KR_Q8_0) return n_tokens == 1 ? 4 : KR_TILE_QROWS;
+    if (weight_type == KR_Q4_0 || weight_type == KR_Q8_0) return 4;
     return n_tokens == 1 ? 4 : 3;
 }
-static int tile_tokens(int32_t weight_type) { return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 ? KR_TILE_QTOKENS : 4; }
+static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
 // Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each row tile
 // finds them there; the weights are read once per block.
@@ -374,52 +446,77 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed weights (kr_pack_rows; owner: speed). The same tiles, fed from the packed layout: a tile
-// never crosses a group of KR_PACK_ROWS rows, so its rows' scales and quants are contiguous per
-// block and one stream of memory feeds the whole tile. Same arithmetic per (token, row): the
-// results equal kr_matmul_avx2's on the file layout bit for bit.
+// Packed weights (kr_pack_rows; owner: speed): the group tiles above over whole groups of 8 rows,
+// the file layout's tiles over the rows past the last group. Tile shape, groups x tokens
+// (measured with krafla bench, pp512 at one thread): KR_PACKED_GROUPS x KR_PACKED_TOKENS for
+// several tokens, 2 x 2 for AVX2 and 2 x 4 for ISA=avx512 (2 x 2 ran 1.04x faster than 2 x 3 and
+// 1.03x faster than 1 x 4 on AVX2; 1 x 4 spills registers), 2 x 1 for one token (two independent chains of fused multiply-adds while the weights stream
+// in). The build can override them to measure others; the results are the same bits whatever the
+// tile.
+#ifndef KR_PACKED_GROUPS
+#define KR_PACKED_GROUPS 2
+#endif
+#ifndef KR_PACKED_TOKENS
+#if defined(KR_HAVE_AVX512)
+#define KR_PACKED_TOKENS 4  // AVX-512VL gives 32 vector registers, and VNNI needs no int16 step
+#else
+#define KR_PACKED_TOKENS 2
+#endif
+#endif
 
-static void tile_packed(int32_t weight_type, int R, int T, blocks wb, const char *a, size_t a_stride, int64_t cols,
-                        float *out, int64_t out_stride, const char *next) {
+#define KR_GROUP_SHAPES(CALL) \
+    switch (G * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    default: break; \
+    }
+
+static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t group_stride, const char *a,
+                        size_t a_stride, int64_t cols, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                        const char *next) {
     if (weight_type == KR_Q4_0) {
-#define CALL_PQ4(r, t) tile_q4_0(r, t, wb, a, a_stride, cols / KR_QK, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_PQ4)
+#define CALL_GQ4(g, t) group_tile(1, g, t, w, group_stride, a, a_stride, cols / KR_QK, out, out_stride, keep_begin, keep_end, next)
+        KR_GROUP_SHAPES(CALL_GQ4)
     } else {
-#define CALL_PQ8(r, t) tile_q8_0(r, t, wb, a, a_stride, cols / KR_QK, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_PQ8)
+#define CALL_GQ8(g, t) group_tile(0, g, t, w, group_stride, a, a_stride, cols / KR_QK, out, out_stride, keep_begin, keep_end, next)
+        KR_GROUP_SHAPES(CALL_GQ8)
     }
 }
 
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    if (!kr_packable(weight_type)) {
+    const int64_t grouped = rows - rows % KR_PACK_ROWS;
+    if (!kr_packable(weight_type) || row_begin >= grouped) {  // the rows past the last group are in file layout
         kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
-    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
-    const size_t quant_bytes = block_bytes - 2;
+    if (row_end > grouped) {
+        kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, grouped, row_end);
+        row_end = grouped;
+    }
+    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
-    const int max_tokens = tile_tokens(weight_type);
+    const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
     int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t r0 = row_begin; r0 < row_end;) {
-            const int64_t group = r0 / KR_PACK_ROWS, first = group * KR_PACK_ROWS;
-            const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
-            const int64_t group_end = first + group_rows < row_end ? first + group_rows : row_end;
-            const int R = (int)(group_end - r0), offset = (int)(r0 - first);
-            const char *base = (const char *)w + (size_t)first * row_bytes;
-            const blocks wb = {base + 2 * (size_t)offset, base + 2 * (size_t)group_rows + quant_bytes * (size_t)offset,
-                               2, quant_bytes, (size_t)group_rows * block_bytes};
-            const char *next = group_end < row_end ? base + (size_t)group_rows * row_bytes : NULL;
+        // Groups outside, tokens inside: a tile's weights stay in L1 while the block's tokens pass over them.
+        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
+            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
+            const int64_t first = g0 * KR_PACK_ROWS;
+            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
+            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
+            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
+            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
             for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
                 const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                tile_packed(weight_type, R, T, wb, (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols,
-                            out + t0 * out_stride + r0, out_stride, t0 == b0 ? next : NULL);
+                packed_tile(weight_type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
+                            cols, out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
             }
-            r0 = group_end;
         }
     }
 }

@@ -4,14 +4,17 @@
 // operations: the AVX2 versions in kernels_avx2.c follow the same order, so the two agree bit for
 // bit (tests/test_kernels.py checks that), and a generic build gives the same logits as an avx2 one.
 //
-// The reduction order over K, shared by every dot product here (see kr_lanes_sum):
-//   - 8 lanes: lane l accumulates, with one fused multiply-add per step, the terms whose index
-//     (element for float types, group of 4 elements for q8_0/q4_0 blocks) is l modulo 8;
+// The reduction order over K of the float dot products (f32, f16, bf16 weights; see kr_lanes_sum):
+//   - 8 lanes: lane l accumulates, with one fused multiply-add per step, the elements whose index
+//     is l modulo 8;
 //   - the lanes are added as ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), the order an AVX2
 //     horizontal sum (high half + low half, then movehl, then the last pair) produces;
-//   - a float tail (n not a multiple of 8) is then added element by element with fmaf.
-// For q8_0 x q8_0 and q4_0 x q8_0 each lane of a block holds the exact integer sum of 4 products;
-// lane += (d_weight * d_activation) * (float)integer_sum, one fmaf per lane per block.
+//   - a tail (n not a multiple of 8) is then added element by element with fmaf.
+// The quantized dot products (q8_0, q4_0 weights against q8_0 activations) go block by block:
+//   acc = fmaf(d_weight * d_activation, (float)integer_sum_of_the_block, acc), acc starting at 0.
+// The integer sum is exact (|sum| <= 32 * 128 * 127 < 2^24, so also exact as a float) and the
+// product of two f16 scales is exact in float, so a kernel may compute the sums in any way and
+// any number of rows side by side, and still give these bits.
 #include "kernels.h"
 #include "krafla.h"
 
@@ -178,14 +181,30 @@ size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
 // ---------------------------------------------------------------------------------------------
 // Prepared activations
 
-static int activations_are_q8(int32_t weight_type) { return weight_type == KR_Q8_0 || weight_type == KR_Q4_0; }
-
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
-    return activations_are_q8(weight_type) ? (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0) : (size_t)cols * sizeof(float);
+    switch (weight_type) {
+    case KR_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
+    case KR_Q4_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_sum);
+    default: return (size_t)cols * sizeof(float);
+    }
 }
 
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) {
     return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
+}
+
+// q8_0 blocks, as `quantize` makes them, with the scale as a float and the sum of the quants.
+static void quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n,
+                                void (*quantize)(const float *, kr_block_q8_0 *, int64_t)) {
+    for (int64_t b = 0; b < n / KR_QK; b++) {
+        kr_block_q8_0 block;
+        quantize(x + b * KR_QK, &block, KR_QK);
+        int32_t sum = 0;
+        for (int j = 0; j < KR_QK; j++) sum += block.q[j];
+        y[b].d = kr_f16_to_f32(block.d);
+        y[b].sum = sum;
+        memcpy(y[b].q, block.q, KR_QK);
+    }
 }
 
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
@@ -194,11 +213,9 @@ void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t co
     const size_t row_bytes = kr_activation_row_bytes(weight_type, cols);
     for (int64_t t = token_begin; t < token_end; t++) {
         char *dst = (char *)prepared + (size_t)t * row_bytes;
-        if (activations_are_q8(weight_type)) {
-            quantize(x + t * cols, (kr_block_q8_0 *)dst, cols);
-        } else {
-            memcpy(dst, x + t * cols, row_bytes);
-        }
+        if (weight_type == KR_Q8_0) quantize(x + t * cols, (kr_block_q8_0 *)dst, cols);
+        else if (weight_type == KR_Q4_0) quantize_row_q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols, quantize);
+        else memcpy(dst, x + t * cols, row_bytes);
     }
 }
 
@@ -216,46 +233,33 @@ float kr_lanes_sum(const float lanes[8]) {
     return (s0 + s2) + (s1 + s3);
 }
 
-// Integer sums of one block pair, 4 products per lane: lanes[l] = sum_{j=4l}^{4l+3} w_j * a_j.
-void kr_block_lanes_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
-    for (int l = 0; l < 8; l++) {
-        int32_t s = 0;
-        for (int j = 4 * l; j < 4 * l + 4; j++) s += (int32_t)w->q[j] * (int32_t)a->q[j];
-        lanes[l] = s;
-    }
+// The exact integer sum of one block pair's 32 products.
+int32_t kr_block_sum_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a) {
+    int32_t sum = 0;
+    for (int j = 0; j < KR_QK; j++) sum += (int32_t)w->q[j] * (int32_t)a->q[j];
+    return sum;
 }
 
-void kr_block_lanes_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int32_t lanes[8]) {
-    for (int l = 0; l < 8; l++) {
-        int32_t s = 0;
-        for (int j = 4 * l; j < 4 * l + 4; j++) {
-            const int weight = j < 16 ? (w->q[j] & 0x0f) - 8 : (w->q[j - 16] >> 4) - 8;
-            s += weight * (int32_t)a->q[j];
-        }
-        lanes[l] = s;
+int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a) {
+    int32_t sum = 0;
+    for (int j = 0; j < KR_QK / 2; j++) {
+        sum += ((w->q[j] & 0x0f) - 8) * (int32_t)a->q[j];
+        sum += ((w->q[j] >> 4) - 8) * (int32_t)a->q[j + KR_QK / 2];
     }
+    return sum;
 }
 
-static float dot_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int64_t n_blocks) {
-    float lanes[8] = {0};
-    int32_t sums[8];
-    for (int64_t b = 0; b < n_blocks; b++) {
-        kr_block_lanes_q8_0_ref(&w[b], &a[b], sums);
-        const float d = kr_f16_to_f32_ref(w[b].d) * kr_f16_to_f32_ref(a[b].d);
-        for (int l = 0; l < 8; l++) lanes[l] = fmaf(d, (float)sums[l], lanes[l]);
-    }
-    return kr_lanes_sum(lanes);
+// acc plus the blocks' terms, in block order (kr_matmul starts acc at 0).
+static float dot_q8_0_ref(const kr_block_q8_0 *w, const kr_block_q8_0 *a, int64_t n_blocks, float acc) {
+    for (int64_t b = 0; b < n_blocks; b++)
+        acc = fmaf(kr_f16_to_f32_ref(w[b].d) * kr_f16_to_f32_ref(a[b].d), (float)kr_block_sum_q8_0_ref(&w[b], &a[b]), acc);
+    return acc;
 }
 
-static float dot_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_0 *a, int64_t n_blocks) {
-    float lanes[8] = {0};
-    int32_t sums[8];
-    for (int64_t b = 0; b < n_blocks; b++) {
-        kr_block_lanes_q4_0_ref(&w[b], &a[b], sums);
-        const float d = kr_f16_to_f32_ref(w[b].d) * kr_f16_to_f32_ref(a[b].d);
-        for (int l = 0; l < 8; l++) lanes[l] = fmaf(d, (float)sums[l], lanes[l]);
-    }
-    return kr_lanes_sum(lanes);
+static float dot_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a, int64_t n_blocks, float acc) {
+    for (int64_t b = 0; b < n_blocks; b++)
+        acc = fmaf(kr_f16_to_f32_ref(w[b].d) * a[b].d, (float)kr_block_sum_q4_0_ref(&w[b], &a[b]), acc);
+    return acc;
 }
 
 float kr_dot_f32_ref(const float *a, const float *b, int64_t n) {
@@ -400,8 +404,8 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
             case KR_F32: value = kr_dot_f32_ref(wr, a, cols); break;
             case KR_F16: value = kr_dot_f16_f32_ref(wr, a, cols); break;
             case KR_BF16: value = dot_bf16_f32_ref(wr, a, cols); break;
-            case KR_Q8_0: value = dot_q8_0_ref(wr, a, cols / KR_QK); break;
-            case KR_Q4_0: value = dot_q4_0_ref(wr, a, cols / KR_QK); break;
+            case KR_Q8_0: value = dot_q8_0_ref(wr, a, cols / KR_QK, 0.0f); break;
+            case KR_Q4_0: value = dot_q4_0_ref(wr, a, cols / KR_QK, 0.0f); break;
             default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
             }
             out[t * out_stride + r] = value;
@@ -414,64 +418,64 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
 
 int kr_packable(int32_t weight_type) { return weight_type == KR_Q4_0 || weight_type == KR_Q8_0; }
 
+// Where row r (of a whole group) keeps quant byte j of block b in the packed layout, relative to the
+// group's block: after the 8 scales, chunk j / 4, row r, byte j % 4.
+static size_t packed_quant_at(int64_t r, int j) { return 2 * KR_PACK_ROWS + (size_t)(j / 4) * 4 * KR_PACK_ROWS + 4 * (size_t)r + (size_t)(j % 4); }
+
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
     const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
-    const size_t quant_bytes = block_bytes - 2;
-    const int64_t n_blocks = cols / KR_QK;
-    for (int64_t first = 0; first < rows; first += KR_PACK_ROWS) {
-        const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
+    const int quant_bytes = (int)block_bytes - 2;
+    const int64_t n_blocks = cols / KR_QK, grouped = rows - rows % KR_PACK_ROWS;
+    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
         const char *in = (const char *)src + (size_t)first * row_bytes;
         char *out = (char *)dst + (size_t)first * row_bytes;
         for (int64_t b = 0; b < n_blocks; b++) {
-            char *scales = out + (size_t)b * (size_t)group_rows * block_bytes, *quants = scales + 2 * group_rows;
-            for (int64_t r = 0; r < group_rows; r++) {
+            char *group_block = out + (size_t)b * KR_PACK_ROWS * block_bytes;
+            for (int64_t r = 0; r < KR_PACK_ROWS; r++) {
                 const char *block = in + (size_t)r * row_bytes + (size_t)b * block_bytes;
-                memcpy(scales + 2 * r, block, 2);
-                memcpy(quants + (size_t)r * quant_bytes, block + 2, quant_bytes);
+                memcpy(group_block + 2 * r, block, 2);
+                for (int j = 0; j < quant_bytes; j++) group_block[packed_quant_at(r, j)] = block[2 + j];
             }
         }
     }
+    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
+           (size_t)(rows - grouped) * row_bytes);
 }
 
-// Row r's block b back in file form, then the reference dot's steps (dot_q4_0_ref / dot_q8_0_ref).
+// Row r's block b back in file form (into `block`, 34 bytes at most).
+static void file_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, char *block) {
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
+    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
+    const int64_t grouped = rows - rows % KR_PACK_ROWS;
+    if (r >= grouped) {
+        memcpy(block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
+        return;
+    }
+    const int64_t offset = r % KR_PACK_ROWS;
+    const char *group_block = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * KR_PACK_ROWS * block_bytes;
+    memcpy(block, group_block + 2 * offset, 2);
+    for (int j = 0; j < (int)block_bytes - 2; j++) block[2 + j] = group_block[packed_quant_at(offset, j)];
+}
+
+// Each row's blocks back in file form, then the reference dot's steps (dot_q4_0_ref / dot_q8_0_ref).
 void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                           int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     if (!kr_packable(weight_type)) {
         kr_matmul_ref(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
-    const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
-    const size_t quant_bytes = block_bytes - 2;
     const size_t a_row_bytes = kr_activation_row_bytes(weight_type, cols);
-    const int64_t n_blocks = cols / KR_QK;
-    for (int64_t r = row_begin; r < row_end; r++) {
-        const int64_t first = r - r % KR_PACK_ROWS, offset = r - first;
-        const int64_t group_rows = rows - first < KR_PACK_ROWS ? rows - first : KR_PACK_ROWS;
-        const char *group = (const char *)w + (size_t)first * row_bytes;
+    for (int64_t r = row_begin; r < row_end; r++)
         for (int64_t t = 0; t < n_tokens; t++) {
-            const kr_block_q8_0 *a = (const kr_block_q8_0 *)((const char *)prepared + (size_t)t * a_row_bytes);
-            float lanes[8] = {0};
-            int32_t sums[8];
-            for (int64_t b = 0; b < n_blocks; b++) {
-                const char *scales = group + (size_t)b * (size_t)group_rows * block_bytes;
-                kr_f16 d;
-                memcpy(&d, scales + 2 * offset, 2);
-                const char *quants = scales + 2 * group_rows + (size_t)offset * quant_bytes;
-                if (weight_type == KR_Q4_0) {
-                    kr_block_q4_0 block = {.d = d};
-                    memcpy(block.q, quants, quant_bytes);
-                    kr_block_lanes_q4_0_ref(&block, &a[b], sums);
-                } else {
-                    kr_block_q8_0 block = {.d = d};
-                    memcpy(block.q, quants, quant_bytes);
-                    kr_block_lanes_q8_0_ref(&block, &a[b], sums);
-                }
-                const float scale = kr_f16_to_f32_ref(d) * kr_f16_to_f32_ref(a[b].d);
-                for (int l = 0; l < 8; l++) lanes[l] = fmaf(scale, (float)sums[l], lanes[l]);
+            const char *a = (const char *)prepared + (size_t)t * a_row_bytes;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < cols / KR_QK; b++) {
+                union { kr_block_q4_0 q4; kr_block_q8_0 q8; } block;
+                file_block(weight_type, w, rows, cols, r, b, (char *)&block);
+                acc = weight_type == KR_Q4_0 ? dot_q4_0_ref(&block.q4, (const kr_block_q8_sum *)a + b, 1, acc)
+                                             : dot_q8_0_ref(&block.q8, (const kr_block_q8_0 *)a + b, 1, acc);
             }
-            out[t * out_stride + r] = kr_lanes_sum(lanes);
+            out[t * out_stride + r] = acc;
         }
-    }
 }
