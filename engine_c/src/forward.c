@@ -7,8 +7,9 @@
 // (docs/architecture.md). Per layer:
 //
 //   xb = norm(x) -> q, k, v = xb W^T (+ bias) -> q/k head norms, RoPE, K/V into the cache
-//   -> attention per (token, head) -> o = att Wo^T [-> post-norm] -> x += o
+//   -> attention per (KV head, block of queries) -> o = att Wo^T [-> post-norm] -> x += o
 //   xb = norm(x) -> h = act(xb Wg^T) * (xb Wu^T) -> d = h Wd^T [-> post-norm] -> x += d
+#include "attention.h"
 #include "kernels.h"
 #include "model.h"
 
@@ -20,14 +21,17 @@
 #define DEFAULT_MAX_CTX 4096
 #define MAX_BATCH 65536
 #define ROW_ALIGN 16  // matmul row chunks per thread: whole multiples, for the kernels' row tiles
+// Attention takes at most this many queries of one KV head at a time (fewer when the context is so
+// long that their scores would pass ATT_SCORES_BUDGET floats per thread).
+#define ATT_MAX_QUERIES 64
+#define ATT_SCORES_BUDGET (1 << 22)
 
 struct kr_session {
     kr_model *model;
     int32_t n_ctx, n_batch, kv_type, n_tokens;
     size_t kv_elem;        // bytes per cache element
     uint8_t *k_cache;      // (n_layers, n_kv_heads, n_ctx, head_dim) of kv_type
-    uint8_t *v_cache;      // (n_layers, n_kv_heads, head_dim, n_ctx): transposed, so that a
-                           // weighted sum over positions is one dot product per dimension
+    uint8_t *v_cache;      // (n_layers, n_kv_heads, n_ctx, head_dim) of kv_type, as the keys
     float *x;              // (n_batch, dim) residual stream
     float *xb;             // (n_batch, dim) normed input of a block
     float *q;              // (n_batch, q_dim)
@@ -35,7 +39,9 @@ struct kr_session {
     float *att;            // (n_batch, q_dim) attention output, heads side by side
     float *proj;           // (n_batch, dim) output of Wo or of the MLP
     float *gate, *up;      // (n_batch, ffn_dim)
-    float *scores;         // (n_threads, n_ctx) attention weights of one query
+    int32_t att_queries;   // queries per attention block, at most (attention_plan)
+    float *scores;         // (n_threads, att_queries, n_ctx) attention weights of a block's queries
+    float *att_q;          // (n_threads, att_queries, head_dim) the block's queries (or q8_0 rows)
     float *rope_cos;       // (2, n_batch, rope_dims / 2): [0] full layers, [1] sliding layers
     float *rope_sin;
     void *prepared[KR_TYPE_COUNT];  // activations prepared for each weight type the model uses
@@ -125,7 +131,11 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
     s->proj = alloc_array(b * (size_t)h->dim, sizeof(float), &failed);
     s->gate = alloc_array(b * (size_t)h->ffn_dim, sizeof(float), &failed);
     s->up = alloc_array(b * (size_t)h->ffn_dim, sizeof(float), &failed);
-    s->scores = alloc_array((size_t)kr_pool_size(m->pool) * (size_t)n_ctx, sizeof(float), &failed);
+    s->att_queries = ATT_SCORES_BUDGET / n_ctx < 1 ? 1 : ATT_SCORES_BUDGET / n_ctx;
+    if (s->att_queries > ATT_MAX_QUERIES) s->att_queries = ATT_MAX_QUERIES;
+    size_t threads = (size_t)kr_pool_size(m->pool), att_q = (size_t)s->att_queries;
+    s->scores = alloc_array(threads * att_q * (size_t)n_ctx, sizeof(float), &failed);
+    s->att_q = alloc_array(threads * att_q * (size_t)h->head_dim, sizeof(float), &failed);  // q8_0 rows are smaller
     s->rope_cos = alloc_array(2 * b * half, sizeof(float), &failed);
     s->rope_sin = alloc_array(2 * b * half, sizeof(float), &failed);
     // One prepared-activation buffer per weight type, wide enough for the widest input.
@@ -154,7 +164,7 @@ void kr_session_free(kr_session *s) {
     if (!s) return;
     kr_qwen35_state_free(s->ext);  // qwen35 hook
     free(s->k_cache), free(s->v_cache), free(s->x), free(s->xb), free(s->q), free(s->k), free(s->v);
-    free(s->att), free(s->proj), free(s->gate), free(s->up), free(s->scores), free(s->rope_cos), free(s->rope_sin);
+    free(s->att), free(s->proj), free(s->gate), free(s->up), free(s->scores), free(s->att_q), free(s->rope_cos), free(s->rope_sin);
     for (int32_t t = 0; t < KR_TYPE_COUNT; t++) free(s->prepared[t]);
     free(s);
 }
@@ -199,7 +209,7 @@ static void rope(float *head, const float *cos_row, const float *sin_row, int32_
     }
 }
 
-// The (n_ctx, head_dim) keys or the (head_dim, n_ctx) values of one layer's KV head.
+// The (n_ctx, head_dim) keys or values of one layer's KV head.
 static uint8_t *cache_head(const kr_session *s, uint8_t *cache, int32_t layer, int32_t kv_head) {
     size_t heads = (size_t)layer * (size_t)s->model->info.n_kv_heads + (size_t)kv_head;
     return cache + heads * (size_t)s->n_ctx * kv_bytes(s, s->model->info.head_dim);  // speed hook: kv_bytes
@@ -224,6 +234,8 @@ typedef struct {
     int32_t n_w;
     bool gated;              // matmul job on gate/up: then gate = act(gate) * up
     float *logits;           // output job
+    int64_t att_items;       // attention job: KV heads x blocks of queries (attention_plan)
+    int64_t att_per_item;    // queries per block
 } step;
 
 static void prepare_rows(kr_session *s, const kr_matrix *const *w, int32_t n_w, const float *input, int64_t cols,
@@ -324,81 +336,102 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
             if (l->k_norm) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
             rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
-        size_t pos = (size_t)j->pos + (size_t)t, n_ctx = (size_t)s->n_ctx;
+        size_t pos = (size_t)j->pos + (size_t)t, row = kv_bytes(s, hd);
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
-            uint8_t *keys = cache_head(s, s->k_cache, j->layer, head), *values = cache_head(s, s->v_cache, j->layer, head);
+            uint8_t *key = cache_head(s, s->k_cache, j->layer, head) + pos * row;
+            uint8_t *value = cache_head(s, s->v_cache, j->layer, head) + pos * row;
             const float *k_head = k + head * hd, *v_head = v + head * hd;
-            if (s->kv_type == KR_Q8_0) {  // speed hook: q8_0 rows (n_ctx, head_dim), V not transposed
-                size_t row = kv_bytes(s, hd);
-                kr_quantize_row_q8_0(k_head, (kr_block_q8_0 *)(keys + pos * row), hd);
-                kr_quantize_row_q8_0(v_head, (kr_block_q8_0 *)(values + pos * row), hd);
+            if (s->kv_type == KR_Q8_0) {  // speed hook: q8_0 rows, blocks of 32
+                kr_quantize_row_q8_0(k_head, (kr_block_q8_0 *)key, hd);
+                kr_quantize_row_q8_0(v_head, (kr_block_q8_0 *)value, hd);
             } else if (s->kv_type == KR_F32) {
-                memcpy((float *)keys + pos * (size_t)hd, k_head, (size_t)hd * sizeof(float));
-                for (int32_t d = 0; d < hd; d++) ((float *)values)[(size_t)d * n_ctx + pos] = v_head[d];
+                memcpy(key, k_head, (size_t)hd * sizeof(float));
+                memcpy(value, v_head, (size_t)hd * sizeof(float));
             } else {
-                kr_f16 *k16 = (kr_f16 *)keys + pos * (size_t)hd, *v16 = (kr_f16 *)values;
-                for (int32_t d = 0; d < hd; d++) {
-                    k16[d] = kr_f32_to_f16(k_head[d]);
-                    v16[(size_t)d * n_ctx + pos] = kr_f32_to_f16(v_head[d]);
-                }
+                kr_f32_to_f16_row(k_head, (kr_f16 *)key, hd);
+                kr_f32_to_f16_row(v_head, (kr_f16 *)value, hd);
             }
         }
     }
 }
 
-// One query head against the cache: att = softmax(scale * q K^T [softcap], window) V. The scores
-// are one matmul of the head's keys (rows = positions) with q; `scores` is indexed by position.
-static void attend(kr_session *s, int32_t layer, int32_t pos, int32_t head, const float *q, float *out,
-                   float *scores) {
-    const kr_model *m = s->model;
-    const kr_model_info *h = &m->info;
-    int32_t hd = h->head_dim, kv_head = head / (h->n_heads / h->n_kv_heads);
-    // A sliding layer sees the last sliding_window positions, itself included (as
-    // transformers' sliding_window_overlay and llama.cpp's is_masked_swa).
-    int32_t first = m->layers[layer].sliding && pos >= h->sliding_window ? pos - h->sliding_window + 1 : 0;
-    // Float weights read the f32 activations as they are, so q needs no preparing.
-    // speed hook: q8_0 keys take q quantized to q8_0, the integer kernel
-    kr_block_q8_0 q8[KR_KV_Q8_MAX_HEAD_DIM / KR_QK];
-    if (s->kv_type == KR_Q8_0) kr_quantize_row_q8_0(q, q8, hd);
-    kr_matmul(s->kv_type, cache_head(s, s->k_cache, layer, kv_head), hd, s->kv_type == KR_Q8_0 ? (const void *)q8 : q, 1,
-              scores, s->n_ctx, first, pos + 1);
-    float max_score = -INFINITY;
-    for (int32_t p = first; p <= pos; p++) {
-        float score = scores[p] * h->attn_scale;
-        if (h->attn_softcap > 0) score = h->attn_softcap * tanhf(score / h->attn_softcap);
-        scores[p] = score;
-        if (score > max_score) max_score = score;
-    }
-    float sum = kr_exp_shift_sum_f32(scores + first, pos - first + 1, max_score);  // speed: vector exp
-    float inv_sum = 1.0f / sum;
-    for (int32_t p = first; p <= pos; p++) scores[p] *= inv_sum;
-    // out[d] = sum_p weight[p] V[d, p] over the visible positions.
-    const uint8_t *values = cache_head(s, s->v_cache, layer, kv_head);
-    int64_t count = pos - first + 1;
-    if (s->kv_type == KR_Q8_0) {  // speed hook: out = sum_p weight[p] V[p], one q8_0 row per position
-        for (int32_t d = 0; d < hd; d++) out[d] = 0.0f;
-        size_t row = kv_bytes(s, hd);
-        kr_axpy_rows(KR_Q8_0, scores + first, values + (size_t)first * row, row, count, out, hd);
-        return;
-    }
-    // speed: one kr_dot_rows call (4 dimensions at a time), bit for bit a kr_dot per dimension
-    kr_dot_rows(s->kv_type, values + (size_t)first * s->kv_elem, (size_t)s->n_ctx * s->kv_elem, hd, scores + first, count,
-                out);
+// --- Attention over blocks of queries
+//
+// The queries of one KV head in a step are numbered i = t * group + g: token t of the step, g-th
+// query head of the KV head's group (GQA). A work item is one KV head and a run of consecutive
+// queries: their keys' scores are one kr_matmul (the keys read once for all of them), their
+// weighted sums of values one kr_attend_values (the values read once per 4 queries). Both give
+// each (query, position) the same bits however the queries are grouped, so attention does not
+// depend on the batch, the thread count or the split.
+
+// Items of a step of n tokens, and *per_item queries in each (the last of a KV head may have
+// fewer). Whole tokens per item where the scratch allows; on several threads, items small enough
+// that each thread gets some even at one token (generation).
+static int64_t attention_plan(const kr_session *s, int32_t n, int64_t *per_item) {
+    const kr_model_info *h = &s->model->info;
+    int64_t group = h->n_heads / h->n_kv_heads, queries = (int64_t)n * group, size = s->att_queries;
+    if (size >= group) size -= size % group;
+    int64_t wanted = kr_pool_chunks(s->model->pool, (int64_t)n * h->n_heads);
+    int64_t per_head = (wanted + h->n_kv_heads - 1) / h->n_kv_heads;
+    if ((queries + size - 1) / size < per_head) size = (queries + per_head - 1) / per_head;
+    *per_item = size;
+    return (int64_t)h->n_kv_heads * ((queries + size - 1) / size);
 }
 
-// Attention for every (token, head) pair of the step. Split by pairs.
+// First position a query at `pos` sees: a sliding layer sees the last sliding_window positions,
+// itself included (as transformers' sliding_window_overlay and llama.cpp's is_masked_swa).
+static int32_t first_visible(const kr_model *m, int32_t layer, int32_t pos) {
+    int32_t window = m->info.sliding_window;
+    return m->layers[layer].sliding && pos >= window ? pos - window + 1 : 0;
+}
+
+// Queries [i0, i1) of one KV head: att = softmax(scale * q K^T [softcap], window) V for each.
+// Scores and weights are indexed from `base`, the first position any of them sees; positions a
+// query does not see are scored (the matmul covers the block's whole range) but never used.
+static void attend_block(kr_session *s, const step *j, int32_t kv_head, int64_t i0, int64_t i1, int thread) {
+    const kr_model *m = s->model;
+    const kr_model_info *h = &m->info;
+    int32_t hd = h->head_dim, group = h->n_heads / h->n_kv_heads;
+    int64_t n_queries = i1 - i0;
+    int32_t base = first_visible(m, j->layer, j->pos + (int32_t)(i0 / group));
+    int32_t span = j->pos + (int32_t)((i1 - 1) / group) - base + 1;
+    float *scores = s->scores + (size_t)thread * (size_t)s->att_queries * (size_t)s->n_ctx;
+    uint8_t *queries = (uint8_t *)(s->att_q + (size_t)thread * (size_t)s->att_queries * (size_t)hd);
+    int32_t begin[ATT_MAX_QUERIES], end[ATT_MAX_QUERIES];
+    float *out[ATT_MAX_QUERIES];
+    // Float keys read the f32 queries as they are; speed hook: q8_0 keys take q8_0 queries.
+    size_t query_bytes = kr_activation_row_bytes(s->kv_type, hd);
+    for (int64_t i = i0; i < i1; i++) {
+        int32_t t = (int32_t)(i / group), head = kv_head * group + (int32_t)(i % group);
+        const float *q = s->q + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        uint8_t *query = queries + (size_t)(i - i0) * query_bytes;
+        if (s->kv_type == KR_Q8_0) kr_quantize_row_q8_0(q, (kr_block_q8_0 *)query, hd);
+        else memcpy(query, q, (size_t)hd * sizeof(float));
+        begin[i - i0] = first_visible(m, j->layer, j->pos + t) - base;
+        end[i - i0] = j->pos + t - base + 1;
+        out[i - i0] = s->att + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+    }
+    size_t row = kv_bytes(s, hd);
+    const uint8_t *keys = cache_head(s, s->k_cache, j->layer, kv_head) + (size_t)base * row;
+    kr_matmul(s->kv_type, keys, hd, queries, n_queries, scores, span, 0, span);
+    for (int64_t i = 0; i < n_queries; i++)
+        kr_attention_softmax(scores + (size_t)i * (size_t)span + begin[i], end[i] - begin[i], h->attn_scale,
+                             h->attn_softcap);
+    const uint8_t *values = cache_head(s, s->v_cache, j->layer, kv_head) + (size_t)base * row;
+    kr_attend_values(s->kv_type, values, row, hd, scores, (size_t)span, begin, end, n_queries, out);
+}
+
+// Attention for every query of the step. Split by items (attention_plan).
 static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
-    const kr_model *m = s->model;
-    int32_t n_heads = m->info.n_heads, hd = m->info.head_dim;
-    int64_t begin, end;
-    kr_split((int64_t)j->n * n_heads, 1, chunk, n_chunks, &begin, &end);
-    float *scores = s->scores + (size_t)thread * (size_t)s->n_ctx;
+    int64_t group = s->model->info.n_heads / s->model->info.n_kv_heads, queries = (int64_t)j->n * group;
+    int64_t per_head = (queries + j->att_per_item - 1) / j->att_per_item, begin, end;
+    kr_split(j->att_items, 1, chunk, n_chunks, &begin, &end);
     for (int64_t item = begin; item < end; item++) {
-        int32_t t = (int32_t)(item / n_heads), head = (int32_t)(item % n_heads);
-        attend(s, j->layer, j->pos + t, head, s->q + (size_t)t * m->q_dim + (size_t)head * hd,
-               s->att + (size_t)t * m->q_dim + (size_t)head * hd, scores);
+        int64_t first = (item % per_head) * j->att_per_item;
+        int64_t last = first + j->att_per_item < queries ? first + j->att_per_item : queries;
+        attend_block(s, j, (int32_t)(item / per_head), first, last, thread);
     }
 }
 
@@ -473,7 +506,8 @@ static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float 
         j.bias[0] = l->bq, j.bias[1] = l->bk, j.bias[2] = l->bv;
         kr_pool_run(pool, matmul_job, &j, row_chunks(pool, l->wq.rows));
         kr_pool_run(pool, rope_job, &j, token_chunks);
-        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, (int64_t)n * h->n_heads));
+        j.att_items = attention_plan(s, n, &j.att_per_item);
+        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, j.att_items));
 
         step o = {.s = s, .n = n, .layer = layer, .input = s->att, .input_cols = m->q_dim, .n_w = 1};
         o.w[0] = &l->wo, o.out[0] = s->proj;

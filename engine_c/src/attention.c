@@ -1,0 +1,291 @@
+// attention.c: kr_attend_values (attention.h), the weighted sum of value rows for a block of
+// queries, and its test entry point (krafla.h, "Attention kernel (tests)"). Owner: attn.
+//
+// The reference is the definition: per query, per row in ascending order, per value one fmaf.
+// The AVX2 version does the same float operations, one lane per value, but reads each value row
+// once for a group of up to 4 queries: within a group, the rows every query sees are folded for
+// all of them together, and the rows only some see (a later query's last rows, an earlier
+// sliding window's first ones) before and after that, for each query alone, in row order. So
+// each query gets the reference's bits whatever group it lands in.
+#include "attention.h"
+#include "internal.h"
+
+#include <math.h>
+#include <stdbool.h>
+
+#if defined(KR_HAVE_AVX2)
+#include <immintrin.h>
+#define KR_ATTEND(name) name##_avx2
+#else
+#define KR_ATTEND(name) name##_ref
+#endif
+
+void kr_attend_values(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
+                      size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
+                      float *const *out) {
+    KR_ATTEND(kr_attend_values)(type, values, row_stride, n, weights, weights_stride, begin, end, n_queries, out);
+}
+
+void kr_attention_softmax(float *x, int64_t n, float scale, float softcap) {
+    KR_ATTEND(kr_attention_softmax)(x, n, scale, softcap);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reference
+
+void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap) {
+    float max = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        float value = x[i] * scale;
+        if (softcap > 0) value = softcap * tanhf(value / softcap);
+        x[i] = value;
+        if (value > max) max = value;
+    }
+    const float inv_sum = 1.0f / kr_exp_shift_sum_f32_ref(x, n, max);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv_sum;
+}
+
+void kr_attend_values_ref(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
+                          size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
+                          float *const *out) {
+    for (int64_t i = 0; i < n_queries; i++) {
+        const float *weight = weights + (size_t)i * weights_stride;
+        float *y = out[i];
+        for (int64_t e = 0; e < n; e++) y[e] = 0.0f;
+        for (int64_t p = begin[i]; p < end[i]; p++) {
+            const char *row = (const char *)values + (size_t)p * row_stride;
+            for (int64_t e = 0; e < n; e++) {
+                if (type == KR_Q8_0) {
+                    const kr_block_q8_0 *block = (const kr_block_q8_0 *)row + e / KR_QK;
+                    y[e] = fmaf(weight[p] * kr_f16_to_f32_ref(block->d), (float)block->q[e % KR_QK], y[e]);
+                } else if (type == KR_F16) {
+                    y[e] = fmaf(weight[p], kr_f16_to_f32_ref(((const kr_f16 *)row)[e]), y[e]);
+                } else {
+                    y[e] = fmaf(weight[p], ((const float *)row)[e], y[e]);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2
+
+#if defined(KR_HAVE_AVX2)
+
+#define KR_INLINE static inline __attribute__((always_inline))
+#define GROUP 4  // queries folded together (registers: GROUP * WIDTH accumulators + WIDTH values)
+#define WIDTH 2  // vectors of 8 values per pass; divides the 4 vectors of a q8_0 block
+
+// W vectors of row values e .. e + 8W - 1 (inside one q8_0 block), and the block's scale.
+KR_INLINE void load_values(const int32_t type, const int W, const char *row, int64_t e, __m256 v[WIDTH], float *scale) {
+    if (type == KR_Q8_0) {
+        const kr_block_q8_0 *block = (const kr_block_q8_0 *)row + e / KR_QK;
+        *scale = _cvtsh_ss(block->d);
+#pragma GCC unroll 4
+        for (int k = 0; k < W; k++)
+            v[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block->q + e % KR_QK + 8 * k))));
+    } else if (type == KR_F16) {
+#pragma GCC unroll 4
+        for (int k = 0; k < W; k++) v[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + e + 8 * k)));
+    } else {
+#pragma GCC unroll 4
+        for (int k = 0; k < W; k++) v[k] = _mm256_loadu_ps((const float *)row + e + 8 * k);
+    }
+}
+
+// acc[g][k] = fma(w_g[p], V[p][e + 8k ..], acc[g][k]) for rows p in [first, last), G queries at
+// once (the caller passes acc + g and weight + g for one query alone).
+KR_INLINE void fold_rows(const int32_t type, const int W, const int G, const float *const *weight, const char *values,
+                         size_t row_stride, int64_t e, int64_t first, int64_t last, __m256 (*acc)[WIDTH]) {
+    for (int64_t p = first; p < last; p++) {
+        __m256 v[WIDTH];
+        float scale = 1.0f;
+        load_values(type, W, values + (size_t)p * row_stride, e, v, &scale);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) {
+            const __m256 w = _mm256_set1_ps(type == KR_Q8_0 ? weight[g][p] * scale : weight[g][p]);
+#pragma GCC unroll 4
+            for (int k = 0; k < W; k++) acc[g][k] = _mm256_fmadd_ps(w, v[k], acc[g][k]);
+        }
+    }
+}
+
+// Values e .. e + 8W - 1 of G queries: each query's rows before the shared range alone, the shared
+// range together, the rows after it alone.
+KR_INLINE void fold_group(const int32_t type, const int W, const int G, const float *const *weight, const int32_t *begin,
+                          const int32_t *end, const char *values, size_t row_stride, int64_t e, float *const *out) {
+    __m256 acc[GROUP][WIDTH];
+    int64_t shared_begin = begin[0], shared_end = end[0];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < W; k++) acc[g][k] = _mm256_setzero_ps();
+        if (begin[g] > shared_begin) shared_begin = begin[g];
+        if (end[g] < shared_end) shared_end = end[g];
+    }
+    const bool shared = shared_begin < shared_end;
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+        fold_rows(type, W, 1, weight + g, values, row_stride, e, begin[g], shared ? shared_begin : end[g], acc + g);
+    if (shared) {
+        fold_rows(type, W, G, weight, values, row_stride, e, shared_begin, shared_end, acc);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) fold_rows(type, W, 1, weight + g, values, row_stride, e, shared_end, end[g], acc + g);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int k = 0; k < W; k++) _mm256_storeu_ps(out[g] + e + 8 * k, acc[g][k]);
+}
+
+// The reference's operations; max_ps(value, max) keeps max when value is NaN, as `value > max`
+// does (and between +0 and -0 either is the same shift: x - 0 is x).
+void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap) {
+    float max = -INFINITY;
+    int64_t i = 0;
+    if (softcap > 0) {
+        for (; i < n; i++) {
+            x[i] = softcap * tanhf(x[i] * scale / softcap);
+            if (x[i] > max) max = x[i];
+        }
+    } else {
+        const __m256 factor = _mm256_set1_ps(scale);
+        __m256 maxes = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 value = _mm256_mul_ps(_mm256_loadu_ps(x + i), factor);
+            _mm256_storeu_ps(x + i, value);
+            maxes = _mm256_max_ps(value, maxes);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, maxes);
+        for (int l = 0; l < 8; l++)
+            if (lanes[l] > max) max = lanes[l];
+        for (; i < n; i++) {
+            x[i] *= scale;
+            if (x[i] > max) max = x[i];
+        }
+    }
+    const float inv_sum = 1.0f / kr_exp_shift_sum_f32_avx2(x, n, max);
+    const __m256 factor = _mm256_set1_ps(inv_sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), factor));
+    for (; i < n; i++) x[i] *= inv_sum;
+}
+
+// One instance per (type, width, group size): the loops above need them as constants.
+#define FOLD_GROUP_SIZES(TYPE, W)                                                                          \
+    switch (G) {                                                                                           \
+    case 1: fold_group(TYPE, W, 1, weight, begin, end, values, row_stride, e, out); break;                 \
+    case 2: fold_group(TYPE, W, 2, weight, begin, end, values, row_stride, e, out); break;                 \
+    case 3: fold_group(TYPE, W, 3, weight, begin, end, values, row_stride, e, out); break;                 \
+    default: fold_group(TYPE, W, 4, weight, begin, end, values, row_stride, e, out); break;                \
+    }
+
+static void fold_group_f32(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
+                           const char *values, size_t row_stride, int64_t e, float *const *out) {
+    if (W == WIDTH) FOLD_GROUP_SIZES(KR_F32, WIDTH) else FOLD_GROUP_SIZES(KR_F32, 1)
+}
+
+static void fold_group_f16(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
+                           const char *values, size_t row_stride, int64_t e, float *const *out) {
+    if (W == WIDTH) FOLD_GROUP_SIZES(KR_F16, WIDTH) else FOLD_GROUP_SIZES(KR_F16, 1)
+}
+
+static void fold_group_q8_0(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
+                            const char *values, size_t row_stride, int64_t e, float *const *out) {
+    FOLD_GROUP_SIZES(KR_Q8_0, WIDTH)  // q8_0 rows are whole blocks: 32 values, WIDTH divides them
+}
+
+void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
+                           size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
+                           float *const *out) {
+    const int64_t n_wide = n - n % (8 * WIDTH), n8 = n - n % 8;
+    for (int64_t i = 0; i < n_queries; i += GROUP) {
+        const int G = (int)(n_queries - i < GROUP ? n_queries - i : GROUP);
+        const float *weight[GROUP];
+        for (int g = 0; g < G; g++) weight[g] = weights + (size_t)(i + g) * weights_stride;
+        const char *rows = values;
+        for (int64_t e = 0; e < n8; e += e < n_wide ? 8 * WIDTH : 8) {
+            const int W = e < n_wide ? WIDTH : 1;
+            if (type == KR_Q8_0) fold_group_q8_0(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
+            else if (type == KR_F16) fold_group_f16(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
+            else fold_group_f32(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
+        }
+        // values past the last 8 (f32/f16 only): the reference's scalar fold
+        for (int g = 0; g < G; g++)
+            for (int64_t e = n8; e < n; e++) {
+                float y = 0.0f;
+                for (int64_t p = begin[i + g]; p < end[i + g]; p++) {
+                    const char *row = rows + (size_t)p * row_stride;
+                    const float v = type == KR_F16 ? _cvtsh_ss(((const kr_f16 *)row)[e]) : ((const float *)row)[e];
+                    y = fmaf(weight[g][p], v, y);
+                }
+                out[i + g][e] = y;
+            }
+    }
+}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Test entry points (krafla.h): arguments checked, then one call of the chosen implementation.
+
+static int check_impl(int impl, kr_error *err) {
+    if (impl == KR_KERNEL_AVX2) {
+#if !defined(KR_HAVE_AVX2)
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "this library was built with ISA=%s: it has no AVX2 kernels", kr_isa());
+#endif
+    } else if (impl != KR_KERNEL_DISPATCH && impl != KR_KERNEL_REFERENCE) {
+        return kr_fail(err, KR_ERR_ARGUMENT, "kernel implementation %d is not one of 0 (dispatch), 1 (reference), 2 (avx2)",
+                       impl);
+    }
+    return KR_OK;
+}
+
+int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float softcap, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (status) return status;
+    if (n < 1 || !x) return kr_fail(err, KR_ERR_ARGUMENT, "softmax of %lld values: need at least one, and a buffer", (long long)n);
+    if (!isfinite(scale) || !(softcap >= 0) || !isfinite(softcap))
+        return kr_fail(err, KR_ERR_ARGUMENT, "scale %g must be finite and softcap %g finite and >= 0", scale, softcap);
+    void (*kernel)(float *, int64_t, float, float) = impl == KR_KERNEL_REFERENCE ? kr_attention_softmax_ref : kr_attention_softmax;
+#if defined(KR_HAVE_AVX2)
+    if (impl == KR_KERNEL_AVX2) kernel = kr_attention_softmax_avx2;
+#endif
+    kernel(x, n, scale, softcap);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_attend_values(int impl, int32_t type, const void *values, int64_t row_stride, int64_t n_rows, int64_t n,
+                          const float *weights, int64_t n_queries, const int32_t *begin, const int32_t *end, float *out,
+                          kr_error *err) {
+    int status = check_impl(impl, err);
+    if (status) return status;
+    if (type != KR_F32 && type != KR_F16 && type != KR_Q8_0)
+        return kr_fail(err, KR_ERR_ARGUMENT, "value rows of type %d: expected f32 (0), f16 (1) or q8_0 (3)", type);
+    if (n < 1 || n_rows < 0 || n_queries < 0 || n_queries > 4096)
+        return kr_fail(err, KR_ERR_ARGUMENT, "n %lld must be >= 1, n_rows %lld >= 0, n_queries %lld in [0, 4096]",
+                       (long long)n, (long long)n_rows, (long long)n_queries);
+    if (type == KR_Q8_0 && n % KR_QK)
+        return kr_fail(err, KR_ERR_ARGUMENT, "q8_0 rows hold whole blocks of %d values, not %lld", KR_QK, (long long)n);
+    int64_t row_bytes = type == KR_Q8_0 ? n / KR_QK * (int64_t)sizeof(kr_block_q8_0) : n * (type == KR_F32 ? 4 : 2);
+    if (n_rows > 0 && row_stride < row_bytes)
+        return kr_fail(err, KR_ERR_ARGUMENT, "row stride %lld bytes is shorter than a row of %lld values",
+                       (long long)row_stride, (long long)n);
+    if (!values || !weights || !begin || !end || !out) return kr_fail(err, KR_ERR_ARGUMENT, "a buffer is NULL");
+    for (int64_t i = 0; i < n_queries; i++)
+        if (begin[i] < 0 || begin[i] > end[i] || end[i] > n_rows)
+            return kr_fail(err, KR_ERR_ARGUMENT, "query %lld: rows [%d, %d) are not inside [0, %lld)", (long long)i,
+                           begin[i], end[i], (long long)n_rows);
+    float *rows_out[4096];
+    for (int64_t i = 0; i < n_queries; i++) rows_out[i] = out + i * n;
+    void (*kernel)(int32_t, const void *, size_t, int64_t, const float *, size_t, const int32_t *, const int32_t *,
+                   int64_t, float *const *) = impl == KR_KERNEL_REFERENCE ? kr_attend_values_ref : kr_attend_values;
+#if defined(KR_HAVE_AVX2)
+    if (impl == KR_KERNEL_AVX2) kernel = kr_attend_values_avx2;
+#endif
+    kernel(type, values, (size_t)row_stride, n, weights, (size_t)n_rows, begin, end, n_queries, rows_out);
+    kr_ok(err);
+    return KR_OK;
+}
