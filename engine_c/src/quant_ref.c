@@ -193,12 +193,15 @@ size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) 
     return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
 }
 
-// q8_0 blocks, as `quantize` makes them, with the scale as a float and the sum of the quants.
+// q8_0 blocks, as `quantize` makes them, with the scale as a float and the sum of the quants. The
+// row is quantized in one call into the start of `y`, then each block is widened in place, the last
+// first: block b's q8_0 bytes end at 34 (b + 1), before any wider block after it starts.
 static void quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n,
                                 void (*quantize)(const float *, kr_block_q8_0 *, int64_t)) {
-    for (int64_t b = 0; b < n / KR_QK; b++) {
+    quantize(x, (kr_block_q8_0 *)y, n);
+    for (int64_t b = n / KR_QK - 1; b >= 0; b--) {
         kr_block_q8_0 block;
-        quantize(x + b * KR_QK, &block, KR_QK);
+        memcpy(&block, (const char *)y + (size_t)b * sizeof(kr_block_q8_0), sizeof block);
         int32_t sum = 0;
         for (int j = 0; j < KR_QK; j++) sum += block.q[j];
         y[b].d = kr_f16_to_f32(block.d);
