@@ -1,6 +1,9 @@
 """Attention over blocks of queries (engine_c/src/attention.c; docs/kernels.md, "Attention").
 
 Pinned here:
+- kr_attend_scores, the scores of float keys for several queries: AVX2 equals the reference bit
+  for bit, and both equal kr_matmul (what attention used before, and still uses for q8_0 keys) for
+  every position a query needs; the float64 dot within FLOAT32_SUM_TOLERANCE.
 - kr_attend_values, the weighted sum of value rows for several queries at once: the AVX2 version
   equals the reference bit for bit (f32, f16 and q8_0 rows, any sizes and ranges); one query is
   exactly kr_axpy_rows from zero over its range (the order the engine defines); a query's bits do
@@ -48,6 +51,11 @@ def _declare(lib):
     #                           const int32_t *end, float *out, kr_error *err);
     clib.declare(lib, "kr_test_attend_values", ctypes.c_int, ctypes.c_int, ctypes.c_int32, _p, _i64, _i64, _i64, _p,
                  _i64, _p, _p, _p, ctypes.POINTER(clib.kr_error))
+    # int kr_test_attend_scores(int impl, int32_t type, const void *keys, int64_t row_stride, int64_t n_rows,
+    #                           int64_t n, const float *queries, int64_t n_queries, const int32_t *end, float *out,
+    #                           kr_error *err);
+    clib.declare(lib, "kr_test_attend_scores", ctypes.c_int, ctypes.c_int, ctypes.c_int32, _p, _i64, _i64, _i64, _p,
+                 _i64, _p, _p, ctypes.POINTER(clib.kr_error))
     # int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float softcap, kr_error *err);
     clib.declare(lib, "kr_test_attention_softmax", ctypes.c_int, ctypes.c_int, _p, _i64, ctypes.c_float,
                  ctypes.c_float, ctypes.POINTER(clib.kr_error))
@@ -68,6 +76,18 @@ def attend_values(type_name, rows, n, weights, begin, end, impl="dispatch"):
     out = np.full((len(begin), n), np.nan, np.float32)
     _call(clib.load().kr_test_attend_values, IMPLEMENTATIONS[impl], TYPES[type_name], rows.ctypes.data, rows.strides[0],
           rows.shape[0], n, weights.ctypes.data, len(begin), begin.ctypes.data, end.ctypes.data, out.ctypes.data)
+    return out
+
+
+def attend_scores(type_name, keys, queries, end, impl="dispatch"):
+    """out (n_queries, n_rows): out[i, p] = dot(keys[p], queries[i]) for p < end[i]; the rest of each
+    row is NaN or a score the kernel computed on the way (for a neighbour's range)."""
+    keys = np.ascontiguousarray(keys)
+    queries = np.ascontiguousarray(queries, np.float32)
+    end = np.ascontiguousarray(end, np.int32)
+    out = np.full((queries.shape[0], keys.shape[0]), np.nan, np.float32)
+    _call(clib.load().kr_test_attend_scores, IMPLEMENTATIONS[impl], TYPES[type_name], keys.ctypes.data, keys.strides[0],
+          keys.shape[0], queries.shape[1], queries.ctypes.data, queries.shape[0], end.ctypes.data, out.ctypes.data)
     return out
 
 
@@ -183,6 +203,63 @@ class AttendValuesTests:
         with pytest.raises(clib.KraflaError, match="type 4"):
             _call(clib.load().kr_test_attend_values, 0, 4, rows.ctypes.data, 128, 4, 32, weights.ctypes.data, 1,
                   np.zeros(1, np.int32).ctypes.data, np.ones(1, np.int32).ctypes.data, rows.ctypes.data)
+
+
+@st.composite
+def score_blocks(draw):
+    """Float keys, a width (8-lane steps and a tail), queries with their own ends."""
+    type_name = draw(st.sampled_from(["f32", "f16"]))
+    n, n_rows, n_queries = draw(st.integers(1, 80)), draw(st.integers(0, 30)), draw(st.integers(1, 9))
+    end = draw(st.lists(st.integers(0, n_rows), min_size=n_queries, max_size=n_queries))
+    return type_name, n, n_rows, end, draw(st.integers(0, 2**32 - 1))
+
+
+def score_inputs(type_name, n, n_rows, n_queries, seed):
+    rng = np.random.default_rng(seed)
+    keys, exact = value_rows(rng, type_name, n_rows, n)
+    queries = (rng.standard_normal((n_queries, n)) * np.exp(rng.uniform(-3, 3, (n_queries, 1)))).astype(np.float32)
+    return keys, exact, queries
+
+
+def needed(out, end):
+    """The scores each query needs, one array per query."""
+    return [row[:e] for row, e in zip(out, end)]
+
+
+class AttendScoresTests:
+    @settings(max_examples=150, deadline=None)
+    @given(block=score_blocks())
+    def test_avx2_equals_reference_and_kr_matmul_bit_for_bit(self, block):
+        """Every score a query needs is kr_matmul's bits (kernels.matmul, the keys as weight rows),
+        in the reference and the AVX2 kernel."""
+        type_name, n, n_rows, end, seed = block
+        keys, _, queries = score_inputs(type_name, n, n_rows, len(end), seed)
+        matmul = (kernels.matmul(type_name, keys.tobytes(), n_rows, n, queries, "reference")
+                  if n_rows else np.zeros((len(end), 0), np.float32))
+        for impl in implementations():
+            got = attend_scores(type_name, keys, queries, end, impl)
+            for i, (row, want) in enumerate(zip(needed(got, end), needed(matmul, end))):
+                assert same_bits(row, want), (impl, i)
+
+    @settings(max_examples=60, deadline=None)
+    @given(block=score_blocks())
+    def test_reference_is_the_float64_dot(self, block):
+        """dot(key p, query i) in float64 numpy within FLOAT32_SUM_TOLERANCE."""
+        type_name, n, n_rows, end, seed = block
+        keys, exact, queries = score_inputs(type_name, n, n_rows, len(end), seed)
+        got = attend_scores(type_name, keys, queries, end, "reference")
+        want = queries.astype(np.float64) @ exact.T
+        magnitude = np.abs(queries.astype(np.float64)) @ np.abs(exact.T)
+        for i, e in enumerate(end):
+            assert (np.abs(got[i, :e] - want[i, :e]) <= float32_sum_tolerance(magnitude[i, :e], n)).all(), i
+
+    def test_bad_arguments_are_refused(self):
+        """Ends past the keys, q8_0 (or other) key types."""
+        keys = np.zeros((4, 8), np.float32)
+        with pytest.raises(clib.KraflaError, match="not inside"):
+            attend_scores("f32", keys, np.zeros((1, 8)), [5])
+        with pytest.raises(clib.KraflaError, match="type 3"):
+            attend_scores("q8_0", np.zeros((4, 34), np.uint8), np.zeros((1, 32)), [4])
 
 
 class AttentionSoftmaxTests:

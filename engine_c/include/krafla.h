@@ -334,6 +334,11 @@ int32_t kr_model_pack_status(const kr_model *model, char *note, size_t size);
 int kr_test_attend_values(int impl, int32_t type, const void *values, int64_t row_stride, int64_t n_rows, int64_t n,
                           const float *weights, int64_t n_queries, const int32_t *begin, const int32_t *end, float *out,
                           kr_error *err);
+// kr_attend_scores: key rows (KR_F32 or KR_F16) as above, queries (n_queries, n) f32, out
+// (n_queries, n_rows): out[i][p] = dot(key p, query i) for p < end[i] (0 <= end[i] <= n_rows), in
+// kr_dot's order; out[i][p] for end[i] <= p < n_rows may be written too.
+int kr_test_attend_scores(int impl, int32_t type, const void *keys, int64_t row_stride, int64_t n_rows, int64_t n,
+                          const float *queries, int64_t n_queries, const int32_t *end, float *out, kr_error *err);
 // kr_attention_softmax on n values in place: x = softmax(scale * x), or with softcap > 0
 // softmax(softcap * tanh(scale * x / softcap)).
 int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float softcap, kr_error *err);

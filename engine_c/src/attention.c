@@ -26,12 +26,28 @@ void kr_attend_values(int32_t type, const void *values, size_t row_stride, int64
     KR_ATTEND(kr_attend_values)(type, values, row_stride, n, weights, weights_stride, begin, end, n_queries, out);
 }
 
+void kr_attend_scores(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                      int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
+    KR_ATTEND(kr_attend_scores)(type, keys, row_stride, n, queries, n_queries, end, out, out_stride);
+}
+
 void kr_attention_softmax(float *x, int64_t n, float scale, float softcap) {
     KR_ATTEND(kr_attention_softmax)(x, n, scale, softcap);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Reference
+
+void kr_attend_scores_ref(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                          int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
+    for (int64_t i = 0; i < n_queries; i++)
+        for (int32_t p = 0; p < end[i]; p++) {
+            const void *key = (const char *)keys + (size_t)p * row_stride;
+            const float *query = queries + (size_t)i * (size_t)n;
+            out[(size_t)i * out_stride + (size_t)p] = type == KR_F16 ? kr_dot_f16_f32_ref(key, query, n)
+                                                                      : kr_dot_f32_ref(key, query, n);
+        }
+}
 
 void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap) {
     float max = -INFINITY;
@@ -74,8 +90,14 @@ void kr_attend_values_ref(int32_t type, const void *values, size_t row_stride, i
 #if defined(KR_HAVE_AVX2)
 
 #define KR_INLINE static inline __attribute__((always_inline))
-#define GROUP 4  // queries folded together (registers: GROUP * WIDTH accumulators + WIDTH values)
-#define WIDTH 2  // vectors of 8 values per pass; divides the 4 vectors of a q8_0 block
+#ifndef KR_ATTEND_GROUP
+#define KR_ATTEND_GROUP 4  // queries folded together (registers: GROUP * WIDTH accumulators + WIDTH values)
+#endif
+#ifndef KR_ATTEND_WIDTH
+#define KR_ATTEND_WIDTH 2  // vectors of 8 values per pass: 1, 2 or 4 (a q8_0 block is 4)
+#endif
+#define GROUP KR_ATTEND_GROUP
+#define WIDTH KR_ATTEND_WIDTH
 
 // W vectors of row values e .. e + 8W - 1 (inside one q8_0 block), and the block's scale.
 KR_INLINE void load_values(const int32_t type, const int W, const char *row, int64_t e, __m256 v[WIDTH], float *scale) {
@@ -137,6 +159,104 @@ KR_INLINE void fold_group(const int32_t type, const int W, const int G, const fl
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
         for (int k = 0; k < W; k++) _mm256_storeu_ps(out[g] + e + 8 * k, acc[g][k]);
+}
+
+// Scores, 4 positions x 2 queries at a time: 8 accumulators of 8 lanes over the values, then the
+// 8 horizontal sums together. kr_lanes_sum's tree ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) for
+// all 8: halves added (l_j + l_j+4), then pairs (s0+s2, s1+s3), then the two, by transposing
+// shuffles instead of one hsum per score; then the reference's scalar tail past the last 8.
+KR_INLINE __m256 load_key8(const int32_t type, const char *row, int64_t k) {
+    return type == KR_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + k)))
+                          : _mm256_loadu_ps((const float *)row + k);
+}
+
+KR_INLINE float load_key1(const int32_t type, const char *row, int64_t k) {
+    return type == KR_F16 ? _cvtsh_ss(((const kr_f16 *)row)[k]) : ((const float *)row)[k];
+}
+
+// a[j]: lanes of output j -> its tree sum in lane j.
+KR_INLINE __m256 lanes_sums8(const __m256 a[8]) {
+    __m256 s[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)  // [a_j lo + a_j hi | a_j+4 lo + a_j+4 hi]
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20), _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    // (s0 + s2, s1 + s3) of outputs j, j+1 in each 128-bit half
+    const __m256d s01_lo = _mm256_unpacklo_pd(_mm256_castps_pd(s[0]), _mm256_castps_pd(s[1]));
+    const __m256d s01_hi = _mm256_unpackhi_pd(_mm256_castps_pd(s[0]), _mm256_castps_pd(s[1]));
+    const __m256d s23_lo = _mm256_unpacklo_pd(_mm256_castps_pd(s[2]), _mm256_castps_pd(s[3]));
+    const __m256d s23_hi = _mm256_unpackhi_pd(_mm256_castps_pd(s[2]), _mm256_castps_pd(s[3]));
+    const __m256 u = _mm256_add_ps(_mm256_castpd_ps(s01_lo), _mm256_castpd_ps(s01_hi));
+    const __m256 v = _mm256_add_ps(_mm256_castpd_ps(s23_lo), _mm256_castpd_ps(s23_hi));
+    return _mm256_add_ps(_mm256_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
+                           const float *q1, float *out0, float *out1) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    const int64_t n8 = n - n % 8;
+    for (int64_t k = 0; k < n8; k += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + k), x1 = _mm256_loadu_ps(q1 + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m256 key = load_key8(type, keys + (size_t)r * row_stride, k);
+            __asm__("" : "+x"(key));  // one load per key vector: GCC would otherwise fold it into both FMAs
+            acc[r] = _mm256_fmadd_ps(key, x0, acc[r]);
+            acc[r + 4] = _mm256_fmadd_ps(key, x1, acc[r + 4]);
+        }
+    }
+    const __m256 sums = lanes_sums8(acc);
+    if (n8 == n) {
+        _mm_storeu_ps(out0, _mm256_castps256_ps128(sums));
+        _mm_storeu_ps(out1, _mm256_extractf128_ps(sums, 1));
+        return;
+    }
+    float tail[8];
+    _mm256_storeu_ps(tail, sums);
+    for (int64_t k = n8; k < n; k++)
+        for (int r = 0; r < 4; r++) {
+            const float key = load_key1(type, keys + (size_t)r * row_stride, k);
+            tail[r] = fmaf(key, q0[k], tail[r]);
+            tail[r + 4] = fmaf(key, q1[k], tail[r + 4]);
+        }
+    for (int r = 0; r < 4; r++) out0[r] = tail[r], out1[r] = tail[r + 4];
+}
+
+KR_INLINE float key_dot(const int32_t type, const char *key, const float *query, int64_t n) {
+    return type == KR_F16 ? kr_dot_f16_f32_avx2((const kr_f16 *)key, query, n) : kr_dot_f32_avx2((const float *)key, query, n);
+}
+
+// Positions outside, pairs of queries inside: 4 key rows stay in L1 while every pair passes over
+// them. A lone last query is paired with itself (its row written twice with the same values).
+KR_INLINE void scores_tiles(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *queries,
+                            int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
+    int32_t last = 0;
+    for (int64_t i = 0; i < n_queries; i++) last = end[i] > last ? end[i] : last;
+    for (int32_t p = 0; p < last; p += 4) {
+        const char *tile_keys = keys + (size_t)p * row_stride;
+        for (int64_t i = 0; i < n_queries; i += 2) {
+            const int64_t j = i + 1 < n_queries ? i + 1 : i;
+            const int32_t positions = end[i] > end[j] ? end[i] : end[j];
+            if (p >= positions) continue;
+            const float *q0 = queries + (size_t)i * (size_t)n, *q1 = queries + (size_t)j * (size_t)n;
+            float *out0 = out + (size_t)i * out_stride + p, *out1 = out + (size_t)j * out_stride + p;
+            if (p + 4 <= positions) {
+                scores_tile(type, tile_keys, row_stride, n, q0, q1, out0, out1);
+                continue;
+            }
+            for (int32_t r = 0; r < positions - p; r++) {  // the last 1-3 positions: kr_dot's own sequence
+                out0[r] = key_dot(type, tile_keys + (size_t)r * row_stride, q0, n);
+                out1[r] = key_dot(type, tile_keys + (size_t)r * row_stride, q1, n);
+            }
+        }
+    }
+}
+
+void kr_attend_scores_avx2(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                           int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
+    if (type == KR_F16) scores_tiles(KR_F16, keys, row_stride, n, queries, n_queries, end, out, out_stride);
+    else scores_tiles(KR_F32, keys, row_stride, n, queries, n_queries, end, out, out_stride);
 }
 
 // The reference's operations; max_ps(value, max) keeps max when value is NaN, as `value > max`
@@ -253,6 +373,33 @@ int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float 
     if (impl == KR_KERNEL_AVX2) kernel = kr_attention_softmax_avx2;
 #endif
     kernel(x, n, scale, softcap);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_attend_scores(int impl, int32_t type, const void *keys, int64_t row_stride, int64_t n_rows, int64_t n,
+                          const float *queries, int64_t n_queries, const int32_t *end, float *out, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (status) return status;
+    if (type != KR_F32 && type != KR_F16)
+        return kr_fail(err, KR_ERR_ARGUMENT, "key rows of type %d: expected f32 (0) or f16 (1)", type);
+    if (n < 1 || n_rows < 0 || n_queries < 0)
+        return kr_fail(err, KR_ERR_ARGUMENT, "n %lld must be >= 1, n_rows %lld and n_queries %lld >= 0", (long long)n,
+                       (long long)n_rows, (long long)n_queries);
+    if (n_rows > 0 && row_stride < n * (type == KR_F32 ? 4 : 2))
+        return kr_fail(err, KR_ERR_ARGUMENT, "row stride %lld bytes is shorter than a row of %lld values",
+                       (long long)row_stride, (long long)n);
+    if (!keys || !queries || !end || !out) return kr_fail(err, KR_ERR_ARGUMENT, "a buffer is NULL");
+    for (int64_t i = 0; i < n_queries; i++)
+        if (end[i] < 0 || end[i] > n_rows)
+            return kr_fail(err, KR_ERR_ARGUMENT, "query %lld: positions [0, %d) are not inside [0, %lld)", (long long)i,
+                           end[i], (long long)n_rows);
+    void (*kernel)(int32_t, const void *, size_t, int64_t, const float *, int64_t, const int32_t *, float *, size_t) =
+        impl == KR_KERNEL_REFERENCE ? kr_attend_scores_ref : kr_attend_scores;
+#if defined(KR_HAVE_AVX2)
+    if (impl == KR_KERNEL_AVX2) kernel = kr_attend_scores_avx2;
+#endif
+    kernel(type, keys, (size_t)row_stride, n, queries, n_queries, end, out, (size_t)n_rows);
     kr_ok(err);
     return KR_OK;
 }

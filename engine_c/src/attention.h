@@ -26,6 +26,18 @@ void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, 
                            size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
                            float *const *out);
 
+// Scores of float keys: out[i * out_stride + p] = dot(K[p], q_i) over n values, in kr_dot_f32's
+// order (kr_dot_f16_f32's for KR_F16 keys), which is kr_matmul's for these types: the same bits.
+// Key row p (KR_F32 or KR_F16) at byte keys + p * row_stride, query i (f32) at queries + i * n.
+// Query i needs positions [0, end[i]); a call may also write positions up to the largest end of
+// the queries next to it (the caller's rows must have room up to the largest end overall).
+void kr_attend_scores(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                      int64_t n_queries, const int32_t *end, float *out, size_t out_stride);
+void kr_attend_scores_ref(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                          int64_t n_queries, const int32_t *end, float *out, size_t out_stride);
+void kr_attend_scores_avx2(int32_t type, const void *keys, size_t row_stride, int64_t n, const float *queries,
+                           int64_t n_queries, const int32_t *end, float *out, size_t out_stride);
+
 // One query's weights in place: x[i] = scale * x[i] (then softcap * tanh(x[i] / softcap) when
 // softcap > 0), x = exp(x - max x) / sum, the sum in kr_exp_shift_sum_f32's order.
 void kr_attention_softmax(float *x, int64_t n, float scale, float softcap);

@@ -359,10 +359,11 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
 //
 // The queries of one KV head in a step are numbered i = t * group + g: token t of the step, g-th
 // query head of the KV head's group (GQA). A work item is one KV head and a run of consecutive
-// queries: their keys' scores are one kr_matmul (the keys read once for all of them), their
-// weighted sums of values one kr_attend_values (the values read once per 4 queries). Both give
-// each (query, position) the same bits however the queries are grouped, so attention does not
-// depend on the batch, the thread count or the split.
+// queries: their keys' scores are one kr_attend_scores (float keys, 2 queries per pass over
+// them) or kr_matmul (q8_0 keys, the keys read once for all), then a softmax per query, then
+// their weighted sums of values one kr_attend_values (the values read once per 4 queries). Each
+// gives every (query, position) the same bits however the queries are grouped, so attention does
+// not depend on the batch, the thread count or the split (attention.h).
 
 // Items of a step of n tokens, and *per_item queries in each (the last of a KV head may have
 // fewer). Whole tokens per item where the scratch allows; on several threads, items small enough
@@ -413,7 +414,10 @@ static void attend_block(kr_session *s, const step *j, int32_t kv_head, int64_t 
     }
     size_t row = kv_bytes(s, hd);
     const uint8_t *keys = cache_head(s, s->k_cache, j->layer, kv_head) + (size_t)base * row;
-    kr_matmul(s->kv_type, keys, hd, queries, n_queries, scores, span, 0, span);
+    if (s->kv_type == KR_Q8_0)  // speed hook: the integer kernel
+        kr_matmul(KR_Q8_0, keys, hd, queries, n_queries, scores, span, 0, span);
+    else  // kr_matmul's bits, fewer operations per score, and only up to each query's own position
+        kr_attend_scores(s->kv_type, keys, row, hd, (const float *)queries, n_queries, end, scores, (size_t)span);
     for (int64_t i = 0; i < n_queries; i++)
         kr_attention_softmax(scores + (size_t)i * (size_t)span + begin[i], end[i] - begin[i], h->attn_scale,
                              h->attn_softcap);
