@@ -29,6 +29,7 @@ void kr_f16_to_f32_row(const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_f16_
 void kr_f32_to_f16_row(const float *x, kr_f16 *y, int64_t n) { KR_KERNEL(kr_f32_to_f16_row)(x, y, n); }
 
 void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n) { KR_KERNEL(kr_quantize_row_q8_0)(x, y, n); }
+void kr_quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n) { KR_KERNEL(kr_quantize_row_q8_sum)(x, y, n); }
 
 void kr_matmul(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
@@ -166,7 +167,8 @@ static int test_matmul(int impl, bool packed, int32_t weight_type, const void *w
     const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
     void *prepared = malloc(bytes ? bytes : 1);
     if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
-    kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
+    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum)};
+    kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, &quantize);
     if (packed)
         KR_PICK(impl, kr_matmul_packed)(weight_type, weights, rows, cols, prepared, n_tokens, out, rows, row_begin,
                                         row_end);
@@ -255,11 +257,12 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t 
         free(out);
         return kr_fail(err, KR_ERR_MEMORY, "cannot allocate the benchmark's buffers");
     }
+    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum)};
     double best = INFINITY;
     for (int32_t i = 0; i < repeat; i++) {
         struct timespec start, end;
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
-        kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, KR_PICK(impl, kr_quantize_row_q8_0));
+        kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, &quantize);
         KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, 0, rows);
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
         const double seconds = (double)(end.tv_sec - start.tv_sec) + 1e-9 * (double)(end.tv_nsec - start.tv_nsec);

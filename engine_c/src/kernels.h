@@ -76,6 +76,10 @@ size_t kr_weight_row_bytes(int32_t type, int64_t cols);
 void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n);
 void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n);
 void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n);
+// The same values as kr_block_q8_sum blocks (prepared activations for q4_0 weights).
+void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n);
+void kr_quantize_row_q8_sum_avx2(const float *x, kr_block_q8_sum *y, int64_t n);
+void kr_quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n);
 
 // One row of any weight type to floats (embedding lookup, tests).
 void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
@@ -88,10 +92,13 @@ size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end);
-// The same with a chosen q8_0 quantizer (tests run the reference and the AVX2 one separately).
+// The same with chosen quantizers (tests run the reference and the AVX2 ones separately).
+typedef struct {
+    void (*q8_0)(const float *, kr_block_q8_0 *, int64_t);
+    void (*q8_sum)(const float *, kr_block_q8_sum *, int64_t);
+} kr_quantizers;
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
-                                 int64_t token_begin, int64_t token_end,
-                                 void (*quantize)(const float *, kr_block_q8_0 *, int64_t));
+                                 int64_t token_begin, int64_t token_end, const kr_quantizers *quantize);
 
 // out[t * out_stride + r] = sum_k W[r, k] * x[t, k] for t in [0, n_tokens), r in [row_begin, row_end).
 // W is (rows x cols) of weight_type in file layout; `prepared` comes from kr_prepare_activations.

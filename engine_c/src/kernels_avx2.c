@@ -57,33 +57,49 @@ KR_INLINE __m256i round_away_to_i32(__m256 v) {
     return _mm256_cvttps_epi32(_mm256_and_ps(ordered, _mm256_or_ps(whole, _mm256_and_ps(v, sign_mask))));
 }
 
-void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
+// One block of 32: the f16 scale into *d, the quants into q, and (with_sum) their sum into *sum.
+KR_INLINE void quantize_block_q8(const float *xb, kr_f16 *d_out, int8_t *q, const int with_sum, int32_t *sum) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    // max_ps(a, b) returns b when a is NaN: with the running maximum as b, NaNs are skipped
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        m = _mm256_max_ps(_mm256_andnot_ps(sign_mask, v[i]), m);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *d_out = (kr_f16)_cvtss_sh(_mm256_movemask_ps(nan) ? NAN : d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 scale = _mm256_set1_ps(id);
+    const __m256i q0 = round_away_to_i32(_mm256_mul_ps(v[0], scale));
+    const __m256i q1 = round_away_to_i32(_mm256_mul_ps(v[1], scale));
+    const __m256i q2 = round_away_to_i32(_mm256_mul_ps(v[2], scale));
+    const __m256i q3 = round_away_to_i32(_mm256_mul_ps(v[3], scale));
+    // packs work within 128-bit halves; the permute puts the 4-byte groups back in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    if (with_sum) {
+        const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
+    }
+}
+
+void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n) {
+    for (int64_t b = 0; b < n / KR_QK; b++) quantize_block_q8(x + b * KR_QK, &y[b].d, y[b].q, 0, NULL);
+}
+
+void kr_quantize_row_q8_sum_avx2(const float *x, kr_block_q8_sum *y, int64_t n) {
     for (int64_t b = 0; b < n / KR_QK; b++) {
-        const float *xb = x + b * KR_QK;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        // max_ps(a, b) returns b when a is NaN: with the running maximum as b, NaNs are skipped
-        __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            m = _mm256_max_ps(_mm256_andnot_ps(sign_mask, v[i]), m);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = (kr_f16)_cvtss_sh(_mm256_movemask_ps(nan) ? NAN : d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 scale = _mm256_set1_ps(id);
-        __m256i q0 = round_away_to_i32(_mm256_mul_ps(v[0], scale));
-        __m256i q1 = round_away_to_i32(_mm256_mul_ps(v[1], scale));
-        __m256i q2 = round_away_to_i32(_mm256_mul_ps(v[2], scale));
-        __m256i q3 = round_away_to_i32(_mm256_mul_ps(v[3], scale));
-        // packs work within 128-bit halves; the permute puts the 4-byte groups back in order
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
-        _mm256_storeu_si256((__m256i *)y[b].q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        kr_f16 d;
+        quantize_block_q8(x + b * KR_QK, &d, y[b].q, 1, &y[b].sum);
+        y[b].d = f16_to_f32(d);
     }
 }
 

@@ -193,38 +193,34 @@ size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) 
     return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
 }
 
-// q8_0 blocks, as `quantize` makes them, with the scale as a float and the sum of the quants. The
-// row is quantized in one call into the start of `y`, then each block is widened in place, the last
-// first: block b's q8_0 bytes end at 34 (b + 1), before any wider block after it starts.
-static void quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n,
-                                void (*quantize)(const float *, kr_block_q8_0 *, int64_t)) {
-    quantize(x, (kr_block_q8_0 *)y, n);
-    for (int64_t b = n / KR_QK - 1; b >= 0; b--) {
+// q8_0 blocks (kr_quantize_row_q8_0_ref's values) with the scale as a float and the sum of the quants.
+void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n) {
+    for (int64_t b = 0; b < n / KR_QK; b++) {
         kr_block_q8_0 block;
-        memcpy(&block, (const char *)y + (size_t)b * sizeof(kr_block_q8_0), sizeof block);
+        kr_quantize_row_q8_0_ref(x + b * KR_QK, &block, KR_QK);
         int32_t sum = 0;
         for (int j = 0; j < KR_QK; j++) sum += block.q[j];
-        y[b].d = kr_f16_to_f32(block.d);
+        y[b].d = kr_f16_to_f32_ref(block.d);
         y[b].sum = sum;
         memcpy(y[b].q, block.q, KR_QK);
     }
 }
 
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
-                                 int64_t token_begin, int64_t token_end,
-                                 void (*quantize)(const float *, kr_block_q8_0 *, int64_t)) {
+                                 int64_t token_begin, int64_t token_end, const kr_quantizers *quantize) {
     const size_t row_bytes = kr_activation_row_bytes(weight_type, cols);
     for (int64_t t = token_begin; t < token_end; t++) {
         char *dst = (char *)prepared + (size_t)t * row_bytes;
-        if (weight_type == KR_Q8_0) quantize(x + t * cols, (kr_block_q8_0 *)dst, cols);
-        else if (weight_type == KR_Q4_0) quantize_row_q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols, quantize);
+        if (weight_type == KR_Q8_0) quantize->q8_0(x + t * cols, (kr_block_q8_0 *)dst, cols);
+        else if (weight_type == KR_Q4_0) quantize->q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols);
         else memcpy(dst, x + t * cols, row_bytes);
     }
 }
 
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end) {
-    kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, kr_quantize_row_q8_0);
+    static const kr_quantizers dispatch = {kr_quantize_row_q8_0, kr_quantize_row_q8_sum};
+    kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, &dispatch);
 }
 
 // ---------------------------------------------------------------------------------------------
