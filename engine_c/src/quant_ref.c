@@ -434,7 +434,7 @@ void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows,
             for (int64_t r = 0; r < KR_PACK_ROWS; r++) {
                 const char *block = in + (size_t)r * row_bytes + (size_t)b * block_bytes;
                 memcpy(group_block + 2 * r, block, 2);
-                for (int j = 0; j < quant_bytes; j++) group_block[packed_quant_at(r, j)] = block[2 + j];
+                for (int j = 0; j < quant_bytes; j += 4) memcpy(group_block + packed_quant_at(r, j), block + 2 + j, 4);
             }
         }
     }
