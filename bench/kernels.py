@@ -1,11 +1,12 @@
 """Quick speed check of the matmul kernels: GFLOP/s and weight GB/s, one thread.
 
-    KRAFLA_LIB=build/avx2/libkrafla.so .venv/bin/python bench/kernels.py [--impl avx2] [--repeat 200]
+    KRAFLA_LIB=build/avx2/libkrafla.so .venv/bin/python bench/kernels.py [--impl avx2] [--repeat 200] [--packed]
 
 Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
 4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
 tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
-quantization), timed in C in thread CPU time: the best of --repeat runs.
+quantization), timed in C in thread CPU time: the best of --repeat runs. --packed multiplies q4_0 and
+q8_0 weights in the packed layout the engine uses after loading a model (kernels.h).
 """
 
 import argparse
@@ -29,10 +30,13 @@ def random_weights(type_name, rows, cols, rng):
     return values.view(np.uint8).reshape(-1)
 
 
-def measure(type_name, rows, cols, n_tokens, impl, repeat, rng):
+def measure(type_name, rows, cols, n_tokens, impl, repeat, rng, packed):
     weights = random_weights(type_name, rows, cols, rng)
+    packed = packed and type_name in ("q4_0", "q8_0")
+    if packed:
+        weights = kernels.pack(type_name, weights, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
-    best = kernels.bench_matmul(type_name, weights, rows, cols, x, impl, repeat)
+    best = kernels.bench_matmul(type_name, weights, rows, cols, x, impl, repeat, packed)
     gflops = 2 * rows * cols * n_tokens / best / 1e9
     gbytes = weights.size / best / 1e9
     return best, gflops, gbytes
@@ -44,14 +48,16 @@ def main():
     parser.add_argument("--types", default="q4_0,q8_0", help="comma-separated weight types")
     parser.add_argument("--tokens", default="1,32", help="comma-separated token counts")
     parser.add_argument("--repeat", type=int, default=100)
+    parser.add_argument("--packed", action="store_true", help="q4_0/q8_0 weights in the packed layout")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f"library ISA {kernels.isa()}, implementation {args.impl}, best of {args.repeat}")
+    print(f"library ISA {kernels.isa()}, implementation {args.impl}, {'packed' if args.packed else 'file'} layout, "
+          f"best of {args.repeat}")
     print(f"{'type':5} {'rows x cols':>11} {'tokens':>6} {'us':>9} {'GFLOP/s':>8} {'weight GB/s':>11}")
     for type_name in args.types.split(","):
         for rows, cols in SHAPES:
             for n_tokens in map(int, args.tokens.split(",")):
-                seconds, gflops, gbytes = measure(type_name, rows, cols, n_tokens, args.impl, args.repeat, rng)
+                seconds, gflops, gbytes = measure(type_name, rows, cols, n_tokens, args.impl, args.repeat, rng, args.packed)
                 print(f"{type_name:5} {rows:>5}x{cols:<5} {n_tokens:>6} {seconds * 1e6:>9.1f} {gflops:>8.1f} {gbytes:>11.1f}")
 
 

@@ -52,9 +52,10 @@ def _declare(lib):
     # int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum,
     #                         kr_error *err);
     clib.declare(lib, "kr_test_elementwise", _int, _int, _i32, _p, _p, _i64, ctypes.c_float, _p, _err)
-    # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
-    #                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
-    clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _i32, _p, _err)
+    # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows,
+    #                     int64_t cols, const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds,
+    #                     kr_error *err);
+    clib.declare(lib, "kr_bench_matmul", _int, _int, _i32, _p, _i32, _i64, _i64, _p, _i64, _i32, _p, _err)
     # int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed,
     #                  kr_error *err);
     clib.declare(lib, "kr_test_pack", _int, _i32, _p, _i64, _i64, _p, _err)
@@ -292,8 +293,10 @@ def gelu_tanh_mul(gate, up, impl="dispatch"):
     return _elementwise(3, gate, up, impl)[0]
 
 
-def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20):
-    """Seconds of the fastest of `repeat` runs of (prepare activations + matmul over all rows), timed in C."""
+def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20, packed=False):
+    """Seconds of the fastest of `repeat` runs of (prepare activations + matmul over all rows), timed in C.
+
+    packed: the weights are in the packed layout (from `pack`), multiplied by the packed matmul."""
     w = _array(weights, np.uint8)
     if w.size != rows * row_bytes(type_name, cols):
         raise ValueError(f"{rows}x{cols} {type_name} weights take {rows * row_bytes(type_name, cols)} bytes, got {w.size}")
@@ -301,6 +304,6 @@ def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20):
     if x.ndim != 2 or x.shape[1] != cols:
         raise ValueError(f"activations must be (n_tokens, {cols}), got {x.shape}")
     seconds = ctypes.c_double()
-    _call(clib.load().kr_bench_matmul, _impl(impl), _weight_type(type_name), _ptr(w), rows, cols, _ptr(x), x.shape[0],
-          repeat, ctypes.byref(seconds))
+    _call(clib.load().kr_bench_matmul, _impl(impl), _weight_type(type_name), _ptr(w), int(packed), rows, cols, _ptr(x),
+          x.shape[0], repeat, ctypes.byref(seconds))
     return seconds.value

@@ -292,11 +292,12 @@ int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *
 // Element-wise kernels; which: 0 y = exp(x); 1 x = exp(x - shift) in place and *sum = their sum;
 // 2 x = silu(x) * y; 3 x = gelu_tanh(x) * y (x is the gate, y the up projection).
 int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum, kr_error *err);
-// For bench/kernels.py: prepare the activations and run kr_matmul over all rows `repeat` times;
-// *best_seconds is the fastest repetition in CPU time of the calling thread (so a busy machine
-// slows it less than wall time). Arguments as kr_test_matmul.
-int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
-                    int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
+// For bench/kernels.py: prepare the activations and run kr_matmul (kr_matmul_packed when `packed`
+// is nonzero: weights from kr_test_pack) over all rows `repeat` times; *best_seconds is the fastest
+// repetition in CPU time of the calling thread (so a busy machine slows it less than wall time).
+// Arguments as kr_test_matmul.
+int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows, int64_t cols,
+                    const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
 // Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0 (rows, cols) matrix into the
 // packed layout (engine_c/src/kernels.h, the same number of bytes); kr_test_matmul_packed is
 // kr_test_matmul on packed weights and gives the same bits.

@@ -236,8 +236,8 @@ int kr_test_axpy(int impl, int32_t type, float alpha, const void *x, float *y, i
     return KR_OK;
 }
 
-int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols, const float *x,
-                    int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err) {
+int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows, int64_t cols,
+                    const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err) {
     int status = check_impl(impl, err);
     if (!status) status = check_weight_type(weight_type, cols, err);
     if (!status) status = check_count("rows", rows, 1, err);
@@ -245,6 +245,9 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t 
     if (!status) status = check_pointers(weights, x, err);
     if (!status) status = check_pointers(best_seconds, best_seconds, err);
     if (!status && repeat < 1) status = kr_fail(err, KR_ERR_ARGUMENT, "repeat must be >= 1, got %d", repeat);
+    if (!status && packed && !kr_packable(weight_type))
+        status = kr_fail(err, KR_ERR_ARGUMENT, "only q8_0 (%d) and q4_0 (%d) weights are packed, not type %d", KR_Q8_0,
+                         KR_Q4_0, weight_type);
     if (status) return status;
     uint64_t out_count;
     if (kr_mul_overflows((uint64_t)rows, (uint64_t)n_tokens, &out_count))
@@ -263,7 +266,10 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int64_t 
         struct timespec start, end;
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
         kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, &quantize);
-        KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, 0, rows);
+        if (packed)
+            KR_PICK(impl, kr_matmul_packed)(weight_type, weights, rows, cols, prepared, n_tokens, out, rows, 0, rows);
+        else
+            KR_PICK(impl, kr_matmul)(weight_type, weights, cols, prepared, n_tokens, out, rows, 0, rows);
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
         const double seconds = (double)(end.tv_sec - start.tv_sec) + 1e-9 * (double)(end.tv_nsec - start.tv_nsec);
         best = seconds < best ? seconds : best;
