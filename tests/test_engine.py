@@ -514,3 +514,17 @@ class BenchTests:
         assert cli.main(["bench", str(path) + ".missing"]) == 1
         err = capsys.readouterr().err
         assert "not both 0" in err and "--threads must be at least 1" in err and "no such file" in err
+
+
+class ProcessThreadsTests:
+    def test_numpy_starts_no_blas_threads_beside_the_engine(self):
+        """Importing krafla (then numpy, as the server and the CLI do) leaves the process with one
+        thread: OpenBLAS's idle workers would otherwise spin on the cores the engine's pool needs."""
+        import os
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+        code = "import krafla_twisted.cli, numpy, os; print(len(os.listdir('/proc/self/task')))"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "1"
