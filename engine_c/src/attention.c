@@ -96,6 +96,9 @@ void kr_attend_values_ref(int32_t type, const void *values, size_t row_stride, i
 #ifndef KR_ATTEND_WIDTH
 #define KR_ATTEND_WIDTH 2  // vectors of 8 values per pass: 1, 2 or 4 (a q8_0 block is 4)
 #endif
+#define ATTEND_AHEAD 4   // rows fetched ahead when the rows are read in order
+#define FETCH_AHEAD 24   // rows fetched ahead into L2 by the first column strip
+#define ROWS_IN_ORDER_BYTES 512  // a few queries over rows this long: rows in order (rows_in_order)
 #define GROUP KR_ATTEND_GROUP
 #define WIDTH KR_ATTEND_WIDTH
 
@@ -118,11 +121,17 @@ KR_INLINE void load_values(const int32_t type, const int W, const char *row, int
 
 // acc[g][k] = fma(w_g[p], V[p][e + 8k ..], acc[g][k]) for rows p in [first, last), G queries at
 // once (the caller passes acc + g and weight + g for one query alone).
+// With `fetch`, whole rows FETCH_AHEAD ahead are fetched into L2 on the way, so that the later
+// column strips find them there (a strip reads one cache line per row, a stride the hardware
+// prefetchers follow poorly).
 KR_INLINE void fold_rows(const int32_t type, const int W, const int G, const float *const *weight, const char *values,
-                         size_t row_stride, int64_t e, int64_t first, int64_t last, __m256 (*acc)[WIDTH]) {
+                         size_t row_stride, int64_t e, int64_t first, int64_t last, __m256 (*acc)[WIDTH], bool fetch) {
     for (int64_t p = first; p < last; p++) {
         __m256 v[WIDTH];
         float scale = 1.0f;
+        if (fetch)
+            for (size_t line = 0; line < row_stride; line += 64)
+                _mm_prefetch(values + (size_t)(p + FETCH_AHEAD) * row_stride + line, _MM_HINT_T1);
         load_values(type, W, values + (size_t)p * row_stride, e, v, &scale);
 #pragma GCC unroll 4
         for (int g = 0; g < G; g++) {
@@ -136,7 +145,8 @@ KR_INLINE void fold_rows(const int32_t type, const int W, const int G, const flo
 // Values e .. e + 8W - 1 of G queries: each query's rows before the shared range alone, the shared
 // range together, the rows after it alone.
 KR_INLINE void fold_group(const int32_t type, const int W, const int G, const float *const *weight, const int32_t *begin,
-                          const int32_t *end, const char *values, size_t row_stride, int64_t e, float *const *out) {
+                          const int32_t *end, const char *values, size_t row_stride, int64_t e, float *const *out,
+                          bool fetch) {
     __m256 acc[GROUP][WIDTH];
     int64_t shared_begin = begin[0], shared_end = end[0];
 #pragma GCC unroll 4
@@ -149,11 +159,11 @@ KR_INLINE void fold_group(const int32_t type, const int W, const int G, const fl
     const bool shared = shared_begin < shared_end;
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
-        fold_rows(type, W, 1, weight + g, values, row_stride, e, begin[g], shared ? shared_begin : end[g], acc + g);
+        fold_rows(type, W, 1, weight + g, values, row_stride, e, begin[g], shared ? shared_begin : end[g], acc + g, fetch);
     if (shared) {
-        fold_rows(type, W, G, weight, values, row_stride, e, shared_begin, shared_end, acc);
+        fold_rows(type, W, G, weight, values, row_stride, e, shared_begin, shared_end, acc, fetch);
 #pragma GCC unroll 4
-        for (int g = 0; g < G; g++) fold_rows(type, W, 1, weight + g, values, row_stride, e, shared_end, end[g], acc + g);
+        for (int g = 0; g < G; g++) fold_rows(type, W, 1, weight + g, values, row_stride, e, shared_end, end[g], acc + g, fetch);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
@@ -190,8 +200,9 @@ KR_INLINE __m256 lanes_sums8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// `next`: the next tile's key rows (NULL if none, or already fetched), prefetched alongside.
 KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
-                           const float *q1, float *out0, float *out1) {
+                           const float *q1, float *out0, float *out1, const char *next) {
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -200,6 +211,7 @@ KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stri
         const __m256 x0 = _mm256_loadu_ps(q0 + k), x1 = _mm256_loadu_ps(q1 + k);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
+            if (next) _mm_prefetch(next + (size_t)r * row_stride + (size_t)k * (type == KR_F16 ? 2 : 4), _MM_HINT_T0);
             __m256 key = load_key8(type, keys + (size_t)r * row_stride, k);
             __asm__("" : "+x"(key));  // one load per key vector: GCC would otherwise fold it into both FMAs
             acc[r] = _mm256_fmadd_ps(key, x0, acc[r]);
@@ -242,7 +254,9 @@ KR_INLINE void scores_tiles(const int32_t type, const char *keys, size_t row_str
             const float *q0 = queries + (size_t)i * (size_t)n, *q1 = queries + (size_t)j * (size_t)n;
             float *out0 = out + (size_t)i * out_stride + p, *out1 = out + (size_t)j * out_stride + p;
             if (p + 4 <= positions) {
-                scores_tile(type, tile_keys, row_stride, n, q0, q1, out0, out1);
+                // the first pair to pass fetches the next tile (the keys come from memory in generation)
+                const char *next = i == 0 && p + 4 < last ? tile_keys + 4 * row_stride : NULL;
+                scores_tile(type, tile_keys, row_stride, n, q0, q1, out0, out1, next);
                 continue;
             }
             for (int32_t r = 0; r < positions - p; r++) {  // the last 1-3 positions: kr_dot's own sequence
@@ -295,41 +309,83 @@ void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap) 
 // One instance per (type, width, group size): the loops above need them as constants.
 #define FOLD_GROUP_SIZES(TYPE, W)                                                                          \
     switch (G) {                                                                                           \
-    case 1: fold_group(TYPE, W, 1, weight, begin, end, values, row_stride, e, out); break;                 \
-    case 2: fold_group(TYPE, W, 2, weight, begin, end, values, row_stride, e, out); break;                 \
-    case 3: fold_group(TYPE, W, 3, weight, begin, end, values, row_stride, e, out); break;                 \
-    default: fold_group(TYPE, W, 4, weight, begin, end, values, row_stride, e, out); break;                \
+    case 1: fold_group(TYPE, W, 1, weight, begin, end, values, row_stride, e, out, fetch); break;          \
+    case 2: fold_group(TYPE, W, 2, weight, begin, end, values, row_stride, e, out, fetch); break;          \
+    case 3: fold_group(TYPE, W, 3, weight, begin, end, values, row_stride, e, out, fetch); break;          \
+    default: fold_group(TYPE, W, 4, weight, begin, end, values, row_stride, e, out, fetch); break;         \
     }
 
 static void fold_group_f32(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
-                           const char *values, size_t row_stride, int64_t e, float *const *out) {
+                           const char *values, size_t row_stride, int64_t e, float *const *out, bool fetch) {
     if (W == WIDTH) FOLD_GROUP_SIZES(KR_F32, WIDTH) else FOLD_GROUP_SIZES(KR_F32, 1)
 }
 
 static void fold_group_f16(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
-                           const char *values, size_t row_stride, int64_t e, float *const *out) {
+                           const char *values, size_t row_stride, int64_t e, float *const *out, bool fetch) {
     if (W == WIDTH) FOLD_GROUP_SIZES(KR_F16, WIDTH) else FOLD_GROUP_SIZES(KR_F16, 1)
 }
 
 static void fold_group_q8_0(int W, int G, const float *const *weight, const int32_t *begin, const int32_t *end,
-                            const char *values, size_t row_stride, int64_t e, float *const *out) {
+                            const char *values, size_t row_stride, int64_t e, float *const *out, bool fetch) {
     FOLD_GROUP_SIZES(KR_Q8_0, WIDTH)  // q8_0 rows are whole blocks: 32 values, WIDTH divides them
+}
+
+// A few queries (generation): the rows one after another, each added to the sums of the queries
+// that see it, kept in out. The rows then stream from memory in order, as the prefetchers like
+// (the cache is cold after a token's weights have passed); the column strips above read a row's
+// cache lines far apart, which costs more than the sums' loads and stores here.
+KR_INLINE void rows_in_order(const int32_t type, const float *weights, size_t weights_stride, const int32_t *begin,
+                             const int32_t *end, int64_t n_queries, const char *values, size_t row_stride, int64_t n8,
+                             float *const *out) {
+    int32_t first = begin[0], last = end[0];
+    for (int64_t g = 1; g < n_queries; g++) {
+        if (begin[g] < first) first = begin[g];
+        if (end[g] > last) last = end[g];
+    }
+    for (int32_t p = first; p < last; p++) {
+        const char *row = values + (size_t)p * row_stride;
+        for (size_t line = 0; line < row_stride; line += 64)
+            _mm_prefetch(row + ATTEND_AHEAD * row_stride + line, _MM_HINT_T0);
+        float weight[GROUP];
+        float *y[GROUP];
+        int active = 0;
+        for (int64_t g = 0; g < n_queries; g++)
+            if (p >= begin[g] && p < end[g]) weight[active] = weights[(size_t)g * weights_stride + (size_t)p], y[active++] = out[g];
+        for (int64_t e = 0; e < n8; e += 8) {
+            __m256 v[WIDTH];
+            float scale = 1.0f;
+            load_values(type, 1, row, e, v, &scale);
+            for (int g = 0; g < active; g++) {
+                const __m256 w = _mm256_set1_ps(type == KR_Q8_0 ? weight[g] * scale : weight[g]);
+                _mm256_storeu_ps(y[g] + e, _mm256_fmadd_ps(w, v[0], _mm256_loadu_ps(y[g] + e)));
+            }
+        }
+    }
 }
 
 void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
                            size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
                            float *const *out) {
     const int64_t n_wide = n - n % (8 * WIDTH), n8 = n - n % 8;
+    const bool in_order = n_queries <= GROUP && row_stride >= ROWS_IN_ORDER_BYTES;
+    if (in_order) {
+        for (int64_t i = 0; i < n_queries; i++)
+            for (int64_t e = 0; e < n8; e++) out[i][e] = 0.0f;
+        if (type == KR_Q8_0) rows_in_order(KR_Q8_0, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
+        else if (type == KR_F16) rows_in_order(KR_F16, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
+        else rows_in_order(KR_F32, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
+    }
     for (int64_t i = 0; i < n_queries; i += GROUP) {
         const int G = (int)(n_queries - i < GROUP ? n_queries - i : GROUP);
         const float *weight[GROUP];
         for (int g = 0; g < G; g++) weight[g] = weights + (size_t)(i + g) * weights_stride;
         const char *rows = values;
-        for (int64_t e = 0; e < n8; e += e < n_wide ? 8 * WIDTH : 8) {
+        for (int64_t e = 0; !in_order && e < n8; e += e < n_wide ? 8 * WIDTH : 8) {
             const int W = e < n_wide ? WIDTH : 1;
-            if (type == KR_Q8_0) fold_group_q8_0(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
-            else if (type == KR_F16) fold_group_f16(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
-            else fold_group_f32(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i);
+            const bool fetch = i == 0 && e == 0;  // the first strip of the first group: the rest find the rows in L2
+            if (type == KR_Q8_0) fold_group_q8_0(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i, fetch);
+            else if (type == KR_F16) fold_group_f16(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i, fetch);
+            else fold_group_f32(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i, fetch);
         }
         // values past the last 8 (f32/f16 only): the reference's scalar fold
         for (int g = 0; g < G; g++)
