@@ -86,6 +86,22 @@ class TinyModelReproducibilityTests:
             session.truncate(37)
             assert_same(fresh, bits(session.eval(second[37:])), "after truncate")
 
+    @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
+    def test_attention_blocks_of_any_size(self, tmp_path, kv):
+        """Attention takes up to 64 queries of a KV head per work item, fewer in a long context
+        (forward.c: 2^22 floats of scores per thread, so 4 queries at 2^20 positions, 2 at 2^21:
+        a token's 4 query heads split between items). The logits are the same bits for each,
+        with 1 and 3 threads, and in every KV cache type."""
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, "gemma3", seed=8, weight_type="q8_0", max_seq=128)
+        ids = [int(t) for t in np.random.default_rng(9).integers(0, 70, size=70)]
+        expected = run(path, ids, kv=kv)
+        for ctx in (1 << 20, 1 << 21):
+            for threads in (1, 3):
+                with Model(path, threads=threads) as model:
+                    session = model.session(ctx=ctx, batch=len(ids), kv=kv)
+                    assert_same(expected, bits(session.eval(ids)), f"context {ctx}, {threads} threads")
+
     def test_generation_step_equals_prompt_step(self, tmp_path):
         """Logits of token i from a one-token eval equal those from a batch ending at token i."""
         path = tmp_path / "model.mlb"
