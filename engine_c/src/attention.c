@@ -1,12 +1,14 @@
-// attention.c: kr_attend_values (attention.h), the weighted sum of value rows for a block of
-// queries, and its test entry point (krafla.h, "Attention kernel (tests)"). Owner: attn.
+// attention.c: the attention kernels of attention.h (scores of float keys, the softmax of one
+// query, the weighted sum of value rows for a block of queries) and their test entry points
+// (krafla.h, "Attention kernel (tests)"). Owner: attn.
 //
-// The reference is the definition: per query, per row in ascending order, per value one fmaf.
-// The AVX2 version does the same float operations, one lane per value, but reads each value row
-// once for a group of up to 4 queries: within a group, the rows every query sees are folded for
-// all of them together, and the rows only some see (a later query's last rows, an earlier
-// sliding window's first ones) before and after that, for each query alone, in row order. So
-// each query gets the reference's bits whatever group it lands in.
+// The references are the definitions: scores in kr_dot's order, the softmax as forward.c always
+// did it, and for the values, per query, per row in ascending order, per value one fmaf. The AVX2
+// versions do the same float operations. kr_attend_values_avx2 reads each value row once for a
+// group of up to 4 queries: within a group, the rows every query sees are folded for all of them
+// together, and the rows only some see (a later query's last rows, an earlier sliding window's
+// first ones) before and after that, for each query alone, in row order. So each query gets the
+// reference's bits whatever group it lands in.
 #include "attention.h"
 #include "internal.h"
 
@@ -91,7 +93,7 @@ void kr_attend_values_ref(int32_t type, const void *values, size_t row_stride, i
 
 #define KR_INLINE static inline __attribute__((always_inline))
 #ifndef KR_ATTEND_GROUP
-#define KR_ATTEND_GROUP 4  // queries folded together (registers: GROUP * WIDTH accumulators + WIDTH values)
+#define KR_ATTEND_GROUP 4  // queries folded together, 1 to 4 (registers: GROUP * WIDTH accumulators + WIDTH values)
 #endif
 #ifndef KR_ATTEND_WIDTH
 #define KR_ATTEND_WIDTH 2  // vectors of 8 values per pass: 1, 2 or 4 (a q8_0 block is 4)

@@ -388,7 +388,7 @@ static int32_t first_visible(const kr_model *m, int32_t layer, int32_t pos) {
 
 // Queries [i0, i1) of one KV head: att = softmax(scale * q K^T [softcap], window) V for each.
 // Scores and weights are indexed from `base`, the first position any of them sees; positions a
-// query does not see are scored (the matmul covers the block's whole range) but never used.
+// query does not see may be scored (for the queries it shares a tile with) but are never used.
 static void attend_block(kr_session *s, const step *j, int32_t kv_head, int64_t i0, int64_t i1, int thread) {
     const kr_model *m = s->model;
     const kr_model_info *h = &m->info;
