@@ -237,20 +237,57 @@ KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stri
     for (int r = 0; r < 4; r++) out0[r] = tail[r], out1[r] = tail[r + 4];
 }
 
+// One query against 8 positions: the same 8 accumulators and sums (a lone query is not paired
+// with itself, which would do its work twice).
+KR_INLINE void scores_tile_single(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
+                                  float *out0, const char *next) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    const int64_t n8 = n - n % 8;
+    for (int64_t k = 0; k < n8; k += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            if (next) _mm_prefetch(next + (size_t)r * row_stride + (size_t)k * (type == KR_F16 ? 2 : 4), _MM_HINT_T0);
+            acc[r] = _mm256_fmadd_ps(load_key8(type, keys + (size_t)r * row_stride, k), x0, acc[r]);
+        }
+    }
+    _mm256_storeu_ps(out0, lanes_sums8(acc));
+    for (int64_t k = n8; k < n; k++)
+        for (int r = 0; r < 8; r++) out0[r] = fmaf(load_key1(type, keys + (size_t)r * row_stride, k), q0[k], out0[r]);
+}
+
 KR_INLINE float key_dot(const int32_t type, const char *key, const float *query, int64_t n) {
     return type == KR_F16 ? kr_dot_f16_f32_avx2((const kr_f16 *)key, query, n) : kr_dot_f32_avx2((const float *)key, query, n);
 }
 
+// A lone query's scores: 8 positions at a time, then kr_dot's own sequence for the last 1-7.
+KR_INLINE void scores_single(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
+                             int32_t positions, float *out0) {
+    int32_t p = 0;
+    for (; p + 8 <= positions; p += 8) {
+        const char *next = p + 8 < positions ? keys + (size_t)(p + 8) * row_stride : NULL;
+        scores_tile_single(type, keys + (size_t)p * row_stride, row_stride, n, q0, out0 + p, next);
+    }
+    for (; p < positions; p++) out0[p] = key_dot(type, keys + (size_t)p * row_stride, q0, n);
+}
+
 // Positions outside, pairs of queries inside: 4 key rows stay in L1 while every pair passes over
-// them. A lone last query is paired with itself (its row written twice with the same values).
+// them. An odd last query goes alone afterwards (scores_single).
 KR_INLINE void scores_tiles(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *queries,
                             int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
+    if (n_queries % 2) {
+        const int64_t i = n_queries - 1;
+        scores_single(type, keys, row_stride, n, queries + (size_t)i * (size_t)n, end[i], out + (size_t)i * out_stride);
+        n_queries--;
+    }
     int32_t last = 0;
     for (int64_t i = 0; i < n_queries; i++) last = end[i] > last ? end[i] : last;
     for (int32_t p = 0; p < last; p += 4) {
         const char *tile_keys = keys + (size_t)p * row_stride;
         for (int64_t i = 0; i < n_queries; i += 2) {
-            const int64_t j = i + 1 < n_queries ? i + 1 : i;
+            const int64_t j = i + 1;
             const int32_t positions = end[i] > end[j] ? end[i] : end[j];
             if (p >= positions) continue;
             const float *q0 = queries + (size_t)i * (size_t)n, *q1 = queries + (size_t)j * (size_t)n;
