@@ -88,3 +88,6 @@ ISA_TESTS ?= tests/test_kernels.py tests/test_pack.py tests/test_kv_q8.py tests/
 .PHONY: test-isa
 test-isa: lib venv
 	KRAFLA_ISA=$(ISA) KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/python -m pytest -q $(ISA_TESTS)
+
+# --- test-isa (attn): the attention kernels' tests on every ISA build as well
+ISA_TESTS += tests/test_attention.py
