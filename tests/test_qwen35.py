@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import formats
+from krafla_twisted import formats, pack
 from krafla_twisted.engine import EngineError, Model
 from tests.support.tiny_qwen35 import qwen35_container, write_tiny_qwen35
 
@@ -96,6 +96,19 @@ class Qwen35EngineTests:
         other = each(write_tiny_qwen35(tmp_path / "q.mlb", seed=3, weight_type=weight_type))
         cosines = (f32 * other).sum(1) / np.linalg.norm(f32, axis=1) / np.linalg.norm(other, axis=1)
         assert np.median(cosines) > floor
+
+    @pytest.mark.parametrize("weight_type", ["q8_0", "q4_0"])
+    def test_packed_weights_give_the_same_bits(self, tmp_path, weight_type):
+        """Its q8_0/q4_0 matrices (attention, DeltaNet, MLP, output head) are repacked at load like
+        the other architectures', and the logits stay bit for bit those of the file layout, at
+        batch 1, 5 and the whole prompt, with one and two threads."""
+        path = write_tiny_qwen35(tmp_path / "q.mlb", seed=3, weight_type=weight_type)
+        for threads in (1, 2):
+            with Model(path, threads=threads, pack=False) as plain, Model(path, threads=threads, pack=True) as packed:
+                assert pack.status(plain)[0] == 0 and pack.status(packed)[0] == 1, pack.status(packed)
+                for batch in (1, 5, len(PROMPT)):
+                    with plain.session(batch=batch) as a, packed.session(batch=batch) as b:
+                        assert a.eval(PROMPT).tobytes() == b.eval(PROMPT).tobytes()
 
     def test_only_full_attention_or_only_linear_layers(self, tmp_path):
         """Layer patterns other than 3+1 run too, and differ from each other."""

@@ -252,6 +252,22 @@ int kr_qwen35_open(kr_model *m, const char *path, kr_error *err) {
     return KR_OK;
 }
 
+int kr_qwen35_matrices(kr_model *m, kr_matrix **out) {
+    q35_model *q = m->ext;
+    int n = 0;
+    for (int32_t i = 0; i < m->info.n_layers; i++) {
+        q35_layer *l = &q->layers[i];
+        kr_matrix *all[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->qkv, &l->z, &l->beta, &l->alpha, &l->out,
+                            &l->gate, &l->up, &l->down};
+        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
+            if (all[k]->data && kr_packable(all[k]->type)) {  // a layer has either attention or DeltaNet matrices
+                if (out) out[n] = all[k];
+                n++;
+            }
+    }
+    return n;
+}
+
 void kr_qwen35_free(void *ext) {
     q35_model *q = ext;
     if (!q) return;
@@ -370,7 +386,10 @@ static void matmul_job(void *arg, int thread, int n_threads, int worker) {
         const kr_matrix *w = j->w[i];
         int64_t begin, end;
         kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin, &end);
-        if (begin < end)
+        if (begin >= end) continue;
+        if (w->packed)  // pack.c repacks q8_0/q4_0 matrices at load: the same bits, faster tiles
+            kr_matmul_packed(w->type, w->data, w->rows, w->cols, j->s->prepared[w->type], j->n, j->out[i], w->rows, begin, end);
+        else
             kr_matmul(w->type, w->data, w->cols, j->s->prepared[w->type], j->n, j->out[i], w->rows, begin, end);
     }
 }
@@ -665,7 +684,9 @@ static void output_job(void *arg, int thread, int n_threads, int worker) {
     const kr_matrix *w = &j->s->m->output;
     int64_t begin, end;
     kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin, &end);
-    if (begin < end) kr_matmul(w->type, w->data, w->cols, j->s->prepared[w->type], 1, j->out[0], w->rows, begin, end);
+    if (begin >= end) return;
+    if (w->packed) kr_matmul_packed(w->type, w->data, w->rows, w->cols, j->s->prepared[w->type], 1, j->out[0], w->rows, begin, end);
+    else kr_matmul(w->type, w->data, w->cols, j->s->prepared[w->type], 1, j->out[0], w->rows, begin, end);
 }
 
 void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits) {

@@ -72,6 +72,8 @@ struct kr_model {
 int kr_qwen35_is(const kr_file *file);                               // 1 when arch is qwen35
 int kr_qwen35_open(kr_model *m, const char *path, kr_error *err);    // info, tensors, m->ext
 void kr_qwen35_free(void *ext);
+// Its q8_0/q4_0 layer matrices for pack.c, layer by layer (out NULL: only count them).
+int kr_qwen35_matrices(kr_model *m, kr_matrix **out);
 void *kr_qwen35_state_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
 void kr_qwen35_state_free(void *state);
 // Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL.

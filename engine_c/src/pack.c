@@ -1,12 +1,13 @@
 // pack.c: weight repacking at load, and the packed-weight cache file (owner: speed).
 //
-// kr_model_pack rewrites every q8_0/q4_0 matrix of a loaded model (the layers' projections and
-// the output head) into the packed layout of kernels.h, where a matmul tile's rows are one stream
-// of memory. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
+// kr_model_pack rewrites every q8_0/q4_0 matrix of a loaded model (the layers' projections, a
+// qwen35 model's attention, DeltaNet and MLP matrices, and the output head) into the packed layout
+// of kernels.h, where the lanes of a vector are 8 rows. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
 // bit), so packing only moves bytes.
 //
 // The cache file (KR_PACK_CACHE) holds the packed matrices, one after the other in a fixed order
-// (layer by layer: q, k, v, o, gate, up, down; then the output head), each 64-byte aligned,
+// (layer by layer: q, k, v, o, gate, up, down, or qwen35's in kr_qwen35_matrices' order; then the
+// output head), each 64-byte aligned,
 // after a header page:
 //
 //   magic "KRPACK\0\1", layout version, ISA name, the model file's size and 64-bit checksum (of
@@ -59,8 +60,8 @@ typedef struct {
 // --- The matrices, in the cache's order
 
 static int list_matrices(kr_model *m, kr_matrix **out) {
-    int n = 0;
-    for (int32_t i = 0; i < m->info.n_layers; i++) {
+    int n = m->ext ? kr_qwen35_matrices(m, out) : 0;  // qwen35 keeps its own layers (forward_qwen35.c)
+    for (int32_t i = 0; !m->ext && i < m->info.n_layers; i++) {
         kr_layer *l = &m->layers[i];
         kr_matrix *all[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->gate, &l->up, &l->down};
         for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
@@ -248,7 +249,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     pack_state *state = calloc(1, sizeof *state);
     if (!state) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     m->pack = state;
-    int n = m->ext ? 0 : list_matrices(m, NULL);  // qwen35 keeps its own layers: not packed
+    int n = list_matrices(m, NULL);
     if (mode == KR_PACK_OFF || n == 0) {
         snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no q8_0/q4_0 matrices to pack");
         kr_ok(err);
