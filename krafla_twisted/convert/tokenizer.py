@@ -49,6 +49,19 @@ FIM_END_OF_GENERATION = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "<|fi
                          "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"}
 
 
+def end_of_generation_ids(by_text, types):
+    """Ids whose spelling ends a generation (llama.cpp's lists above); those spellings and the
+    fill-in-the-middle ones are forced to the control type in `types`. by_text: bytes -> id."""
+    eot = set()
+    for text, i in by_text.items():
+        spelled = text.decode("utf-8", "replace")
+        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION:
+            eot.add(i)
+        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION or spelled in FIM_CONTROL:
+            types[i] = CONTROL
+    return eot
+
+
 class TokenizerConversionError(ValueError):
     """A vocabulary krafla cannot turn into a .mlt: says which field and why."""
 
@@ -162,13 +175,7 @@ def tables_from_gguf(reader):
 
     # End of generation, and the control type llama.cpp forces on those spellings.
     by_text = {t: i for i, t in enumerate(tokens)}  # a duplicate spelling: the last id, as llama.cpp
-    eot = set()
-    for text, i in by_text.items():
-        spelled = text.decode("utf-8", "replace")
-        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION:
-            eot.add(i)
-        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION or spelled in FIM_CONTROL:
-            types[i] = CONTROL
+    eot = end_of_generation_ids(by_text, types)
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = _scalar(reader, f"tokenizer.ggml.{key}")
         if value is not None and 0 <= int(value) < n_vocab:

@@ -21,8 +21,8 @@ import re
 from pathlib import Path
 
 from krafla_twisted.convert.tokenizer import (
-    BYTE, CONTROL, END_OF_GENERATION, FIM_CONTROL, FIM_END_OF_GENERATION, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
-    TokenizerConversionError, TokenizerTables, build_container)
+    BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, TokenizerConversionError, TokenizerTables, build_container,
+    end_of_generation_ids)
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -117,13 +117,7 @@ def tables_from_json(tokenizer, config=None, n_vocab=None):
             setattr(tables, attribute, by_text[text.encode()])
     tables.add_bos = bool(config.get("add_bos_token", pre in ("llama3", "none"))) and tables.bos_id >= 0
     tables.add_eos = bool(config.get("add_eos_token", False)) and tables.eos_id >= 0
-    eot = set()
-    for text, i in by_text.items():
-        spelled = text.decode("utf-8", "replace")
-        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION:
-            eot.add(i)
-        if spelled in END_OF_GENERATION or spelled in FIM_END_OF_GENERATION or spelled in FIM_CONTROL:
-            tables.types[i] = CONTROL
+    eot = end_of_generation_ids(by_text, tables.types)
     if tables.eos_id >= 0:
         eot.add(tables.eos_id)
     tables.eot_ids = eot
