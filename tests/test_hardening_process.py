@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.support.real_models import real_model
-from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env, treq_call
+from tests.support.server import REPO, TWISTD, ServerProcess, server_env, treq_call, wait_for_listening, wait_until_removed
 
 MODEL = "smollm2-135m"
 KEY = "hardening-key"
@@ -72,6 +72,20 @@ def assert_serving(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 1, body
 
 
+def read_to_close(sock):
+    """Everything the server sends on `sock` until it closes (or resets) the connection."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def exchange(port, data, timeout=30):
     """Send raw bytes on a new connection and read until the server closes it."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -79,16 +93,7 @@ def exchange(port, data, timeout=30):
             sock.sendall(data)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        chunks = []
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    return b"".join(chunks)
+        return read_to_close(sock)
 
 
 def status_of(raw):
@@ -295,11 +300,7 @@ class LoadTests:
         client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=8)
         reply = client.completions.create(model="x", prompt=COUNTING, max_tokens=2)
         assert reply.usage.completion_tokens == 2
-        while True:
-            chunk = long_reply.recv(65536)
-            if not chunk:
-                break
-            received += chunk
+        received += read_to_close(long_reply)
         long_reply.close()
         assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received
         lines = server.lines[start:]
@@ -339,12 +340,7 @@ class FaultTests:
              "--port", "0", "-t", "1"], capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "held no process id" in result.stderr
-        deadline = time.monotonic() + 300
-        match = None
-        while match is None and time.monotonic() < deadline:
-            match = LISTENING.search(logfile.read_text()) if logfile.exists() else None
-            time.sleep(0.2)
-        assert match, logfile.read_text()
+        match = wait_for_listening(logfile)
         port = int(match.group(3))
         pid = int(pidfile.read_text())
         body = json.dumps({"prompt": COUNTING, "max_tokens": 4000, "stream": True}).encode()
@@ -359,17 +355,8 @@ class FaultTests:
                        % (len(queued_body), queued_body))
         time.sleep(0.3)
         os.kill(pid, signal.SIGTERM)
-        while True:
-            chunk = stream.recv(65536)
-            if not chunk:
-                break
-            received += chunk
-        queued_reply = b""
-        while True:
-            chunk = queued.recv(65536)
-            if not chunk:
-                break
-            queued_reply += chunk
+        received += read_to_close(stream)
+        queued_reply = read_to_close(queued)
         stream.close()
         queued.close()
         blocks = [b for b in received.split(b"\r\n\r\n", 1)[1].split(b"\n") if b.startswith(b"data: ")]
@@ -377,10 +364,7 @@ class FaultTests:
         assert json.loads(blocks[-2][len(b"data: "):])["error"]["code"] == "server_shutting_down"
         assert status_of(queued_reply) == 503
         assert b"server_shutting_down" in queued_reply
-        deadline = time.monotonic() + 60
-        while pidfile.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pidfile.exists()
+        wait_until_removed(pidfile)
 
     def test_stale_and_empty_pidfiles(self, model, tmp_path):
         """A pidfile naming a dead process, or holding nothing, does not stop the server from starting."""

@@ -8,13 +8,12 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
 from krafla_twisted import clib
 from tests.support.real_models import real_model
-from tests.support.server import LISTENING, REPO, TWISTD, ServerProcess, server_env, treq_call
+from tests.support.server import REPO, TWISTD, ServerProcess, server_env, treq_call, wait_for_listening, wait_until_removed
 
 MODEL = "smollm2-135m"
 
@@ -124,19 +123,11 @@ class DaemonTests:
              "--chat", "smollm", "--port", "0"],
             capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
-        deadline = time.monotonic() + 300
-        match = None
-        while match is None and time.monotonic() < deadline:
-            match = LISTENING.search(logfile.read_text()) if logfile.exists() else None
-            time.sleep(0.2)
-        assert match, logfile.read_text()
+        match = wait_for_listening(logfile)
         pid = int(pidfile.read_text())
         status, body = fetch(match.group(1) + "/completions", body={"prompt": "Hello", "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while pidfile.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pidfile.exists()
+        wait_until_removed(pidfile)
         log = logfile.read_text()
         assert "# krafla 0.7.0" in log and "POST /v1/completions 200 prompt" in log

@@ -71,6 +71,26 @@ def server_env(extra=None):
     return env
 
 
+def wait_for_listening(logfile, timeout=300):
+    """The LISTENING match in a daemonized server's log file, polled until it appears; fails after
+    `timeout` seconds with the log so far."""
+    deadline = time.monotonic() + timeout
+    match = None
+    while match is None and time.monotonic() < deadline:
+        match = LISTENING.search(logfile.read_text()) if logfile.exists() else None
+        time.sleep(0.2)
+    assert match, logfile.read_text() if logfile.exists() else f"{logfile} was never written"
+    return match
+
+
+def wait_until_removed(path, timeout=60):
+    """Poll until `path` is gone (a daemon removes its pidfile on exit); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not path.exists(), f"{path} still exists after {timeout} s"
+
+
 class ServerProcess:
     """One `twistd -n krafla ARGS --port 0` child; its stdout (the log) is collected line by line."""
 
