@@ -212,6 +212,18 @@ KR_INLINE void tile_quant_rows(const int is_q4, const int R, const int T, const 
 #define Q4_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q4_0))  // 144 bytes: 16 of scales, 4 chunks
 #define Q8_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q8_0))  // 272 bytes: 16 of scales, 8 chunks
 
+// The end of a block in a packed tile: acc[g][t] += (group g's 8 scales * token t's scale) * sums[g][t].
+KR_INLINE void finish_block(const int G, const int T, const char *group_block, size_t group_stride,
+                            const __m256 a_scale[4], __m256i sums[2][4], __m256 acc[2][4]) {
+#pragma GCC unroll 2
+    for (int g = 0; g < G; g++) {
+        const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group_block + g * group_stride)));
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale[t]), _mm256_cvtepi32_ps(sums[g][t]), acc[g][t]);
+    }
+}
+
 KR_INLINE void group_tile_q4_0(const int G, const int T, const char *w, size_t group_stride, const char *a,
                                size_t a_stride, int64_t n_blocks, __m256 acc[2][4], const char *next) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -244,18 +256,16 @@ KR_INLINE void group_tile_q4_0(const int G, const int T, const char *w, size_t g
                 for (int g = 0; g < G; g++) sums[g][t] = isum_add(isum_add(sums[g][t], low[g], a_low), high[g], a_high);
             }
         }
+        __m256 a_scale[4];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-            const __m256 a_scale = _mm256_set1_ps(ab->d);
+            a_scale[t] = _mm256_set1_ps(ab->d);
             const __m256i offset = _mm256_set1_epi32(8 * ab->sum);  // the nibbles' offset of 8
 #pragma GCC unroll 2
-            for (int g = 0; g < G; g++) {
-                const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group_block + g * group_stride)));
-                const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum_lanes(sums[g][t]), offset));
-                acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), block_sums, acc[g][t]);
-            }
+            for (int g = 0; g < G; g++) sums[g][t] = _mm256_sub_epi32(isum_lanes(sums[g][t]), offset);
         }
+        finish_block(G, T, group_block, group_stride, a_scale, sums, acc);
     }
 }
 
@@ -286,15 +296,10 @@ KR_INLINE void group_tile_q8_0(const int G, const int T, const char *w, size_t g
                     sums[g][t] = isum_add_wide(sums[g][t], magnitudes[g], _mm256_sign_epi8(av, weights[g]));
             }
         }
+        __m256 a_scale[4];
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            const __m256 a_scale = _mm256_set1_ps(f16_to_f32(((const kr_block_q8_0 *)(a + t * a_stride) + b)->d));
-#pragma GCC unroll 2
-            for (int g = 0; g < G; g++) {
-                const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group_block + g * group_stride)));
-                acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(sums[g][t]), acc[g][t]);
-            }
-        }
+        for (int t = 0; t < T; t++) a_scale[t] = _mm256_set1_ps(f16_to_f32(((const kr_block_q8_0 *)(a + t * a_stride) + b)->d));
+        finish_block(G, T, group_block, group_stride, a_scale, sums, acc);
     }
 }
 
