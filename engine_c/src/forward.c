@@ -294,10 +294,7 @@ static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
         const kr_matrix *w = j->w[i];
         kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin[i], &end[i]);
         if (begin[i] >= end[i]) continue;
-        if (w->packed)  // speed hook: packed weights (pack.c), the same results
-            kr_matmul_packed(w->type, w->data, w->rows, w->cols, s->prepared[w->type], j->n, j->out[i], w->rows, begin[i], end[i]);
-        else
-            kr_matmul(w->type, w->data, w->cols, s->prepared[w->type], j->n, j->out[i], w->rows, begin[i], end[i]);
+        kr_matrix_matmul(w, s->prepared[w->type], j->n, j->out[i], begin[i], end[i]);
         if (j->bias[i])
             for (int64_t t = 0; t < j->n; t++)
                 for (int64_t r = begin[i]; r < end[i]; r++) j->out[i][t * w->rows + r] += j->bias[i][r];
@@ -459,10 +456,7 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     int64_t begin, end;
     kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
     if (begin >= end) return;
-    if (w->packed)  // speed hook: packed weights (pack.c), the same results
-        kr_matmul_packed(w->type, w->data, w->rows, w->cols, s->prepared[w->type], 1, j->logits, w->rows, begin, end);
-    else
-        kr_matmul(w->type, w->data, w->cols, s->prepared[w->type], 1, j->logits, w->rows, begin, end);
+    kr_matrix_matmul(w, s->prepared[w->type], 1, j->logits, begin, end);
     float cap = m->info.final_softcap;
     if (cap > 0)
         for (int64_t r = begin; r < end; r++) j->logits[r] = cap * tanhf(j->logits[r] / cap);

@@ -386,11 +386,7 @@ static void matmul_job(void *arg, int thread, int n_threads, int worker) {
         const kr_matrix *w = j->w[i];
         int64_t begin, end;
         kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin, &end);
-        if (begin >= end) continue;
-        if (w->packed)  // pack.c repacks q8_0/q4_0 matrices at load: the same bits, faster tiles
-            kr_matmul_packed(w->type, w->data, w->rows, w->cols, j->s->prepared[w->type], j->n, j->out[i], w->rows, begin, end);
-        else
-            kr_matmul(w->type, w->data, w->cols, j->s->prepared[w->type], j->n, j->out[i], w->rows, begin, end);
+        if (begin < end) kr_matrix_matmul(w, j->s->prepared[w->type], j->n, j->out[i], begin, end);
     }
 }
 
@@ -684,9 +680,7 @@ static void output_job(void *arg, int thread, int n_threads, int worker) {
     const kr_matrix *w = &j->s->m->output;
     int64_t begin, end;
     kr_split(w->rows, ROW_ALIGN, thread, n_threads, &begin, &end);
-    if (begin >= end) return;
-    if (w->packed) kr_matmul_packed(w->type, w->data, w->rows, w->cols, j->s->prepared[w->type], 1, j->out[0], w->rows, begin, end);
-    else kr_matmul(w->type, w->data, w->cols, j->s->prepared[w->type], 1, j->out[0], w->rows, begin, end);
+    if (begin < end) kr_matrix_matmul(w, j->s->prepared[w->type], 1, j->out[0], begin, end);
 }
 
 void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits) {

@@ -36,6 +36,11 @@ typedef struct {
     int32_t packed;      // speed: 1 when data is in the packed layout (pack.c, kernels.h)
 } kr_matrix;
 
+// out[t * w->rows + r] = row r of w . prepared row t, for rows [begin, end) and n_tokens prepared rows
+// (kr_prepare_activations for w->type): the packed kernels when pack.c repacked w, else the file
+// layout's; the same bits either way (pack.c).
+void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens, float *out, int64_t begin, int64_t end);
+
 typedef struct {
     int32_t sliding;                  // 1: sliding-window attention layer
     const float *attn_norm;           // (dim,)

@@ -57,6 +57,11 @@ typedef struct {
     size_t map_bytes;
 } pack_state;
 
+void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens, float *out, int64_t begin, int64_t end) {
+    if (w->packed) kr_matmul_packed(w->type, w->data, w->rows, w->cols, prepared, n_tokens, out, w->rows, begin, end);
+    else kr_matmul(w->type, w->data, w->cols, prepared, n_tokens, out, w->rows, begin, end);
+}
+
 // --- The matrices, in the cache's order
 
 static int list_matrices(kr_model *m, kr_matrix **out) {
