@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from krafla_twisted import kernels
 from krafla_twisted.engine import EngineError, Model
 from tests.support.reference import ReferenceModel
-from tests.support.tiny_models import write_tiny_model
+from tests.support.tiny_models import write_tiny_model, write_tiny_models
 from tests.test_kernels import avx2_or_skip, float32_sum_tolerance, same_bits
 
 # The engine with a q8_0 KV cache against the f32 reference: 8-bit keys and values (relative
@@ -69,14 +69,7 @@ PROMPT = [5, 9, 2, 33, 17, 8, 21, 40, 3, 11, 60, 7, 14, 27, 1, 50, 19, 30]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kvq8")
-    paths = {}
-    for arch in ("llama", "qwen2", "gemma3"):
-        for weight_type in ("f32", "q4_0"):
-            path = folder / f"{arch}-{weight_type}.mlb"
-            write_tiny_model(path, arch, seed=11, weight_type=weight_type, head_dim=32)
-            paths[arch, weight_type] = path
-    return paths
+    return write_tiny_models(tmp_path_factory.mktemp("kvq8"), ("f32", "q4_0"), seed=11, head_dim=32)
 
 
 def cosine(a, b):

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from krafla_twisted import kernels, pack
 from krafla_twisted.engine import Model
-from tests.support.tiny_models import write_tiny_model
+from tests.support.tiny_models import write_tiny_model, write_tiny_models
 from tests.test_kernels import avx2_or_skip, make_problem, same_bits
 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
@@ -98,14 +98,7 @@ def logits(model, tokens, batch):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pack")
-    paths = {}
-    for arch in ("llama", "qwen2", "gemma3"):
-        for weight_type in ("q4_0", "q8_0"):
-            path = folder / f"{arch}-{weight_type}.mlb"
-            write_tiny_model(path, arch, seed=7, weight_type=weight_type)
-            paths[arch, weight_type] = path
-    return paths
+    return write_tiny_models(tmp_path_factory.mktemp("pack"), ("q4_0", "q8_0"), seed=7)
 
 
 TOKENS = [3, 17, 5, 60, 2, 9, 41, 33, 12, 7, 50, 1, 28]

@@ -191,3 +191,14 @@ def write_tiny_model(path, arch, *, seed, weight_type="f32", **overrides):
     container = tiny_model_container(arch, seed=seed, weight_type=weight_type, **overrides)
     formats.write(path, container)
     return container
+
+
+def write_tiny_models(folder, weight_types, *, seed, **overrides):
+    """One tiny model of every architecture in ARCHS for each weight type, written into `folder`
+    as ARCH-TYPE.mlb; returns {(arch, weight_type): path}."""
+    paths = {}
+    for arch in ARCHS:
+        for weight_type in weight_types:
+            paths[arch, weight_type] = folder / f"{arch}-{weight_type}.mlb"
+            write_tiny_model(paths[arch, weight_type], arch, seed=seed, weight_type=weight_type, **overrides)
+    return paths
