@@ -6,13 +6,14 @@ HAVE_AVX2 := $(shell grep -q avx2 /proc/cpuinfo 2>/dev/null && grep -q fma /proc
 ISA ?= $(if $(HAVE_AVX2),avx2,generic)
 
 CC ?= gcc
-CFLAGS_COMMON := -std=c11 -O2 -fPIC -Wall -Wextra -Wno-unused-parameter -D_GNU_SOURCE -Iengine_c/include -pthread
+CFLAGS_COMMON := -std=c11 -O2 -fPIC -Wall -Wextra -Wno-unused-parameter -D_GNU_SOURCE -Iengine_c/include -Iengine_c/src -pthread
 CFLAGS_generic := $(CFLAGS_COMMON)
 CFLAGS_avx2 := $(CFLAGS_COMMON) -mavx2 -mfma -mf16c -DKR_HAVE_AVX2=1
 CFLAGS_avx512 := $(CFLAGS_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -DKR_HAVE_AVX512=1
 
-SOURCES := $(wildcard engine_c/src/*.c)
-HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*.h)
+# engine_c/src/<layer>/*.c: runtime, format, tokenizer, kernels, model, sampler
+SOURCES := $(wildcard engine_c/src/*/*.c)
+HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*/*.h)
 OBJECTS := $(patsubst engine_c/src/%.c,$(BUILD)/$(ISA)/obj/%.o,$(SOURCES))
 LIBRARY := $(BUILD)/$(ISA)/libkrafla.so
 

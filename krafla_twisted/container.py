@@ -1,4 +1,4 @@
-"""The C container loader (engine_c/src/file.c) through ctypes.
+"""The C container loader (engine_c/src/format/file.c) through ctypes.
 
 Two layers, as in krafla.h: the raw prototypes of the kr_file_* functions, then
 `ContainerFile`, which owns one opened file, reads its metadata and tensor table into Python

@@ -15,7 +15,7 @@ Layout (little-endian; docs/formats.md has it byte by byte):
     padding   zeros up to data_offset (a multiple of ALIGNMENT)
     data      each tensor at data_offset + offset, offset a multiple of ALIGNMENT
 
-The engine_c loader (engine_c/src/file.c) reads the same layout; the constants below are
+The engine_c loader (engine_c/src/format/file.c) reads the same layout; the constants below are
 mirrored in engine_c/include/krafla.h and a test checks they agree.
 """
 
@@ -71,7 +71,20 @@ Q8_0 = TensorType(3, "q8_0", 32, 34, None)
 Q4_0 = TensorType(4, "q4_0", 32, 18, None)
 I32 = TensorType(5, "i32", 1, 4, "<i4")
 U8 = TensorType(6, "u8", 1, 1, "u1")
-TENSOR_TYPES = {t.code: t for t in (F32, F16, BF16, Q8_0, Q4_0, I32, U8)}
+# ggml's other block layouts, byte for byte as GGUF stores them (docs/formats.md):
+# Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; w = d * nibble + m.
+# Q5_0: f16 d, 4 bytes of fifth bits (bit j of weight j), 16 bytes of nibbles; w = d * (q - 16).
+# Q5_1: f16 d, f16 m, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * q + m.
+# Q4_K, Q5_K: super-blocks of 256 = f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and
+#   mins (8 sub-blocks of 32), [Q5_K: 32 bytes of fifth bits], 128 bytes of nibbles.
+# Q6_K: 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales (sub-blocks of 16), f16 d.
+Q4_1 = TensorType(7, "q4_1", 32, 20, None)
+Q5_0 = TensorType(8, "q5_0", 32, 22, None)
+Q5_1 = TensorType(9, "q5_1", 32, 24, None)
+Q4_K = TensorType(10, "q4_K", 256, 144, None)
+Q5_K = TensorType(11, "q5_K", 256, 176, None)
+Q6_K = TensorType(12, "q6_K", 256, 210, None)
+TENSOR_TYPES = {t.code: t for t in (F32, F16, BF16, Q8_0, Q4_0, I32, U8, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
 TENSOR_TYPES_BY_NAME = {t.name: t for t in TENSOR_TYPES.values()}
 
 

@@ -1,6 +1,6 @@
 """ctypes bindings for the numeric kernels' test entry points (krafla.h, "Kernels (tests)").
 
-Each function runs one kernel of engine_c/src/kernels.h on numpy arrays, under a chosen
+Each function runs one kernel of engine_c/src/kernels/kernels.h on numpy arrays, under a chosen
 implementation: "dispatch" (what the engine calls), "reference" (quant_ref.c) or "avx2"
 (kernels_avx2.c; a library built with ISA=generic raises KraflaError for it). Tests and
 bench/kernels.py use these; the engine itself calls the kernels from C.

@@ -1,4 +1,4 @@
-"""ctypes bindings for the sampler section of krafla.h (engine_c/src/sampler.c).
+"""ctypes bindings for the sampler section of krafla.h (engine_c/src/sampler/sampler.c).
 
 `Sampler(params, n_vocab)` owns a kr_sampler: `.sample(logits, history)` returns the next token id.
 The raw prototypes come first, then the owning class.

@@ -1,4 +1,4 @@
-"""The tokenizer: ctypes bindings for engine_c/src/tokenizer.c and the `Tokenizer` class.
+"""The tokenizer: ctypes bindings for engine_c/src/tokenizer/tokenizer.c and the `Tokenizer` class.
 
     tok = Tokenizer("SmolLM2-135M-Instruct-Q4_0.mlt")
     ids = tok.encode("Hello")                 # plain text: "<|im_start|>" stays text

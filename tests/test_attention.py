@@ -1,4 +1,4 @@
-"""Attention over blocks of queries (engine_c/src/attention.c; docs/kernels.md, "Attention").
+"""Attention over blocks of queries (engine_c/src/kernels/attention.c; docs/kernels.md, "Attention").
 
 Pinned here:
 - kr_attend_scores, the scores of float keys for several queries: AVX2 equals the reference bit

@@ -1,4 +1,4 @@
-"""The numeric kernels (engine_c/src/kernels.h) of the library under test ($KRAFLA_LIB).
+"""The numeric kernels (engine_c/src/kernels/kernels.h) of the library under test ($KRAFLA_LIB).
 
 What is pinned, and against what:
 - f16/bf16 conversions: bit for bit against numpy, for all 65536 halves and random floats.

@@ -1,4 +1,4 @@
-"""Weight repacking (engine_c/src/pack.c, the packed kernels) and the packed-weight cache.
+"""Weight repacking (engine_c/src/model/pack.c, the packed kernels) and the packed-weight cache.
 
 Pinned here: the packed layout byte for byte against a numpy construction of what kernels.h
 describes; packed matmuls equal the file-layout matmuls bit for bit (every implementation, any

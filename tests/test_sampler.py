@@ -1,4 +1,4 @@
-"""The C sampler (engine_c/src/sampler.c) against numpy references: greedy is argmax, top-k 1 is
+"""The C sampler (engine_c/src/sampler/sampler.c) against numpy references: greedy is argmax, top-k 1 is
 greedy, the repeat penalty follows llama.cpp's rule, top-k/top-p keep the right tokens, draws
 follow the softmax, and the random stream is xoshiro256** seeded by splitmix64 (reimplemented
 here in Python), so a seed fixes the output."""

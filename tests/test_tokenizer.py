@@ -1,4 +1,4 @@
-"""The tokenizer (engine_c/src/tokenizer.c through krafla_twisted.tokenizer) and its converter.
+"""The tokenizer (engine_c/src/tokenizer/tokenizer.c through krafla_twisted.tokenizer) and its converter.
 
 Independent references: llama.cpp's own test vectors (tests/support/testdata.py), the `regex`
 module running the pre-tokenizer patterns llama.cpp uses, plain-Python BPE and SentencePiece

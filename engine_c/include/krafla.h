@@ -53,9 +53,12 @@ const char *kr_isa(void);
 
 typedef enum { KR_META_INT = 1, KR_META_FLOAT = 2, KR_META_STR = 3, KR_META_INTS = 4, KR_META_FLOATS = 5 } kr_meta_kind;
 
+// Block types after KR_U8 are ggml's layouts byte for byte (docs/formats.md): q4_1, q5_0, q5_1 in
+// blocks of 32, the k-quants q4_K, q5_K, q6_K in super-blocks of 256.
 typedef enum {
     KR_F32 = 0, KR_F16 = 1, KR_BF16 = 2, KR_Q8_0 = 3, KR_Q4_0 = 4, KR_I32 = 5, KR_U8 = 6,
-    KR_TYPE_COUNT = 7,
+    KR_Q4_1 = 7, KR_Q5_0 = 8, KR_Q5_1 = 9, KR_Q4_K = 10, KR_Q5_K = 11, KR_Q6_K = 12,
+    KR_TYPE_COUNT = 13,
 } kr_type;
 
 typedef struct kr_file kr_file;

@@ -5,7 +5,7 @@ BPE, U+2581 for a space in SentencePiece) and settle here, once, every decision 
 when it loads a vocabulary: which pre-tokenizer a `tokenizer.ggml.pre` name means, the add_bos /
 add_space_prefix / ignore_merges defaults, which tokens end a generation, the control type forced
 on end-of-turn tokens, and phi-3's whitespace stripping around special tokens. The C tokenizer
-(engine_c/src/tokenizer.c) then only follows the file. docs/formats.md lists every table.
+(engine_c/src/tokenizer/tokenizer.c) then only follows the file. docs/formats.md lists every table.
 
 `container_from_gguf` is the GGUF front; a Hugging Face `tokenizer.json` front (issue 7) can
 produce the same `TokenizerTables` and share `build_container`.

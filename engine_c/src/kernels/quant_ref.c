@@ -15,7 +15,7 @@
 // The integer sum is exact (|sum| <= 32 * 128 * 127 < 2^24, so also exact as a float) and the
 // product of two f16 scales is exact in float, so a kernel may compute the sums in any way and
 // any number of rows side by side, and still give these bits.
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "krafla.h"
 
 #include <math.h>

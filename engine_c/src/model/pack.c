@@ -16,8 +16,8 @@
 // A load checks all of it; anything that differs (another model or a changed one, another ISA,
 // another layout, a truncated or corrupt payload) rebuilds the file, which is written beside
 // and renamed over the old one, so a reader never sees half a cache.
-#include "kernels.h"
-#include "model.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -9,8 +9,8 @@
 // together, and the rows only some see (a later query's last rows, an earlier sliding window's
 // first ones) before and after that, for each query alone, in row order. So each query gets the
 // reference's bits whatever group it lands in.
-#include "attention.h"
-#include "internal.h"
+#include "kernels/attention.h"
+#include "runtime/internal.h"
 
 #include <math.h>
 #include <stdbool.h>

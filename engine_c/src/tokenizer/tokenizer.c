@@ -26,8 +26,8 @@
 // one symbol of its own with no letter/number/space class, and reaches the output through the
 // byte tokens, so decode(encode(text)) returns the exact input bytes (SPM: with the documented
 // leading space when add_space_prefix is set).
-#include "internal.h"
-#include "tokenizer_unicode.h"
+#include "runtime/internal.h"
+#include "tokenizer/tokenizer_unicode.h"
 
 #include <math.h>
 #include <pthread.h>

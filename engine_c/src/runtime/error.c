@@ -1,5 +1,5 @@
 // error.c: filling kr_error, and the library's identity.
-#include "internal.h"
+#include "runtime/internal.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -4,7 +4,7 @@
 // parsed with a bounds-checked cursor, and every tensor's extent is checked against the file
 // before anything else may look at it. After kr_file_open succeeds, every pointer handed out
 // lies inside the mapping.
-#include "internal.h"
+#include "runtime/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -48,7 +48,9 @@ typedef struct {
 static const struct { const char *name; uint32_t block, block_bytes; } TYPES[KR_TYPE_COUNT] = {
     [KR_F32] = {"f32", 1, 4},   [KR_F16] = {"f16", 1, 2}, [KR_BF16] = {"bf16", 1, 2},
     [KR_Q8_0] = {"q8_0", 32, 34}, [KR_Q4_0] = {"q4_0", 32, 18}, [KR_I32] = {"i32", 1, 4},
-    [KR_U8] = {"u8", 1, 1},
+    [KR_U8] = {"u8", 1, 1},       [KR_Q4_1] = {"q4_1", 32, 20}, [KR_Q5_0] = {"q5_0", 32, 22},
+    [KR_Q5_1] = {"q5_1", 32, 24}, [KR_Q4_K] = {"q4_K", 256, 144}, [KR_Q5_K] = {"q5_K", 256, 176},
+    [KR_Q6_K] = {"q6_K", 256, 210},
 };
 
 uint64_t kr_type_size(int32_t type, uint64_t n_elements) {

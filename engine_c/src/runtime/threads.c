@@ -15,7 +15,7 @@
 // then sleep on a condition variable. Sleeping is race-free because both sides use sequentially
 // consistent atomics: a worker counts itself in `sleeping` under the mutex before it re-checks
 // the generation, and the caller bumps the generation before it reads `sleeping`.
-#include "model.h"
+#include "model/model.h"
 
 #include <pthread.h>
 #include <sched.h>

@@ -9,9 +9,9 @@
 //   xb = norm(x) -> q, k, v = xb W^T (+ bias) -> q/k head norms, RoPE, K/V into the cache
 //   -> attention per (KV head, block of queries) -> o = att Wo^T [-> post-norm] -> x += o
 //   xb = norm(x) -> h = act(xb Wg^T) * (xb Wu^T) -> d = h Wd^T [-> post-norm] -> x += d
-#include "attention.h"
-#include "kernels.h"
-#include "model.h"
+#include "kernels/attention.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -3,7 +3,7 @@
 // Every metadata key of docs/formats.md is read here and checked for a sane value; every tensor
 // the forward pass reads is looked up by name and checked for type and shape, so forward.c can
 // trust the model completely. Anything unsupported is refused with a message naming it.
-#include "model.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -8,7 +8,7 @@
 // computed alone, so the result never depends on n_tokens or on [row_begin, row_end). Tokens go in
 // L2-sized blocks and the next row tile is prefetched; neither changes any arithmetic. The
 // ISA=avx512 build compiles this same file and only swaps the integer block sums for VNNI ones.
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)

@@ -1,6 +1,6 @@
 // kernels.c: the dispatch names of kernels.h. An ISA=avx2 (or avx512) build calls the AVX2
 // versions in kernels_avx2.c; an ISA=generic build calls the references in quant_ref.c.
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #if defined(KR_HAVE_AVX2)
 #include <immintrin.h>
@@ -60,7 +60,7 @@ void kr_axpy_rows(int32_t type, const float *weights, const void *rows, size_t r
 // ---------------------------------------------------------------------------------------------
 // Test entry points (krafla.h, "Kernels (tests)"): one kernel on caller buffers, arguments checked
 
-#include "internal.h"
+#include "runtime/internal.h"
 
 #include <math.h>
 #include <stdbool.h>

@@ -1,6 +1,6 @@
 """Generate tokenizer_unicode.c: the codepoint classes the pre-tokenizers need.
 
-Run from the repository root: `python engine_c/src/tokenizer_unicode.py > engine_c/src/tokenizer_unicode.c`.
+Run from the repository root: `python engine_c/src/tokenizer/tokenizer_unicode.py > engine_c/src/tokenizer/tokenizer_unicode.c`.
 Classes follow the regex properties the pre-tokenizers use: \\p{L} (general category L*),
 \\p{N} (N*), \\p{M} (M*) and \\s (the Unicode White_Space property, which differs from
 str.isspace(): U+001C..U+001F are not White_Space). The table is a sorted list of ranges, each
@@ -39,7 +39,7 @@ def main(out=sys.stdout):
               f"(Unicode {unicodedata.unidata_version}); do not edit.\n")
     out.write("// Each entry starts a run of codepoints sharing class bits: 1 letter \\p{L}, 2 number \\p{N},\n")
     out.write("// 4 mark \\p{M}, 8 White_Space \\s. A run lasts until the next entry's first codepoint.\n")
-    out.write('#include "tokenizer_unicode.h"\n\n')
+    out.write('#include "tokenizer/tokenizer_unicode.h"\n\n')
     out.write(f"const uint32_t kr_unicode_range_count = {len(rows)};\n")
     out.write("const kr_unicode_range kr_unicode_ranges[] = {\n")
     for i in range(0, len(rows), 6):

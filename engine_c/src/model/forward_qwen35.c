@@ -20,8 +20,8 @@
 // matmul kernels' contract; the recurrence runs token after token in one thread per value
 // head), so logits and states are bitwise identical for any batch size and thread count. The
 // recurrent state cannot be cut back: a session can only be truncated to 0 or its length.
-#include "kernels.h"
-#include "model.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -11,7 +11,7 @@
 // Everything here is sequential and single-threaded, so the chosen token depends only on the
 // logits, the history, the parameters and how many draws came before: never on thread count or
 // batch size. Exactly one random number is drawn per non-greedy call.
-#include "internal.h"
+#include "runtime/internal.h"
 
 #include <float.h>
 #include <math.h>

@@ -4,7 +4,7 @@
 #ifndef KRAFLA_ATTENTION_H
 #define KRAFLA_ATTENTION_H
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 // Weighted sums of value rows for several queries at once, each over its own range of rows.
 // Row p (n values of type KR_F32, KR_F16 or KR_Q8_0; q8_0: n a multiple of 32) is at byte

@@ -3,7 +3,7 @@
 #ifndef KRAFLA_MODEL_H
 #define KRAFLA_MODEL_H
 
-#include "internal.h"
+#include "runtime/internal.h"
 
 #include <stdatomic.h>
 
