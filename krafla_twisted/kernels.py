@@ -13,9 +13,9 @@ import numpy as np
 from krafla_twisted import clib
 
 IMPLEMENTATIONS = {"dispatch": 0, "reference": 1, "avx2": 2}
-WEIGHT_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
+WEIGHT_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 7, "q5_0": 8, "q5_1": 9}
 BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -175,12 +175,13 @@ def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_
     """W (rows, cols) of type_name @ x (n_tokens, cols) -> float32 (n_tokens, rows).
 
     Only output rows [row_begin, row_end) are computed; the others are NaN. The activations are
-    prepared (quantized to q8_0 for q8_0/q4_0 weights) by the same implementation."""
+    prepared (quantized to q8_0 for the quantized weight types) by the same implementation."""
     return _matmul(clib.load().kr_test_matmul, type_name, weights, rows, cols, x, impl, row_begin, row_end)
 
 
 def pack(type_name, weights, rows, cols):
-    """A q8_0/q4_0 (rows, cols) matrix (raw bytes, file layout) in the packed layout (uint8, same size)."""
+    """A q8_0/q4_0/q4_1/q5_0/q5_1 (rows, cols) matrix (raw bytes, file layout) in the packed layout
+    (uint8, same size)."""
     w = _weight_bytes(type_name, weights, rows, cols)
     out = np.empty_like(w)
     _call(clib.load().kr_test_pack, _weight_type(type_name), _ptr(w), rows, cols, _ptr(out))

@@ -219,3 +219,25 @@ def weight_rows(draw, max_rows=4, max_blocks=4):
     values = draw(hnp.arrays(np.float32, shape, elements=elements))
     scale = draw(st.sampled_from([1e-30, 1e-6, 1.0, 127.0, 1e3, 1e7, 1e30]))
     return values * np.float32(scale)
+
+
+# ------------------------------------------------------------------------------------------
+# ggml's q4_1, q5_0 and q5_1 weights (engine_c/src/kernels/legacy.h)
+
+LEGACY_TYPES = ("q4_1", "q5_0", "q5_1")
+
+
+@st.composite
+def legacy_matmul_problems(draw, max_rows=13, max_blocks=7, max_tokens=9):
+    """(type, rows, cols, n_tokens, row_begin, row_end, kind, seed): odd row and token counts, a row
+    range inside the rows, and how the weights are made: "quantized" (normal floats through gguf-py's
+    quantizer), "random" (random quant bits, scales and minimums) or "extreme" (every quant at its
+    largest and every activation at +-127, the integer sums' worst case)."""
+    type_name = draw(st.sampled_from(LEGACY_TYPES))
+    rows = draw(st.integers(1, max_rows))
+    cols = 32 * draw(st.integers(1, max_blocks))
+    n_tokens = draw(st.integers(1, max_tokens))
+    row_begin = draw(st.integers(0, rows - 1))
+    row_end = draw(st.integers(row_begin + 1, rows))
+    kind = draw(st.sampled_from(("quantized", "random", "extreme")))
+    return type_name, rows, cols, n_tokens, row_begin, row_end, kind, draw(st.integers(0, 2**32 - 1))

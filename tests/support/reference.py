@@ -6,10 +6,11 @@ Face modeling code, read, not copied), sharing nothing with engine_c but the con
 transformers on the three real models.
 
 Precision: weights are dequantized exactly into float32 (every f16/bf16/q8_0/q4_0 weight is a
-float32 number), and everything is computed in float64: the residual stream, norms, RoPE,
-attention, softmax, and the matrix products (each weight matrix is widened to float64 in row
-chunks as it is used, so memory stays at one float32 copy of the model). Logits come back as
-float32.
+float32 number; q4_1, q5_0 and q5_1 weights, d * q + m, into float64: f16 values are multiples of
+2^-24 below 2^16, so d * q + m takes at most 46 bits), and everything is computed in float64:
+the residual stream, norms, RoPE, attention, softmax, and the matrix products (each weight matrix
+is widened to float64 in row chunks as it is used, so memory stays at one float32 copy of the
+model). Logits come back as float32.
 
 Conventions (the facts docs/formats.md states, which this file implements):
 - RMSNorm: x / sqrt(mean(x^2) + norm_eps) * w, with w the final multiplier (gemma's 1 + w is
@@ -38,6 +39,9 @@ ROPE_STYLES = ("norm", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = 0, 1, 2
 ROW_CHUNK = 8192  # weight rows widened to float64 at a time
+# The weight types whose matmuls take activations rounded to q8_0 blocks (ggml's q8_1 for q4_1 and
+# q5_1 has the same quants and scale; krafla keeps the sum exact instead of ggml's f16 d * sum).
+Q8_ACTIVATION_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 # ------------------------------------------------------------------------------------------
@@ -63,9 +67,29 @@ def dequantize(tensor):
         packed = blocks[:, 2:]
         nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
         values = (nibbles - 8) * scale
+    elif name in ("q4_1", "q5_0", "q5_1"):
+        values = dequantize_ggml_32(name, raw)
     else:
         raise ValueError(f"tensor {tensor.name}: the reference cannot dequantize type {name}")
     return values.reshape(tensor.shape)
+
+
+def dequantize_ggml_32(name, raw):
+    """q4_1, q5_0, q5_1 bytes (ggml's layouts: f16 d, [f16 m], [u32 fifth bits, bit j for weight j],
+    16 bytes of nibbles, byte j holding weight j low and j + 16 high) -> their exact values."""
+    block_bytes = {"q4_1": 20, "q5_0": 22, "q5_1": 24}[name]
+    blocks = raw.reshape(-1, block_bytes)
+    scale = blocks[:, :2].copy().view("<f2").astype(np.float64)
+    with_min, with_fifth = name != "q5_0", name != "q4_1"
+    minimum = blocks[:, 2:4].copy().view("<f2").astype(np.float64) if with_min else 0.0
+    packed = blocks[:, block_bytes - 16:]
+    quants = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int64)
+    if with_fifth:
+        fifth = blocks[:, block_bytes - 20:block_bytes - 16].copy().view("<u4").astype(np.int64)  # (n_blocks, 1)
+        quants |= ((fifth >> np.arange(32)) & 1) << 4
+    if name == "q5_0":
+        return (quants - 16) * scale
+    return quants * scale + minimum
 
 
 # ------------------------------------------------------------------------------------------
@@ -274,7 +298,7 @@ class ReferenceModel:
 
     def _linear(self, x, name, bias=None):
         """x @ weight `name`.T (+ bias), with x rounded to q8_0 first where q8_activations says."""
-        if self.q8_activations and self.container.tensors[name].type.name in ("q8_0", "q4_0"):
+        if self.q8_activations and self.container.tensors[name].type.name in Q8_ACTIVATION_TYPES:
             rows = quantize.quantize_q8_0(x.astype(np.float32))
             x = quantize.dequantize("Q8_0", rows, x.shape[1]).reshape(x.shape).astype(np.float64)
         return linear(x, self.weight(name), bias)

@@ -5,19 +5,27 @@ the metadata keys and tensor names docs/formats.md lists for llama, qwen2 and ge
 weights drawn from a seeded generator and scaled so activations stay near unit size through
 the layers (matrices N(0, 1/fan_in), norm weights near 1, small biases). Matrices are stored in
 `weight_type`; norms and biases are f32, as the converter writes them. With q4_0, the output
-head (or the tied embedding) is q8_0, as `krafla convert --type q4_0` does.
+head (or the tied embedding) is q8_0, as `krafla convert --type q4_0` does. q4_1, q5_0 and q5_1
+(the types ggml files carry and krafla computes natively) keep every matrix, the head included,
+in that type.
 """
 
 import math
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
 
 ARCHS = ("llama", "qwen2", "gemma3")
-WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-QUANTIZED = ("q8_0", "q4_0")
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# Blocks as ggml writes them (krafla convert copies these types from a GGUF file as they are), by
+# gguf-py's quantizers.
+GGML_QUANTIZED = {"q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
+                  "q5_1": GGMLQuantizationType.Q5_1}
 
 # Shapes small enough that a numpy forward pass takes milliseconds, yet with GQA, an odd vocab
 # and (gemma3) a head width that differs from dim / n_heads.
@@ -55,6 +63,9 @@ def encode(weights, type_name):
         return tensor_type, weights
     if type_name == "bf16":
         return tensor_type, to_bf16(weights)
+    if type_name in GGML_QUANTIZED:
+        rows = weights.reshape(-1, weights.shape[-1])
+        return tensor_type, gguf_quantize(rows, GGML_QUANTIZED[type_name]).reshape(-1)
     if type_name in QUANTIZED:
         return tensor_type, quantize.QUANTIZERS[type_name](weights.reshape(-1, weights.shape[-1])).reshape(-1)
     raise ValueError(f"cannot store weights as {type_name}")

@@ -137,9 +137,11 @@ int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_
 
 static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
     if (!kr_kernel_type_supported(type))
-        return kr_fail(err, KR_ERR_ARGUMENT, "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0 or q4_0",
-                       type, kr_type_name(type) ? kr_type_name(type) : "unknown");
-    return check_count("cols", cols, type == KR_Q8_0 || type == KR_Q4_0 ? KR_QK : 1, err);
+        return kr_fail(err, KR_ERR_ARGUMENT,
+                       "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1", type,
+                       kr_type_name(type) ? kr_type_name(type) : "unknown");
+    const int blocks = type == KR_Q8_0 || type == KR_Q4_0 || type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1;
+    return check_count("cols", cols, blocks ? KR_QK : 1, err);
 }
 
 int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err) {
@@ -191,8 +193,8 @@ int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t
     if (!status) status = check_pointers(weights, packed, err);
     if (status) return status;
     if (!kr_packable(weight_type))
-        return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0 (%d) and q4_0 (%d) weights are packed, not type %d", KR_Q8_0,
-                       KR_Q4_0, weight_type);
+        return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0 and q5_1 weights are packed, not type %d",
+                       weight_type);
     kr_pack_rows(weight_type, weights, packed, rows, cols);
     kr_ok(err);
     return KR_OK;
@@ -246,8 +248,8 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t 
     if (!status) status = check_pointers(best_seconds, best_seconds, err);
     if (!status && repeat < 1) status = kr_fail(err, KR_ERR_ARGUMENT, "repeat must be >= 1, got %d", repeat);
     if (!status && packed && !kr_packable(weight_type))
-        status = kr_fail(err, KR_ERR_ARGUMENT, "only q8_0 (%d) and q4_0 (%d) weights are packed, not type %d", KR_Q8_0,
-                         KR_Q4_0, weight_type);
+        status = kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0 and q5_1 weights are packed, not type %d",
+                         weight_type);
     if (status) return status;
     uint64_t out_count;
     if (kr_mul_overflows((uint64_t)rows, (uint64_t)n_tokens, &out_count))

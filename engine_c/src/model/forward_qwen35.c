@@ -100,7 +100,7 @@ static int bind_matrix(const kr_file *f, const char *path, const char *name, int
     int status = kr_file_find_tensor(f, name, &t, err);
     if (status) return status;
     if (!kr_kernel_type_supported(t.type))
-        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0 or q4_0",
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1",
                        path, name, kr_type_name(t.type));
     if (t.n_dims != 2 || t.dims[0] != (uint64_t)rows || t.dims[1] != (uint64_t)cols)
         return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %s has the wrong shape, expected (%lld, %lld)", path, name,

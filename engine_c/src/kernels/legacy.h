@@ -1,0 +1,78 @@
+// legacy.h: ggml's q4_1, q5_0 and q5_1 weights (blocks of 32). Internal to the library.
+//
+// The three types are computed natively against the q4_0 activations (kr_block_q8_sum: each
+// token's q8_0 blocks with the scale as a float and the exact sum of the quants). Per output,
+// block after block (docs/kernels.md, "q4_1, q5_0, q5_1"):
+//
+//   q5_0:        acc = fmaf(d_w * d_a, (float)(sum(q * a) - 16 * sum(a)), acc)
+//   q4_1, q5_1:  acc = fmaf(d_w * d_a, (float)sum(q * a), acc)
+//                acc = fmaf(m_w * d_a, (float)sum(a), acc)
+//
+// with acc starting at 0, q the unsigned 4- or 5-bit quants. Every integer is exact, and so is each
+// product of two f16 values in float, so any kernel that keeps this sequence gives the same bits.
+// legacy_ref.c holds the references (suffix _ref), legacy_avx2.c the AVX2 tiles (suffix _avx2,
+// with 256-bit VNNI sums in an ISA=avx512 build), legacy_avx512.c the 512-bit tiles of that build.
+#ifndef KRAFLA_KERNELS_LEGACY_H
+#define KRAFLA_KERNELS_LEGACY_H
+
+#include "kernels/kernels.h"
+#include "krafla.h"
+
+typedef struct {
+    kr_f16 d;              // scale
+    kr_f16 m;              // minimum
+    uint8_t q[KR_QK / 2];  // byte j: weight j (low nibble), weight j+16 (high nibble); w = d*n + m
+} kr_block_q4_1;
+
+typedef struct {
+    kr_f16 d;              // scale
+    uint8_t qh[4];         // bit j (little endian): the fifth bit of weight j
+    uint8_t q[KR_QK / 2];  // the low 4 bits, as q4_0; w = d*(q - 16)
+} kr_block_q5_0;
+
+typedef struct {
+    kr_f16 d;              // scale
+    kr_f16 m;              // minimum
+    uint8_t qh[4];         // bit j: the fifth bit of weight j
+    uint8_t q[KR_QK / 2];  // the low 4 bits; w = d*q + m
+} kr_block_q5_1;
+
+static_assert(sizeof(kr_block_q4_1) == 2 + 2 + 16, "q4_1 block size");
+static_assert(sizeof(kr_block_q5_0) == 2 + 4 + 16, "q5_0 block size");
+static_assert(sizeof(kr_block_q5_1) == 2 + 2 + 4 + 16, "q5_1 block size");
+
+// q4_1, q5_0 or q5_1.
+static inline int kr_legacy_type(int32_t type) { return type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1; }
+size_t kr_legacy_block_bytes(int32_t type);  // 20, 22, 24
+
+// One row of n weights to floats: d * q + m (two roundings, as ggml and gguf-py), d * (q - 16).
+void kr_dequantize_legacy_row(int32_t type, const void *row, float *out, int64_t n);
+
+// The per-block pieces: the unsigned quants of one block (0..15 or 0..31) in element order.
+void kr_legacy_quants_ref(int32_t type, const void *block, uint8_t q[KR_QK]);
+// One output: the blocks of a weight row against a token's prepared activations, in the order above.
+float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *a, int64_t n_blocks);
+
+// Packed layout (kernels.h "Packed weights", docs/kernels.md): groups of 8 rows where their rows are
+// in the file, rows past the last whole group as they are. Per group and block: the 8 rows' f16
+// scales (16 bytes), [q4_1, q5_1: their 8 f16 minimums (16 bytes)], [q5_0, q5_1: their fifth bits
+// (32 bytes: int32 lane r is row r, byte k of it holds in bit p the fifth bit of element 4p + k)],
+// then the 4 chunks of nibbles exactly as q4_0's (chunk i: bytes 4i..4i+3 of each row).
+size_t kr_legacy_group_block_bytes(int32_t type);  // 8 blocks: 160, 176, 192
+void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows, int64_t cols);
+void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                 int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+
+// AVX2 (and the avx512 build's VNNI): file layout and packed. kr_matmul_avx2 / kr_matmul_packed_avx2
+// hand these types over.
+void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
+                           int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+
+// ISA=avx512: one token over two packed groups (16 rows) in the lanes of one 512-bit vector; stores
+// the rows of [keep_begin, keep_end) of the 16. `next`: the tile after this one, fetched ahead.
+void kr_legacy_pair_tile_avx512(int32_t type, const char *w, size_t group_stride, const kr_block_q8_sum *a,
+                                int64_t n_blocks, float *out, int keep_begin, int keep_end, const char *next);
+
+#endif

@@ -1,0 +1,372 @@
+// legacy_avx2.c: the q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
+//
+// Each output goes through legacy_ref.c's sequence of float operations (legacy.h): per block, the
+// exact integer sum of the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1
+// and q5_1 a second one with m_w * d_a times the activations' integer sum. The integer sums are
+// exact however they are formed, so the tiles below may put 4 or 8 rows side by side and give the
+// same bits. The ISA=avx512 build compiles this file too, with VNNI for the integer sums, and takes
+// the one-token packed tile from legacy_avx512.c.
+#include "kernels/legacy.h"
+#include "krafla.h"
+
+#if defined(KR_HAVE_AVX2)
+#include <immintrin.h>
+
+#define KR_INLINE static inline __attribute__((always_inline))
+
+// ---------------------------------------------------------------------------------------------
+// Integer sums of unsigned quants u (0..31) times signed activations s (-127..127), 4 products per
+// int32 lane. VNNI (ISA=avx512) accumulates in int32 directly. AVX2 adds pairs into int16
+// (maddubs): one pair is at most 2 * 31 * 127 = 7874, so 4 steps stay below 32767 (8 steps for
+// nibbles, at most 2 * 15 * 127 each), and widen_add turns the int16 pairs into int32 lanes.
+#if defined(KR_HAVE_AVX512)
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) { return _mm256_add_epi32(wide, acc); }
+#else
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) {
+    return _mm256_add_epi32(wide, _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
+}
+#endif
+
+KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
+
+// 4 activation bytes (elements at..at+3) in every int32 lane.
+KR_INLINE __m256i broadcast4(const int8_t *q) {
+    int32_t v;
+    __builtin_memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
+KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+KR_INLINE int has_min(int32_t type) { return type != KR_Q5_0; }
+KR_INLINE int has_fifth(int32_t type) { return type != KR_Q4_1; }
+
+// ---------------------------------------------------------------------------------------------
+// File layout: R <= 4 rows x T <= 4 tokens. Per block each row's 32 quants are unpacked into
+// bytes in element order; each (row, token) pair's 32 products are summed, 4 rows' sums added up
+// together, and each token takes its 4 rows' fused multiply-adds in the lanes of one 128-bit
+// vector. Serves --no-pack and the rows past a packed matrix's last group of 8.
+
+// The block's quants (0..15 or 0..31) as 32 bytes in element order.
+KR_INLINE __m256i unpack_quants(const int32_t type, const char *block) {
+    const size_t nibbles_at = type == KR_Q4_1 ? 4 : type == KR_Q5_0 ? 6 : 8;
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + nibbles_at)));
+    const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    __m256i q = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+    if (has_fifth(type)) {
+        int32_t qh;
+        __builtin_memcpy(&qh, block + nibbles_at - 4, 4);
+        // byte j <- byte j / 8 of qh, then bit j % 8 of it as 0x10
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                    3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
+KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const char *w, size_t w_stride, const char *a,
+                         size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
+    const size_t w_block = kr_legacy_block_bytes(type);
+    __m128 acc[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m256i quants[4];
+        float scales[4] = {0.0f, 0.0f, 0.0f, 0.0f}, mins[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const char *block = w + r * w_stride + (size_t)b * w_block;
+            if (next) _mm_prefetch(next + r * w_stride + (size_t)b * w_block, _MM_HINT_T0);
+            quants[r] = unpack_quants(type, block);
+            scales[r] = f16_to_f32(((const kr_f16 *)block)[0]);
+            if (has_min(type)) mins[r] = f16_to_f32(((const kr_f16 *)block)[1]);
+        }
+        const __m128 w_scale = _mm_loadu_ps(scales), w_min = _mm_loadu_ps(mins);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)ab->q);
+            __m256i lanes[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                lanes[r] = r < R ? widen_add(_mm256_setzero_si256(), isum_add(_mm256_setzero_si256(), quants[r], av))
+                                 : _mm256_setzero_si256();
+            __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
+            if (type == KR_Q5_0) sums = _mm_sub_epi32(sums, _mm_set1_epi32(16 * ab->sum));  // the offset of 16
+            const __m128 a_scale = _mm_set1_ps(ab->d);
+            acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, a_scale), _mm_cvtepi32_ps(sums), acc[t]);
+            if (has_min(type)) acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_min, a_scale), _mm_set1_ps((float)ab->sum), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        float lanes[4];
+        _mm_storeu_ps(lanes, acc[t]);
+        for (int r = 0; r < R; r++) out[t * out_stride + r] = lanes[r];
+    }
+}
+
+#define KR_LEGACY_TILE_SHAPES(CALL) \
+    switch (R * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
+    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
+    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
+    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
+    default: break; \
+    }
+
+static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride, int64_t n_blocks,
+                 float *out, int64_t out_stride, const char *next) {
+    switch (type) {
+    case KR_Q4_1:
+#define CALL_Q41(r, t) tile_rows(KR_Q4_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+        KR_LEGACY_TILE_SHAPES(CALL_Q41)
+        break;
+    case KR_Q5_0:
+#define CALL_Q50(r, t) tile_rows(KR_Q5_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+        KR_LEGACY_TILE_SHAPES(CALL_Q50)
+        break;
+    default:
+#define CALL_Q51(r, t) tile_rows(KR_Q5_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+        KR_LEGACY_TILE_SHAPES(CALL_Q51)
+        break;
+    }
+}
+
+// Tokens in blocks whose prepared activations fit in L2, as kernels_avx2.c's matmul.
+#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
+
+void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
+                           int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const size_t w_stride = kr_weight_row_bytes(type, cols), a_stride = kr_activation_row_bytes(type, cols);
+    const int max_rows = 4, max_tokens = 4;
+    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
+        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
+        for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
+            const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
+            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
+                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
+                const char *next = t0 == b0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
+                tile(type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride, (const char *)prepared + (size_t)t0 * a_stride,
+                     a_stride, cols / KR_QK, out + t0 * out_stride + r0, out_stride, next);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed layout (legacy.h): G <= 2 groups of 8 rows x T <= 4 tokens, the lanes of a vector being a
+// group's 8 rows, as kernels_avx2.c's q4_0 tiles. A step multiplies one 32-byte chunk (8 rows x 4
+// quants) by 4 activation bytes broadcast to every lane. Chunk i's low nibbles are elements
+// 4i..4i+3 and its high nibbles 16+4i..16+4i+3; their fifth bits are bit p = i (low) and p = 4 + i
+// (high) of each byte of the group's 32 bytes of fifth bits, moved to bit 4 with one shift and one
+// and. Each block ends with one fused multiply-add (two with a minimum) for 8 outputs.
+
+// Chunk i's low (high = 0) or high (high = 1) quants of one group, 8 rows x 4 bytes.
+KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, const int i, const int high) {
+    const size_t fifth_at = 2 * KR_PACK_ROWS * (type == KR_Q5_1 ? 2 : 1);
+    const size_t nibbles_at = type == KR_Q4_1 ? 4 * KR_PACK_ROWS : type == KR_Q5_0 ? 6 * KR_PACK_ROWS : 8 * KR_PACK_ROWS;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
+    __m256i q = high ? _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4) : _mm256_and_si256(chunk, low4);
+    if (has_fifth(type)) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
+        const int p = 4 * high + i;  // bit p of each byte -> bit 4
+        const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
+        q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
+// sums[g][t] += the half's 4 chunks: steps i = 0..3 of the low (high = 0) or high quants.
+KR_INLINE void packed_half(const int32_t type, const int G, const int T, const char *group_block, size_t group_stride,
+                           const kr_block_q8_sum *ab[4], const int high, __m256i sums[2][4]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m256i q[2];
+#pragma GCC unroll 2
+        for (int g = 0; g < G; g++) q[g] = packed_quants(type, group_block + g * group_stride, i, high);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const __m256i av = broadcast4(ab[t]->q + 16 * high + 4 * i);
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++) sums[g][t] = isum_add(sums[g][t], q[g], av);
+        }
+    }
+}
+
+KR_INLINE void group_tile(const int32_t type, const int G, const int T, const char *w, size_t group_stride, const char *a,
+                          size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                          const char *next) {
+    const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
+    const size_t mins_at = 2 * KR_PACK_ROWS;
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[g][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const char *group_block = w + (size_t)b * group_block_bytes;
+        const kr_block_q8_sum *ab[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_sum *)(a + t * a_stride) + b;
+        if (next)
+            for (size_t line = 0; line < group_block_bytes; line += 64) _mm_prefetch(next + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
+        __m256i sums[2][4], wide[2][4];
+#pragma GCC unroll 2
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) sums[g][t] = _mm256_setzero_si256();
+#if defined(KR_HAVE_AVX512)
+        packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
+        packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
+        (void)wide;
+#else
+        if (type == KR_Q4_1) {  // 8 steps of nibbles fit int16
+            packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
+            packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) sums[g][t] = widen_add(_mm256_setzero_si256(), sums[g][t]);
+        } else {  // 5-bit quants: widen after each half of 4 steps
+            packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    wide[g][t] = widen_add(_mm256_setzero_si256(), sums[g][t]);
+                    sums[g][t] = _mm256_setzero_si256();
+                }
+            packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
+#pragma GCC unroll 2
+            for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) sums[g][t] = widen_add(wide[g][t], sums[g][t]);
+        }
+#endif
+#pragma GCC unroll 2
+        for (int g = 0; g < G; g++) {
+            const char *gb = group_block + g * group_stride;
+            const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
+            const __m256 w_min = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + mins_at))) : w_scale;
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                const __m256 a_scale = _mm256_set1_ps(ab[t]->d);
+                __m256i s = sums[g][t];
+                if (type == KR_Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * ab[t]->sum));  // the offset of 16
+                acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(s), acc[g][t]);
+                if (has_min(type))
+                    acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_min, a_scale), _mm256_set1_ps((float)ab[t]->sum), acc[g][t]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            float *row = out + t * out_stride + KR_PACK_ROWS * g;
+            if (keep_begin <= KR_PACK_ROWS * g && KR_PACK_ROWS * (g + 1) <= keep_end) {
+                _mm256_storeu_ps(row, acc[g][t]);
+            } else {
+                float lanes[KR_PACK_ROWS];
+                _mm256_storeu_ps(lanes, acc[g][t]);
+                for (int r = 0; r < KR_PACK_ROWS; r++)
+                    if (keep_begin <= KR_PACK_ROWS * g + r && KR_PACK_ROWS * g + r < keep_end) row[r] = lanes[r];
+            }
+        }
+}
+
+// Tile shape, groups x tokens: 2 x 2 in AVX2 and 2 x 4 in the avx512 build for several tokens (as
+// q4_0's), 2 x 1 for one token.
+#if defined(KR_HAVE_AVX512)
+#define KR_LEGACY_TOKENS 4
+#else
+#define KR_LEGACY_TOKENS 2
+#endif
+
+#define KR_LEGACY_GROUP_SHAPES(CALL) \
+    switch (G * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    default: break; \
+    }
+
+static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
+                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+#if defined(KR_HAVE_AVX512)
+    if (G == 2 && T == 1) {
+        kr_legacy_pair_tile_avx512(type, w, group_stride, (const kr_block_q8_sum *)a, n_blocks, out, keep_begin, keep_end, next);
+        return;
+    }
+#endif
+    switch (type) {
+    case KR_Q4_1:
+#define CALL_G41(g, t) group_tile(KR_Q4_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+        KR_LEGACY_GROUP_SHAPES(CALL_G41)
+        break;
+    case KR_Q5_0:
+#define CALL_G50(g, t) group_tile(KR_Q5_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+        KR_LEGACY_GROUP_SHAPES(CALL_G50)
+        break;
+    default:
+#define CALL_G51(g, t) group_tile(KR_Q5_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+        KR_LEGACY_GROUP_SHAPES(CALL_G51)
+        break;
+    }
+}
+
+void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const int64_t grouped = rows - rows % KR_PACK_ROWS;
+    if (row_end > grouped) {  // the rows past the last group are in file layout
+        const int64_t first = row_begin > grouped ? row_begin : grouped;
+        kr_matmul_legacy_avx2(type, w, cols, prepared, n_tokens, out, out_stride, first, row_end);
+        row_end = grouped;
+    }
+    if (row_begin >= row_end) return;
+    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
+    const size_t a_stride = kr_activation_row_bytes(type, cols);
+    const int max_groups = 2, max_tokens = n_tokens == 1 ? 1 : KR_LEGACY_TOKENS;
+    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
+    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
+        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
+        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
+            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
+            const int64_t first = g0 * KR_PACK_ROWS;
+            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
+            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
+            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
+            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
+            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
+                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
+                packed_tile(type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
+                            cols / KR_QK, out + t0 * out_stride + first, out_stride, keep_begin, keep_end,
+                            t0 == b0 ? next : NULL);
+            }
+        }
+    }
+}
+
+#else
+typedef int kr_legacy_avx2_not_built;  // ISA=generic: this file is empty
+#endif

@@ -1,0 +1,91 @@
+// legacy_avx512.c: the ISA=avx512 build's 512-bit tile for q4_1, q5_0 and q5_1 (legacy.h).
+//
+// Generation (one token) over two packed groups of 8 rows at once: the first group's 32-byte
+// chunk in the low half of a 512-bit vector, the second's in the high half, so the 16 lanes are 16
+// rows and each VNNI instruction does the work of two 256-bit ones, as kernels_avx2.c's q4_0
+// pair tile. Every lane goes through legacy_ref.c's per-block sequence (exact integer sums, then
+// the fused multiply-adds), so the bits are those of every other build.
+#include "kernels/legacy.h"
+#include "krafla.h"
+
+#if defined(KR_HAVE_AVX512)
+#include <immintrin.h>
+
+// Two 256-bit loads, `first` in the low half and `second` in the high half.
+static inline __m512i load_pair(const char *first, const char *second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
+                              _mm256_loadu_si256((const __m256i *)second), 1);
+}
+
+// Two groups' 8 f16 values (16 bytes each) as 16 floats.
+static inline __m512 scales_pair(const char *first, const char *second) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)),
+                                                   _mm_loadu_si128((const __m128i *)second), 1));
+}
+
+static inline __attribute__((always_inline)) void pair_tile(const int32_t type, const char *w, size_t group_stride,
+                                                             const kr_block_q8_sum *a, int64_t n_blocks, float *out,
+                                                             int keep_begin, int keep_end, const char *next) {
+    const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
+    const int with_min = type != KR_Q5_0, with_fifth = type != KR_Q4_1;
+    const size_t mins_at = 2 * KR_PACK_ROWS, fifth_at = 2 * KR_PACK_ROWS * (type == KR_Q5_1 ? 2 : 1);
+    const size_t nibbles_at = type == KR_Q4_1 ? 4 * KR_PACK_ROWS : type == KR_Q5_0 ? 6 * KR_PACK_ROWS : 8 * KR_PACK_ROWS;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const char *first = w + (size_t)b * group_block_bytes, *second = first + group_stride;
+        const kr_block_q8_sum *ab = a + b;
+        if (next)
+            for (size_t line = 0; line < group_block_bytes; line += 64) {
+                _mm_prefetch(next + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
+                _mm_prefetch(next + group_stride + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
+            }
+        const __m512i bits = with_fifth ? load_pair(first + fifth_at, second + fifth_at) : _mm512_setzero_si512();
+        // low and high quants in two accumulators: two short dependency chains instead of one long
+        __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m512i chunk = load_pair(first + nibbles_at + 32 * i, second + nibbles_at + 32 * i);
+            __m512i low = _mm512_and_si512(chunk, low4), high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low4);
+            if (with_fifth) {
+                // bit i of each byte of `bits` is the fifth bit of the low quants, bit 4 + i of the high ones
+                const __m512i low_bit = _mm512_slli_epi16(bits, 4 - i);
+                const __m512i high_bit = i == 0 ? bits : _mm512_srli_epi16(bits, i);
+                low = _mm512_or_si512(low, _mm512_and_si512(low_bit, bit4));
+                high = _mm512_or_si512(high, _mm512_and_si512(high_bit, bit4));
+            }
+            int32_t a_low, a_high;
+            __builtin_memcpy(&a_low, ab->q + 4 * i, 4);
+            __builtin_memcpy(&a_high, ab->q + 16 + 4 * i, 4);
+            low_sums = _mm512_dpbusd_epi32(low_sums, low, _mm512_set1_epi32(a_low));
+            high_sums = _mm512_dpbusd_epi32(high_sums, high, _mm512_set1_epi32(a_high));
+        }
+        __m512i sums = _mm512_add_epi32(low_sums, high_sums);
+        if (type == KR_Q5_0) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(16 * ab->sum));  // the offset of 16
+        const __m512 a_scale = _mm512_set1_ps(ab->d);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(scales_pair(first, second), a_scale), _mm512_cvtepi32_ps(sums), acc);
+        if (with_min)
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(scales_pair(first + mins_at, second + mins_at), a_scale),
+                                  _mm512_set1_ps((float)ab->sum), acc);
+    }
+    if (keep_begin == 0 && keep_end == 2 * KR_PACK_ROWS) {
+        _mm512_storeu_ps(out, acc);
+    } else {
+        float lanes[2 * KR_PACK_ROWS];
+        _mm512_storeu_ps(lanes, acc);
+        for (int r = keep_begin; r < keep_end; r++) out[r] = lanes[r];
+    }
+}
+
+void kr_legacy_pair_tile_avx512(int32_t type, const char *w, size_t group_stride, const kr_block_q8_sum *a,
+                                int64_t n_blocks, float *out, int keep_begin, int keep_end, const char *next) {
+    switch (type) {
+    case KR_Q4_1: pair_tile(KR_Q4_1, w, group_stride, a, n_blocks, out, keep_begin, keep_end, next); break;
+    case KR_Q5_0: pair_tile(KR_Q5_0, w, group_stride, a, n_blocks, out, keep_begin, keep_end, next); break;
+    default: pair_tile(KR_Q5_1, w, group_stride, a, n_blocks, out, keep_begin, keep_end, next); break;
+    }
+}
+
+#else
+typedef int kr_legacy_avx512_not_built;  // ISA=generic and ISA=avx2: this file is empty
+#endif
