@@ -85,7 +85,7 @@ tools:
 
 # --- test-isa (speed): the kernel, packing, bitwise-reproducibility and reference tests on one more
 # ISA build, e.g. `make test-isa ISA=avx512` (AVX-512 VNNI) next to the default avx2 `make test`.
-ISA_TESTS ?= tests/test_kernels.py tests/test_pack.py tests/test_kv_q8.py tests/test_reproducibility.py tests/test_reference_tiny.py
+ISA_TESTS ?= tests/test_kernels.py tests/test_legacy_kernels.py tests/test_pack.py tests/test_kv_q8.py tests/test_reproducibility.py tests/test_reference_tiny.py
 .PHONY: test-isa
 test-isa: lib venv
 	KRAFLA_ISA=$(ISA) KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/python -m pytest -q $(ISA_TESTS)

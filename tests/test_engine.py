@@ -76,7 +76,7 @@ def tiny(tmp_path):
 class TinyModelReferenceTests:
     """Logits of tiny random models equal the numpy reference's."""
 
-    @pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+    @pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
     @pytest.mark.parametrize("arch", ARCHS)
     def test_every_architecture_and_weight_type(self, tiny, arch, weight_type):
         """Default tiny shapes; a 20-token prompt is longer than gemma3's sliding window (6), so

@@ -275,6 +275,26 @@ class DequantizeTests:
         np.testing.assert_array_equal(reference.dequantize(tensor), expected)
 
 
+    @pytest.mark.parametrize("type_name, gguf_type", [
+        ("q4_1", GGMLQuantizationType.Q4_1), ("q5_0", GGMLQuantizationType.Q5_0), ("q5_1", GGMLQuantizationType.Q5_1)])
+    def test_ggml_32_blocks_are_exact(self, type_name, gguf_type):
+        """q4_1, q5_0 and q5_1 dequantize to the blocks' exact values d * q + m in float64: within
+        one float32 rounding of gguf-py's values (which round d * q and then the sum), and equal to
+        them where gguf-py's float32 arithmetic is exact (q5_0, and every d * q + m float32 holds)."""
+        rng = np.random.default_rng(12)
+        weights = rng.standard_normal((6, 96)).astype(np.float32) * np.float32(3)
+        tensor_type, data = encode(weights, type_name)
+        container = formats.Container(formats.MODEL_MAGIC)
+        container.add("w", tensor_type, weights.shape, data)
+        got = reference.dequantize(container.tensors["w"])
+        expected = gguf_dequantize(container.tensors["w"].data, gguf_type).reshape(weights.shape).astype(np.float64)
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, expected, rtol=2.0**-23, atol=0)
+        representable = got.astype(np.float32).astype(np.float64) == got
+        np.testing.assert_array_equal(got[representable], expected[representable])
+        assert representable.mean() > 0.5
+
+
 class RefusalTests:
     def test_linear_attention_layers_are_refused(self, tmp_path):
         """A model with a linear-attention layer (type 2) is refused by name, not run wrongly."""
