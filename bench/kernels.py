@@ -5,8 +5,9 @@
 Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
 4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
 tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
-quantization), timed in C in thread CPU time: the best of --repeat runs. --packed multiplies q4_0 and
-q8_0 weights in the packed layout the engine uses after loading a model (kernels.h).
+quantization), timed in C in thread CPU time: the best of --repeat runs. --packed multiplies quantized
+weights (q4_0, q8_0, q4_1, q5_0, q5_1) in the packed layout the engine uses after loading a model
+(kernels.h, legacy.h).
 """
 
 import argparse
@@ -19,10 +20,12 @@ SHAPES = [(1536, 576), (576, 1536), (4864, 896), (896, 4864)]  # (rows, cols) of
 
 def random_weights(type_name, rows, cols, rng):
     """Random bytes shaped as valid weights: quantized blocks with sane f16 scales."""
-    if type_name == "q4_0" or type_name == "q8_0":
+    if type_name in kernels.BLOCK_BYTES:
         block_bytes = kernels.BLOCK_BYTES[type_name]
         blocks = rng.integers(0, 256, (rows * cols // 32, block_bytes), dtype=np.uint8)
         blocks[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if type_name in ("q4_1", "q5_1"):  # the minimum
+            blocks[:, 2:4] = np.frombuffer(np.float16(-0.08).tobytes(), np.uint8)
         return blocks.reshape(-1)
     values = rng.standard_normal((rows, cols)).astype(np.float32)
     if type_name == "f16":
@@ -32,7 +35,7 @@ def random_weights(type_name, rows, cols, rng):
 
 def measure(type_name, rows, cols, n_tokens, impl, repeat, rng, packed):
     weights = random_weights(type_name, rows, cols, rng)
-    packed = packed and type_name in ("q4_0", "q8_0")
+    packed = packed and type_name in kernels.BLOCK_BYTES
     if packed:
         weights = kernels.pack(type_name, weights, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
@@ -48,7 +51,7 @@ def main():
     parser.add_argument("--types", default="q4_0,q8_0", help="comma-separated weight types")
     parser.add_argument("--tokens", default="1,32", help="comma-separated token counts")
     parser.add_argument("--repeat", type=int, default=100)
-    parser.add_argument("--packed", action="store_true", help="q4_0/q8_0 weights in the packed layout")
+    parser.add_argument("--packed", action="store_true", help="quantized weights in the packed layout")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"library ISA {kernels.isa()}, implementation {args.impl}, {'packed' if args.packed else 'file'} layout, "

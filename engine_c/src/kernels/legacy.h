@@ -6,10 +6,12 @@
 //
 //   q5_0:        acc = fmaf(d_w * d_a, (float)(sum(q * a) - 16 * sum(a)), acc)
 //   q4_1, q5_1:  acc = fmaf(d_w * d_a, (float)sum(q * a), acc)
-//                acc = fmaf(m_w * d_a, (float)sum(a), acc)
+//                acc = fmaf(m_w, d_a * (float)sum(a), acc)
 //
-// with acc starting at 0, q the unsigned 4- or 5-bit quants. Every integer is exact, and so is each
-// product of two f16 values in float, so any kernel that keeps this sequence gives the same bits.
+// with acc starting at 0, q the unsigned 4- or 5-bit quants. Every integer is exact, and so are the
+// products: two f16 values (11-bit significands) in float, and d_a * sum(a) (|sum| <= 32 * 127 <
+// 2^12, so at most 23 significant bits: ggml's q8_1 `s`, kept exact in float where ggml rounds it
+// to f16). So any kernel that keeps this sequence gives the same bits.
 // legacy_ref.c holds the references (suffix _ref), legacy_avx2.c the AVX2 tiles (suffix _avx2,
 // with 256-bit VNNI sums in an ISA=avx512 build), legacy_avx512.c the 512-bit tiles of that build.
 #ifndef KRAFLA_KERNELS_LEGACY_H

@@ -2,7 +2,7 @@
 //
 // Each output goes through legacy_ref.c's sequence of float operations (legacy.h): per block, the
 // exact integer sum of the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1
-// and q5_1 a second one with m_w * d_a times the activations' integer sum. The integer sums are
+// and q5_1 a second one, m_w times d_a * sum(a) (exact in float). The integer sums are
 // exact however they are formed, so the tiles below may put 4 or 8 rows side by side and give the
 // same bits. The ISA=avx512 build compiles this file too, with VNNI for the integer sums, and takes
 // the one-token packed tile from legacy_avx512.c.
@@ -104,7 +104,7 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
             if (type == KR_Q5_0) sums = _mm_sub_epi32(sums, _mm_set1_epi32(16 * ab->sum));  // the offset of 16
             const __m128 a_scale = _mm_set1_ps(ab->d);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, a_scale), _mm_cvtepi32_ps(sums), acc[t]);
-            if (has_min(type)) acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_min, a_scale), _mm_set1_ps((float)ab->sum), acc[t]);
+            if (has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
         }
     }
 #pragma GCC unroll 4
@@ -271,8 +271,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
                 __m256i s = sums[g][t];
                 if (type == KR_Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * ab[t]->sum));  // the offset of 16
                 acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(s), acc[g][t]);
-                if (has_min(type))
-                    acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_min, a_scale), _mm256_set1_ps((float)ab[t]->sum), acc[g][t]);
+                if (has_min(type)) acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
             }
         }
     }

@@ -65,8 +65,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
         const __m512 a_scale = _mm512_set1_ps(ab->d);
         acc = _mm512_fmadd_ps(_mm512_mul_ps(scales_pair(first, second), a_scale), _mm512_cvtepi32_ps(sums), acc);
         if (with_min)
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(scales_pair(first + mins_at, second + mins_at), a_scale),
-                                  _mm512_set1_ps((float)ab->sum), acc);
+            acc = _mm512_fmadd_ps(scales_pair(first + mins_at, second + mins_at), _mm512_set1_ps(ab->d * (float)ab->sum), acc);
     }
     if (keep_begin == 0 && keep_end == 2 * KR_PACK_ROWS) {
         _mm512_storeu_ps(out, acc);

@@ -92,7 +92,7 @@ static float block_step(int32_t type, const void *block, const kr_block_q8_sum *
     const float d = kr_f16_to_f32_ref(p.d);
     if (!p.has_min) return fmaf(d * a->d, (float)(sum - 16 * a->sum), acc);
     acc = fmaf(d * a->d, (float)sum, acc);
-    return fmaf(kr_f16_to_f32_ref(p.m) * a->d, (float)a->sum, acc);
+    return fmaf(kr_f16_to_f32_ref(p.m), a->d * (float)a->sum, acc);  // d_a * sum(a) is exact (legacy.h)
 }
 
 float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *a, int64_t n_blocks) {
