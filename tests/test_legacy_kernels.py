@@ -292,3 +292,17 @@ class LegacyTinyModelTests:
                 assert same_bits(logits(path, TOKENS, batch=batch, threads=threads), expected), (batch, threads)
         with Model(path, pack=True) as model:
             assert pack.status(model)[0] == 1  # the matrices really were packed
+
+
+class EmptyRowsTests:
+    @pytest.mark.parametrize("type_name", ("q8_0", "q4_0") + LEGACY_TYPES)
+    @pytest.mark.parametrize("impl", ["reference", "avx2", "dispatch"])
+    def test_zero_columns_give_zeros(self, type_name, impl):
+        """A matrix of 0 columns (no blocks) multiplies to zeros, file layout and packed, with whole
+        groups of 8 rows and a rest: no division by the empty rows' size."""
+        if impl == "avx2":
+            avx2_or_skip()
+        empty, x = np.zeros(0, np.uint8), np.zeros((3, 0), np.float32)
+        assert same_bits(kernels.matmul(type_name, empty, 9, 0, x, impl=impl), np.zeros((3, 9)))
+        packed = kernels.pack(type_name, empty, 9, 0)
+        assert same_bits(kernels.matmul_packed(type_name, packed, 9, 0, x, impl=impl), np.zeros((3, 9)))

@@ -582,7 +582,7 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
     const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
-    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;  // cols 0: no blocks
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {

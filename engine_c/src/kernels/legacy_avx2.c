@@ -153,7 +153,7 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
                            int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t w_stride = kr_weight_row_bytes(type, cols), a_stride = kr_activation_row_bytes(type, cols);
     const int max_rows = 4, max_tokens = 4;
-    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
@@ -344,7 +344,7 @@ void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int
     const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
     const size_t a_stride = kr_activation_row_bytes(type, cols);
     const int max_groups = 2, max_tokens = n_tokens == 1 ? 1 : KR_LEGACY_TOKENS;
-    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
