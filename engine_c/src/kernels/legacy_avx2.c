@@ -182,15 +182,18 @@ KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, con
     const size_t fifth_at = 2 * KR_PACK_ROWS * (type == KR_Q5_1 ? 2 : 1);
     const size_t nibbles_at = type == KR_Q4_1 ? 4 * KR_PACK_ROWS : type == KR_Q5_0 ? 6 * KR_PACK_ROWS : 8 * KR_PACK_ROWS;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
-    __m256i q = high ? _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4) : _mm256_and_si256(chunk, low4);
-    if (has_fifth(type)) {
-        const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
-        const int p = 4 * high + i;  // bit p of each byte -> bit 4
-        const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
-        q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
-    }
-    return q;
+    __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
+    if (high) chunk = _mm256_srli_epi16(chunk, 4);
+    if (!has_fifth(type)) return _mm256_and_si256(chunk, low4);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
+    const int p = 4 * high + i;  // bit p of each byte -> bit 4
+    const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
+    const __m256i fifth = _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+#if defined(KR_HAVE_AVX512)
+    return _mm256_ternarylogic_epi32(chunk, low4, fifth, 0xEA);  // (chunk & low4) | fifth in one step
+#else
+    return _mm256_or_si256(_mm256_and_si256(chunk, low4), fifth);
+#endif
 }
 
 // sums[g][t] += the half's 4 chunks: steps i = 0..3 of the low (high = 0) or high quants.

@@ -46,13 +46,17 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const __m512i chunk = load_pair(first + nibbles_at + 32 * i, second + nibbles_at + 32 * i);
-            __m512i low = _mm512_and_si512(chunk, low4), high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low4);
+            __m512i low, high;
             if (with_fifth) {
-                // bit i of each byte of `bits` is the fifth bit of the low quants, bit 4 + i of the high ones
-                const __m512i low_bit = _mm512_slli_epi16(bits, 4 - i);
-                const __m512i high_bit = i == 0 ? bits : _mm512_srli_epi16(bits, i);
-                low = _mm512_or_si512(low, _mm512_and_si512(low_bit, bit4));
-                high = _mm512_or_si512(high, _mm512_and_si512(high_bit, bit4));
+                // bit i of each byte of `bits` is the fifth bit of the low quants, bit 4 + i of the high
+                // ones; (nibble & 0x0f) | fifth bit in one ternary-logic step
+                const __m512i low_bit = _mm512_and_si512(_mm512_slli_epi16(bits, 4 - i), bit4);
+                const __m512i high_bit = _mm512_and_si512(i == 0 ? bits : _mm512_srli_epi16(bits, i), bit4);
+                low = _mm512_ternarylogic_epi32(chunk, low4, low_bit, 0xEA);
+                high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(chunk, 4), low4, high_bit, 0xEA);
+            } else {
+                low = _mm512_and_si512(chunk, low4);
+                high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low4);
             }
             int32_t a_low, a_high;
             __builtin_memcpy(&a_low, ab->q + 4 * i, 4);
