@@ -306,3 +306,46 @@ class EmptyRowsTests:
         assert same_bits(kernels.matmul(type_name, empty, 9, 0, x, impl=impl), np.zeros((3, 9)))
         packed = kernels.pack(type_name, empty, 9, 0)
         assert same_bits(kernels.matmul_packed(type_name, packed, 9, 0, x, impl=impl), np.zeros((3, 9)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real weights: the published files' q4_1 (SmolLM2) and q5_0 (Qwen2.5-Coder, Gemma 3) matrices
+
+REAL_MATRICES = [("smollm2-135m", "blk.0.ffn_gate.weight", "q4_1"), ("smollm2-135m", "blk.29.attn_k.weight", "q4_1"),
+                 ("qwen2.5-coder-0.5b", "blk.3.ffn_up.weight", "q5_0"), ("gemma3-270m", "blk.0.attn_q.weight", "q5_0")]
+
+
+def real_matrix(name, tensor_name, rows):
+    """The first `rows` rows of a GGUF tensor: (raw bytes, its type's name, rows, cols)."""
+    from tests.support.real_models import gguf_reader
+
+    tensor = next(t for t in gguf_reader(name).tensors if t.name == tensor_name)
+    cols = int(tensor.shape[0])
+    data = np.asarray(tensor.data).reshape(-1, kernels.row_bytes(tensor.tensor_type.name.lower(), cols))[:rows]
+    return np.ascontiguousarray(data).reshape(-1), tensor.tensor_type.name.lower(), rows, cols
+
+
+class LegacyRealWeightTests:
+    @pytest.mark.parametrize("name, tensor_name, type_name", REAL_MATRICES)
+    def test_real_matrices_agree_everywhere(self, testdata, name, tensor_name, type_name):
+        """A published file's matrix (its first 100 rows: 12 whole groups and a rest) against
+        activations of a real model's spread: every implementation, file layout and packed, one
+        token and 19, gives the reference's bits; the reference is within LEGACY_SUM_TOLERANCE of
+        float64 numpy; dequantization equals gguf-py's."""
+        weights, found_type, rows, cols = real_matrix(name, tensor_name, 100)
+        assert found_type == type_name
+        x = random_float32(np.random.default_rng(3), (19, cols))
+        want = kernels.matmul(type_name, weights, rows, cols, x, impl="reference")
+        packed = kernels.pack(type_name, weights, rows, cols)
+        impls = ["dispatch"] + (["avx2"] if kernels.has_avx2() else [])
+        for impl in impls:
+            for tokens in (x[:1], x):
+                assert same_bits(kernels.matmul(type_name, weights, rows, cols, tokens, impl=impl), want[:len(tokens)])
+                assert same_bits(kernels.matmul_packed(type_name, packed, rows, cols, tokens, impl=impl), want[:len(tokens)])
+        scale, minimum, quants = decode(type_name, weights, rows, cols)
+        exact = quants * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+        activations = q8_activations(x)
+        magnitudes = np.abs(activations) @ (np.abs(quants * np.repeat(scale, 32, axis=1)) + np.abs(np.repeat(minimum, 32, axis=1))).T
+        assert np.all(np.abs(want - activations @ exact.T) <= legacy_sum_tolerance(magnitudes, cols // 32))
+        expected_rows = gguf_dequantize(weights.reshape(rows, -1), GGUF_TYPES[type_name])
+        assert same_bits(kernels.dequantize(type_name, weights[:kernels.row_bytes(type_name, cols)], cols), expected_rows[0])
