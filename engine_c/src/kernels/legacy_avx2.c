@@ -294,12 +294,30 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         }
 }
 
-// Tile shape, groups x tokens: 2 x 2 in AVX2 and 2 x 4 in the avx512 build for several tokens (as
-// q4_0's), 2 x 1 for one token.
+// Tile shape, groups x tokens, for several tokens (the build can override them to measure others;
+// the bits are the same whatever the tile): q4_1 as q4_0, 2 x 2 in AVX2 and 2 x 4 in the avx512
+// build; the 5-bit types 1 x 4 in AVX2 (their sums take twice the int16 registers, and unpacking
+// the fifth bits is shared by more tokens: 1.3x 2 x 2 at 512 tokens) and 2 x 4 with VNNI. One
+// token: 2 x 1.
+#ifndef KR_LEGACY_Q4_GROUPS
+#define KR_LEGACY_Q4_GROUPS 2
+#endif
+#ifndef KR_LEGACY_Q4_TOKENS
 #if defined(KR_HAVE_AVX512)
-#define KR_LEGACY_TOKENS 4
+#define KR_LEGACY_Q4_TOKENS 4
 #else
-#define KR_LEGACY_TOKENS 2
+#define KR_LEGACY_Q4_TOKENS 2
+#endif
+#endif
+#ifndef KR_LEGACY_Q5_GROUPS
+#if defined(KR_HAVE_AVX512)
+#define KR_LEGACY_Q5_GROUPS 2
+#else
+#define KR_LEGACY_Q5_GROUPS 1
+#endif
+#endif
+#ifndef KR_LEGACY_Q5_TOKENS
+#define KR_LEGACY_Q5_TOKENS 4
 #endif
 
 #define KR_LEGACY_GROUP_SHAPES(CALL) \
@@ -346,7 +364,9 @@ void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int
     if (row_begin >= row_end) return;
     const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
     const size_t a_stride = kr_activation_row_bytes(type, cols);
-    const int max_groups = 2, max_tokens = n_tokens == 1 ? 1 : KR_LEGACY_TOKENS;
+    const int q5 = type != KR_Q4_1;
+    const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
+    const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
     int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
