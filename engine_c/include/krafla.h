@@ -270,7 +270,7 @@ int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
 // which: KR_KERNEL_DISPATCH (what the engine calls), KR_KERNEL_REFERENCE (quant_ref.c) or
 // KR_KERNEL_AVX2 (kernels_avx2.c; KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and
 // type is checked; a bad one is KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0,
-// KR_Q4_0; q8_0/q4_0 rows are whole blocks of 32.
+// KR_Q4_0, KR_Q4_1, KR_Q5_0, KR_Q5_1; quantized rows are whole blocks of 32.
 
 #define KR_KERNEL_DISPATCH 0
 #define KR_KERNEL_REFERENCE 1
@@ -305,8 +305,8 @@ int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, 
 // Arguments as kr_test_matmul.
 int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows, int64_t cols,
                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
-// Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0 (rows, cols) matrix into the
-// packed layout (engine_c/src/kernels.h, the same number of bytes); kr_test_matmul_packed is
+// Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0/q4_1/q5_0/q5_1 (rows, cols)
+// matrix into the packed layout (engine_c/src/kernels/kernels.h, legacy.h; the same number of bytes); kr_test_matmul_packed is
 // kr_test_matmul on packed weights and gives the same bits.
 int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed, kr_error *err);
 int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols, const float *x,
@@ -316,7 +316,7 @@ int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int
 // ---------------------------------------------------------------------------------------------
 // --- Weight packing (pack.c; owner: speed)
 // Call after kr_model_open and before the first session. KR_PACK_OFF: the file's layout (nothing
-// happens). KR_PACK_ON: every q8_0/q4_0 matrix is copied once into the packed layout (the file's
+// happens). KR_PACK_ON: every q8_0/q4_0/q4_1/q5_0/q5_1 matrix is copied once into the packed layout (the file's
 // pages of it are then released). KR_PACK_CACHE: the same, kept in the file `cache_path` (the
 // Python binding uses the model path + ".pack"), keyed by the model's checksum (every tensor's
 // type, shape and bytes), the ISA and the layout version, and
