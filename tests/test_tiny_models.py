@@ -125,7 +125,7 @@ class TinyModelLayoutTests:
         path = tmp_path / "m.mlb"
         cases = [
             (dict(arch="mamba"), "not 'mamba'"),
-            (dict(weight_type="q5_1"), "weight_type"),
+            (dict(weight_type="q2_K"), "weight_type"),
             (dict(weight_type="q4_0", dim=48), "dim = 48 must be a multiple of 32"),
             (dict(weight_type="q8_0", ffn_dim=40), "ffn_dim = 40"),
             (dict(n_heads=3, n_kv_heads=2), "not a multiple of n_kv_heads"),
