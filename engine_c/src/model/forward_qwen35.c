@@ -20,6 +20,7 @@
 // matmul kernels' contract; the recurrence runs token after token in one thread per value
 // head), so logits and states are bitwise identical for any batch size and thread count. The
 // recurrent state cannot be cut back: a session can only be truncated to 0 or its length.
+#include "kernels/deltanet.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 
@@ -408,7 +409,6 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t n,
 }
 
 static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static float silu(float x) { return x / (1.0f + expf(-x)); }
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }  // torch's threshold 20
 
 // Embed (layer 0) or add proj to x; then xb = norm(x). Split by tokens.
@@ -449,22 +449,14 @@ static void conv_job(void *arg, int thread, int n_threads, int worker) {
     q35_state *s = j->s;
     const q35_model *q = s->q;
     const q35_layer *l = &q->layers[j->layer];
-    int32_t K = q->kernel, C = q->conv_dim, n = j->n;
+    int32_t K = q->kernel, C = q->conv_dim;
     int64_t begin, end;
     kr_split(C, 1, thread, n_threads, &begin, &end);
-    float window[64 + 1];
-    for (int64_t c = begin; c < end; c++) {
-        float *state = s->conv_state + ((size_t)l->slot * (size_t)C + (size_t)c) * (size_t)(K - 1);
-        const float *w = l->conv + c * K;
-        for (int32_t t = 0; t < n; t++) {
-            for (int32_t i = 0; i < K - 1; i++) window[i] = state[i];
-            window[K - 1] = s->mixed[(size_t)t * C + c];
-            float sum = 0;
-            for (int32_t i = 0; i < K; i++) sum += w[i] * window[i];
-            s->conv_out[(size_t)t * C + c] = silu(sum);
-            for (int32_t i = 0; i < K - 1; i++) state[i] = window[i + 1];
-        }
-    }
+    if (begin >= end) return;
+    float *state = s->conv_state + ((size_t)l->slot * (size_t)C + (size_t)begin) * (size_t)(K - 1);
+    for (int32_t t = 0; t < j->n; t++)
+        kr_conv_silu_f32(l->conv + begin * K, K, state, s->mixed + (size_t)t * C + begin,
+                         s->conv_out + (size_t)t * C + begin, end - begin);
 }
 
 // l2-normalise q and k of every key head (q also / sqrt(dk)); in place in conv_out. Split by tokens.
@@ -480,76 +472,10 @@ static void qk_norm_job(void *arg, int thread, int n_threads, int worker) {
         for (int32_t part = 0; part < 2; part++)
             for (int32_t head = 0; head < q->nk; head++) {
                 float *x = row + (size_t)part * q->key_dim + (size_t)head * q->dk;
-                float inv = 1.0f / sqrtf(kr_dot_f32(x, x, q->dk) + 1e-6f);
-                if (part == 0) inv *= q_scale;
-                for (int32_t i = 0; i < q->dk; i++) x[i] *= inv;
+                kr_l2_normalize_f32(x, q->dk, 1e-6f, part == 0 ? q_scale : 1.0f);
             }
     }
 }
-
-// The two passes over one row of a value head's state per token (dk values), fused so the state
-// is read twice instead of four times:
-//   decay_dot:  row *= decay, returns dot(row, k)
-//   update_dot: row += delta * k, returns dot(row, q)
-// AVX2 with 8 lanes summed in a fixed order, or plain C; either way the same for any batch.
-#if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
-static float lanes_total(__m256 v) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-}
-
-static float decay_dot(float *row, const float *k, float decay, int32_t n) {
-    __m256 d = _mm256_set1_ps(decay), acc = _mm256_setzero_ps();
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + i), d);
-        _mm256_storeu_ps(row + i, r);
-        acc = _mm256_fmadd_ps(r, _mm256_loadu_ps(k + i), acc);
-    }
-    float sum = lanes_total(acc);
-    for (; i < n; i++) {
-        row[i] *= decay;
-        sum += row[i] * k[i];
-    }
-    return sum;
-}
-
-static float update_dot(float *row, const float *k, const float *q, float delta, int32_t n) {
-    __m256 d = _mm256_set1_ps(delta), acc = _mm256_setzero_ps();
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 r = _mm256_fmadd_ps(d, _mm256_loadu_ps(k + i), _mm256_loadu_ps(row + i));
-        _mm256_storeu_ps(row + i, r);
-        acc = _mm256_fmadd_ps(r, _mm256_loadu_ps(q + i), acc);
-    }
-    float sum = lanes_total(acc);
-    for (; i < n; i++) {
-        row[i] += delta * k[i];
-        sum += row[i] * q[i];
-    }
-    return sum;
-}
-#else
-static float decay_dot(float *row, const float *k, float decay, int32_t n) {
-    float sum = 0;
-    for (int32_t i = 0; i < n; i++) {
-        row[i] *= decay;
-        sum += row[i] * k[i];
-    }
-    return sum;
-}
-
-static float update_dot(float *row, const float *k, const float *q, float delta, int32_t n) {
-    float sum = 0;
-    for (int32_t i = 0; i < n; i++) {
-        row[i] += delta * k[i];
-        sum += row[i] * q[i];
-    }
-    return sum;
-}
-#endif
 
 // The delta rule, token after token, for the value heads of this thread; then the gated norm.
 static void delta_job(void *arg, int thread, int n_threads, int worker) {
@@ -571,15 +497,9 @@ static void delta_job(void *arg, int thread, int n_threads, int worker) {
             float beta = sigmoid(s->b[(size_t)t * q->nv + h]);
             float decay = expf(l->a[h] * softplus(s->a[(size_t)t * q->nv + h] + l->dt_bias[h]));
             float *o = s->core + (size_t)t * q->value_dim + (size_t)h * dv;
-            for (int32_t d = 0; d < dv; d++) {
-                float *Sd = S + (size_t)d * dk;
-                float delta = (vv[d] - decay_dot(Sd, kv, decay, dk)) * beta;
-                o[d] = update_dot(Sd, kv, qv, delta, dk);
-            }
+            kr_delta_rule_f32(S, dk, dv, qv, kv, vv, beta, decay, o);
             // gated RMSNorm: norm(o) * w * silu(z)
-            const float *z = s->z + (size_t)t * q->value_dim + (size_t)h * dv;
-            float inv = 1.0f / sqrtf(kr_dot_f32(o, o, dv) / (float)dv + eps);
-            for (int32_t d = 0; d < dv; d++) o[d] = o[d] * inv * l->ssm_norm[d] * silu(z[d]);
+            kr_gated_rms_norm_f32(o, s->z + (size_t)t * q->value_dim + (size_t)h * dv, l->ssm_norm, dv, eps);
         }
     }
 }
@@ -658,7 +578,7 @@ static void attention_job(void *arg, int thread, int n_threads, int worker) {
         memset(out, 0, (size_t)hd * sizeof(float));
         kr_axpy_rows(s->kv_type, scores, s->v_cache + base * s->kv_elem, (size_t)hd * s->kv_elem, pos + 1, out, hd);
         const float *gate = s->qg + (size_t)t * 2 * m->q_dim + (size_t)head * 2 * hd + hd;
-        for (int32_t d = 0; d < hd; d++) out[d] *= sigmoid(gate[d]);
+        kr_sigmoid_mul_f32(out, gate, hd);
     }
 }
 
