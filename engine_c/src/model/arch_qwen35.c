@@ -170,14 +170,11 @@ static int q35_scratch_new(kr_model *m, kr_scratch *s, kr_error *err) {
     q35_scratch *own = calloc(1, sizeof *own);
     if (!own) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     s->own = own;
-    size_t b = (size_t)s->n_batch;
+    float **buffers[] = {&own->mixed, &own->conv_out, &own->z, &own->b, &own->a, &own->core};
+    const int32_t widths[] = {q->conv_dim, q->conv_dim, q->value_dim, q->nv, q->nv, q->value_dim};
     bool failed = false;
-    own->mixed = kr_zalloc(b * (size_t)q->conv_dim, sizeof(float), &failed);
-    own->conv_out = kr_zalloc(b * (size_t)q->conv_dim, sizeof(float), &failed);
-    own->z = kr_zalloc(b * (size_t)q->value_dim, sizeof(float), &failed);
-    own->b = kr_zalloc(b * (size_t)q->nv, sizeof(float), &failed);
-    own->a = kr_zalloc(b * (size_t)q->nv, sizeof(float), &failed);
-    own->core = kr_zalloc(b * (size_t)q->value_dim, sizeof(float), &failed);
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        *buffers[i] = kr_zalloc((size_t)s->n_batch * (size_t)widths[i], sizeof(float), &failed);
     return failed ? kr_fail(err, KR_ERR_MEMORY, "out of memory") : KR_OK;
 }
 
