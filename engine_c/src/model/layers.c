@@ -353,7 +353,7 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, int32_t l
 // --- Output head
 
 // Logits of the tokens asked for from prepared rows 0..n-1: out = xb W_out^T, soft-capped. Split
-// by rows.
+// by rows; tokens whose logits lie one after the other (kr_session_eval_all) go in one matmul.
 static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     job *j = arg;
     const kr_model *m = j->m;
@@ -363,11 +363,14 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     if (begin >= end) return;
     size_t row = kr_activation_row_bytes(w->type, m->info.dim);
     float cap = m->info.final_softcap;
-    for (int32_t k = 0; k < j->n; k++) {
+    for (int32_t k = 0, run; k < j->n; k += run) {
         float *logits = j->b->logits[j->out_tokens[k]];
-        kr_matrix_matmul(w, (const char *)j->s->prepared[w->type] + (size_t)k * row, 1, logits, begin, end);
+        for (run = 1; k + run < j->n && j->b->logits[j->out_tokens[k + run]] == logits + run * w->rows;) run++;
+        kr_matrix_matmul(w, (const char *)j->s->prepared[w->type] + (size_t)k * row, run, logits, begin, end);
         if (cap > 0)
-            for (int64_t r = begin; r < end; r++) logits[r] = cap * tanhf(logits[r] / cap);
+            for (int64_t t = 0; t < run; t++)
+                for (int64_t r = begin; r < end; r++)
+                    logits[t * w->rows + r] = cap * tanhf(logits[t * w->rows + r] / cap);
     }
 }
 

@@ -196,9 +196,11 @@ int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
     return KR_OK;
 }
 
-int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+// kr_session_eval and kr_session_eval_all: logits of the last token, or of every token (all).
+static int session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, bool all, kr_error *err) {
     if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval: session is NULL");
     if (!tokens || n < 1) return kr_fail(err, KR_ERR_ARGUMENT, "no tokens to evaluate");
+    if (all && !logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
     kr_model *m = s->model;
     if (n > s->seq.kv.n_ctx - s->n_tokens)
         return kr_fail(err, KR_ERR_CONTEXT, "%d tokens after %d do not fit in the context of %d", n, s->n_tokens,
@@ -213,18 +215,71 @@ int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logi
     int32_t n_batch = s->scratch.n_batch;
     for (int32_t done = 0; done < n; done += n_batch) {
         int32_t count = n - done < n_batch ? n - done : n_batch;
+        bool last = done + count == n;
         for (int32_t i = 0; i < count; i++) {
             s->pos[i] = s->n_tokens + i;
-            s->logits[i] = NULL;
+            s->logits[i] = all ? logits + (size_t)(done + i) * (size_t)m->info.n_vocab : NULL;
         }
-        bool last = done + count == n;
-        if (last) s->logits[count - 1] = logits;
+        if (last && !all) s->logits[count - 1] = logits;
         kr_batch batch = {.n = count, .tokens = tokens + done, .pos = s->pos, .seq = s->seqs,
-                          .logits = last && logits ? s->logits : NULL};
+                          .logits = (all || last) && logits ? s->logits : NULL};
         m->arch->step(m, &s->scratch, &batch);
         s->n_tokens += count;
     }
     atomic_store(&m->busy, 0);
     kr_ok(err);
     return KR_OK;
+}
+
+int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, false, err);
+}
+
+int kr_session_eval_all(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, true, err);
+}
+
+int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const int32_t *tokens, const int32_t *which,
+                       int32_t n, float *logits, kr_error *err) {
+    if (!sessions || n_sessions < 1 || !tokens || !which || n < 1)
+        return kr_fail(err, KR_ERR_ARGUMENT, "kr_test_eval_mixed: no sessions or no tokens");
+    for (int32_t k = 0; k < n_sessions; k++) {
+        if (!sessions[k] || sessions[k]->model != sessions[0]->model)
+            return kr_fail(err, KR_ERR_ARGUMENT, "session %d is NULL or of another model", k);
+        if (sessions[k]->seq.kv.n_ctx > sessions[0]->scratch.n_ctx)  // the scratch scores up to its n_ctx
+            return kr_fail(err, KR_ERR_ARGUMENT, "session %d's context is longer than session 0's", k);
+        for (int32_t other = 0; other < k; other++)
+            if (sessions[other] == sessions[k]) return kr_fail(err, KR_ERR_ARGUMENT, "session %d is listed twice", k);
+    }
+    kr_model *m = sessions[0]->model;
+    kr_scratch *scratch = &sessions[0]->scratch;
+    if (n > scratch->n_batch)
+        return kr_fail(err, KR_ERR_ARGUMENT, "%d tokens do not fit in a step of %d", n, scratch->n_batch);
+    int32_t *count = calloc((size_t)n_sessions, sizeof *count), *pos = calloc((size_t)n, sizeof *pos);
+    kr_seq **seqs = calloc((size_t)n, sizeof *seqs);
+    float **rows = calloc((size_t)n, sizeof *rows);
+    int status = count && pos && seqs && rows ? KR_OK : kr_fail(err, KR_ERR_MEMORY, "out of memory");
+    for (int32_t i = 0; !status && i < n; i++) {
+        int32_t k = which[i];
+        if (k < 0 || k >= n_sessions || tokens[i] < 0 || tokens[i] >= m->info.n_vocab)
+            status = kr_fail(err, KR_ERR_ARGUMENT, "token %d (id %d) names session %d", i, tokens[i], k);
+        else if ((pos[i] = sessions[k]->n_tokens + count[k]++) >= sessions[k]->seq.kv.n_ctx)
+            status = kr_fail(err, KR_ERR_CONTEXT, "session %d's context of %d is full", k, sessions[k]->seq.kv.n_ctx);
+        else {
+            seqs[i] = &sessions[k]->seq;
+            rows[i] = logits ? logits + (size_t)i * (size_t)m->info.n_vocab : NULL;
+        }
+    }
+    int expected = 0;
+    if (!status && !atomic_compare_exchange_strong(&m->busy, &expected, 1))
+        status = kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
+    if (!status) {
+        kr_batch batch = {.n = n, .tokens = tokens, .pos = pos, .seq = seqs, .logits = logits ? rows : NULL};
+        m->arch->step(m, scratch, &batch);
+        for (int32_t k = 0; k < n_sessions; k++) sessions[k]->n_tokens += count[k];
+        atomic_store(&m->busy, 0);
+        kr_ok(err);
+    }
+    free(count), free(pos), free(seqs), free(rows);
+    return status;
 }
