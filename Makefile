@@ -98,3 +98,5 @@ test-isa: lib venv
 
 # --- test-isa (attn): the attention kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_attention.py
+# --- test-isa (engine): one step over several sequences, on every build
+ISA_TESTS += tests/test_mixed_batch.py
