@@ -151,7 +151,7 @@ _sampling_invalid = {
     "n": _not("int") | st.integers(-(2**40), 2**40).filter(lambda n: n != 1),
     "model": _not("string"),
 }
-# Types only: true for logprobs or a non-empty list of tools is a refusal, tested on its own.
+# Types only; the refusals and the new fields' values are tested on their own.
 _chat_invalid = dict(
     _sampling_invalid,
     messages=(_not("array") | st.just([]) | st.lists(_not("object"), min_size=1, max_size=2)
@@ -160,7 +160,10 @@ _chat_invalid = dict(
               | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _not("string", "array")}), min_size=1, max_size=2)),
     logprobs=_not("bool"),
     tools=_not("array"),
-    response_format=_not("object") | st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", None, 3])}),
+    response_format=_not("object") | st.fixed_dictionaries({"type": st.sampled_from(["xml", "json_schema", None, 3])}),
+    top_logprobs=_not("int") | _integer_outside(0, 20),
+    logit_bias=_not("object") | st.fixed_dictionaries({"1": _not("int", "number") | _number_outside(-100, 100)}),
+    tool_choice=_not("string", "object") | st.sampled_from(["always", "required"]),
 )
 _completion_invalid = dict(
     _sampling_invalid,
