@@ -393,7 +393,8 @@ class Llama3Template(Template):
         for index, message in enumerate(messages):
             if message.role == "tool":
                 self._header(out, "ipython")
-                out.text(message.content)
+                # The official template writes a result through tojson (a string is iterable in Jinja).
+                out.text(tool_json(message.content))
                 out.special("<|eot_id|>")
                 continue
             if message.tool_calls:
