@@ -208,4 +208,4 @@ class FreshCloneTests:
 
 def read_readme_curl():
     """The README's runnable curl example."""
-    return next(code for path, lang, code in BLOCKS if path == "README.md" and code.startswith("curl "))
+    return next(code for path, lang, code, _ in BLOCKS if path == "README.md" and code.startswith("curl "))
