@@ -83,6 +83,15 @@ class GenerationResult:
     seed: int = None            # the seed the sampler used
     logprobs: tuple = ()        # TokenLogprobs of the reply's tokens, when asked for
 
+    @property
+    def prompt_tokens_per_second(self):
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / self.prompt_seconds if self.prompt_seconds > 0 else math.inf
+
+    @property
+    def completion_tokens_per_second(self):
+        return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else math.inf
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -114,15 +123,6 @@ def apply_logit_bias(logits, logit_bias):
     for token, bias in logit_bias.items():
         biased[token] = -np.inf if bias <= -100 else biased[token] + bias
     return biased
-
-    @property
-    def prompt_tokens_per_second(self):
-        evaluated = self.prompt_tokens - self.cached_tokens
-        return evaluated / self.prompt_seconds if self.prompt_seconds > 0 else math.inf
-
-    @property
-    def completion_tokens_per_second(self):
-        return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else math.inf
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,6 +121,8 @@ class Backend:
                 logprobs=completion.logprobs,
                 on_logprobs=on_logprobs,
             )
+            if completion.logprobs is None:
+                return result
             return dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
         except generate.ContextLengthExceeded as e:
             raise ContextTooLong(str(e), param=param) from None
