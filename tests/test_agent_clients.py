@@ -1,14 +1,18 @@
 """Agent frameworks against a real server: instructor (JSON and TOOLS modes), pydantic-ai (a tool
-and structured output), LangChain's with_structured_output (json_schema and function calling),
-each as its documentation shows it, with SmolLM2's weights and the qwen template (which has a tool
+and structured output), LangChain's with_structured_output (json_schema and function calling), the
+openai npm package and the Vercel AI SDK (generateObject, tools), each as its documentation shows it, with SmolLM2's weights and the qwen template (which has a tool
 format). What they return is checked by their own pydantic models.
 """
+
+import json
+import os
+import subprocess
 
 import pytest
 from pydantic import BaseModel, Field
 
 from tests.support.real_models import real_model
-from tests.support.server import ServerProcess
+from tests.support.server import REPO, ServerProcess
 
 
 class City(BaseModel):
@@ -101,3 +105,39 @@ class LangChainTests:
                          max_tokens=120)
         city = llm.with_structured_output(City, method=method).invoke(QUESTION)
         assert isinstance(city, City) and city.city
+
+
+class NodeClientTests:
+    """The openai npm package and the Vercel AI SDK under node (tests/node/agents.mjs)."""
+
+    def test_openai_npm_and_ai_sdk(self, server):
+        """openai npm: a json_schema reply that validates, a required call that round-trips through a
+        second turn, streamed delta.tool_calls equal to the whole reply's. Vercel AI SDK:
+        generateObject returns the object, generateText with a tool runs it with the parsed input."""
+        import jsonschema
+
+        node_dir = os.path.join(REPO, "tests", "node")
+        if not all(os.path.isdir(os.path.join(node_dir, "node_modules", name)) for name in NODE_PACKAGES):
+            subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=node_dir, check=True, timeout=600)
+        result = subprocess.run(["node", "agents.mjs", server.base_url], cwd=node_dir, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert out["structured"]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(out["structured"]["content"]), Capital.model_json_schema())
+        first = out["first"]
+        assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+        (call,) = first["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+        assert out["second"]["finish_reason"] in ("stop", "length")
+        assert out["second"]["prompt_tokens"] > out["second"]["first_prompt_tokens"]
+        assert out["streamed"] == {"calls": [{"name": call["function"]["name"], "arguments": call["function"]["arguments"]}],
+                                   "finish_reason": "tool_calls"}
+        assert set(out["object"]) == {"capital", "country"}
+        (ai_call,) = out["ai_tools"]["calls"]
+        assert ai_call["name"] == "get_weather" and out["ai_tools"]["executed"] == [ai_call["input"]["city"]]
+        assert out["ai_tools"]["results"] == ["18 degrees and sunny"]
+
+
+NODE_PACKAGES = ("openai", "ai", "@ai-sdk/openai-compatible", "zod")
