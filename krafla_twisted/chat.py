@@ -173,7 +173,7 @@ class Template:
         uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
         if uses_tools and self.tool_format is None:
             raise ChatError(f"the {self.name} chat template has no format for tool calls; serve a model whose "
-                            "template has one (qwen, llama3) or leave out tools")
+                            "template has one (qwen, llama3, qwen3.5) or leave out tools")
         system_prompt, rest = self._split_system(messages, system)
         for index, message in enumerate(rest):
             if message.role == "system" and not self.system_turn:
@@ -527,13 +527,24 @@ class Qwen35Template(Template):
 
     stop_markers = ("<|im_end|>", "<|endoftext|>")
     system_turn = False
+    tool_format = "qwen3.5"
 
     def __init__(self, name, thinking):
         self.name = name
         self.thinking = thinking
 
-    def _write(self, out, system_prompt, messages, continue_last):
-        if system_prompt is not None:
+    def _write(self, out, system_prompt, messages, continue_last, tools=()):
+        if tools:
+            out.special("<|im_start|>")
+            out.text("system\n" + QWEN35_TOOLS_HEADER)
+            for tool in tools:
+                out.text("\n" + tool_json(tool))
+            out.text(QWEN35_TOOLS_FOOTER)
+            if system_prompt is not None and system_prompt.strip():
+                out.text("\n\n" + system_prompt.strip())
+            out.special("<|im_end|>")
+            out.text("\n")
+        elif system_prompt is not None:
             ChatMLTemplate._turn(out, "system", system_prompt.strip())
         last_query = None
         for index in range(len(messages) - 1, -1, -1):
@@ -550,6 +561,16 @@ class Qwen35Template(Template):
             if message.role == "user":
                 ChatMLTemplate._turn(out, "user", content)
                 continue
+            if message.role == "tool":
+                previous = messages[index - 1].role if index else ("system" if system_prompt is not None else None)
+                if previous is not None and previous != "tool":
+                    out.special("<|im_start|>")
+                    out.text("user")
+                out.text(f"\n<tool_response>\n{content}\n</tool_response>")
+                if index == len(messages) - 1 or messages[index + 1].role != "tool":
+                    out.special("<|im_end|>")
+                    out.text("\n")
+                continue
             reasoning = ""
             if "</think>" in content:
                 reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
@@ -562,6 +583,9 @@ class Qwen35Template(Template):
                 out.text("\n" + reasoning + "\n")
                 out.special("</think>")
                 out.text("\n\n")
+            if message.tool_calls:
+                calls = "\n".join(qwen35_tool_call_text(call) for call in message.tool_calls)
+                content = content + "\n\n" + calls if content.strip() else content + calls
             out.content(content)
             if index == len(messages) - 1 and continue_last:
                 continue
@@ -576,6 +600,33 @@ class Qwen35Template(Template):
                 out.text("\n")
                 out.special("</think>")
                 out.text("\n\n")
+
+
+QWEN35_TOOLS_HEADER = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN35_TOOLS_FOOTER = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified "
+    "format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural "
+    "language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question "
+    "like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>")
+
+
+def qwen35_parameter_text(value):
+    """A parameter value as Qwen3.5's template writes it: objects and arrays as JSON, the rest
+    through Jinja's `string` filter (Python's str: True, None, 1.5)."""
+    if isinstance(value, (dict, list)):
+        return tool_json(value)
+    return str(value)
+
+
+def qwen35_tool_call_text(call):
+    """One call in Qwen3.5's XML form."""
+    parameters = "".join(f"<parameter={name}>\n{qwen35_parameter_text(value)}\n</parameter>\n"
+                         for name, value in call.arguments.items())
+    return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
 
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

@@ -1,9 +1,9 @@
 """Tool calls: each chat template's own format for them, read back out of a reply, and the grammar
 that makes a model write one when the request requires it.
 
-    fmt = tools.FORMATS[template.tool_format]          # "qwen" (Qwen2.5) or "llama3" (Llama 3.1)
+    fmt = tools.FORMATS[template.tool_format]    # "qwen" (Qwen2.5), "llama3" (Llama 3.1), "qwen3.5"
     grammar = fmt.grammar(request_tools, only="get_weather", parallel=False)   # Lark text for llguidance
-    content, calls = fmt.parse(reply_text)              # calls: [chat.ToolCall], content: str or None
+    content, calls = fmt.parse(reply_text, request_tools)   # calls: [chat.ToolCall], content: str or None
 
 The renderings of tools, calls and results are in krafla_twisted.chat (each template writes its
 own); what a model writes is parsed here with the same spellings. `ToolStream` splits a streamed
@@ -13,7 +13,7 @@ reply into content that can be sent at once and a held-back rest that may be a c
 import json
 import re
 
-from krafla_twisted.chat import ToolCall, llama3_tool_call_text, qwen_tool_call_text
+from krafla_twisted.chat import ToolCall, llama3_tool_call_text, qwen35_tool_call_text, qwen_tool_call_text
 from krafla_twisted.grammar import json_rule
 
 
@@ -45,7 +45,7 @@ class QwenFormat:
     parallel = True
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
-    def grammar(self, tools, only=None, parallel=True):
+    def grammar(self, tools, only=None, parallel=True, thinking=False):
         rules = []
         names = []
         for index, tool in enumerate(tools):
@@ -59,7 +59,7 @@ class QwenFormat:
         start = f'start: call ("\\n" call)*' if parallel and self.parallel else "start: call"
         return "\n".join([start, f"call: {calls}", *rules])
 
-    def parse(self, text):
+    def parse(self, text, tools=()):
         calls = []
         kept = []
         position = 0
@@ -94,7 +94,7 @@ class Llama3Format:
     trigger = "{"
     parallel = False
 
-    def grammar(self, tools, only=None, parallel=False):
+    def grammar(self, tools, only=None, parallel=False, thinking=False):
         rules = []
         names = []
         for index, tool in enumerate(tools):
@@ -106,7 +106,7 @@ class Llama3Format:
             names.append(f"call{index}")
         return "\n".join(["start: call", "call: " + " | ".join(names), *rules])
 
-    def parse(self, text):
+    def parse(self, text, tools=()):
         stripped = text.strip()
         if stripped.startswith("<|python_tag|>"):
             stripped = stripped[len("<|python_tag|>"):].lstrip()
@@ -123,12 +123,100 @@ class Llama3Format:
     text = staticmethod(llama3_tool_call_text)
 
 
+class Qwen35Format:
+    """Qwen3.5 (Qwen3-Coder's XML): `<tool_call>\n<function=N>\n<parameter=K>\nVALUE\n</parameter>\n
+    ...</function>\n</tool_call>`; a value is raw text for a string parameter, JSON otherwise.
+
+    The grammar writes required parameters in the schema's order, then the optional ones, each at
+    most once. A string value cannot hold `<` (the grammar's end of a value), and its maxLength or
+    pattern is not enforced (an enum is); in thinking mode the reasoning before `</think>` cannot
+    hold `<` either."""
+
+    name = "qwen3.5"
+    trigger = "<tool_call>"
+    parallel = True
+    _call = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)</function>\s*(?:</tool_call>|\Z)", re.DOTALL)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def grammar(self, tools, only=None, parallel=True, thinking=False):
+        rules = []
+        names = []
+        for index, tool in enumerate(tools):
+            if only is not None and tool_name(tool) != only:
+                continue
+            schema = parameters_schema(tool)
+            properties = schema.get("properties") or {}
+            required = [name for name in schema.get("required", []) if name in properties]
+            optional = [name for name in properties if name not in required]
+            parts = []
+            for number, name in enumerate(required + optional):
+                rule = f"p{index}_{number}"
+                value = self._value_rule(properties[name], f"{rule}_json", rules)
+                rules.append(f"{rule}: {_literal('<parameter=' + name + '>' + chr(10))} {value}")
+                parts.append(rule if name in required else f"{rule}?")
+            head = _literal(f"<tool_call>\n<function={tool_name(tool)}>\n")
+            tail = _literal("</function>\n</tool_call>")
+            rules.append(f"call{index}: {head} {' '.join(parts)} {tail}")
+            names.append(f"call{index}")
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        if thinking:
+            start = start.replace("start: ", 'start: REASONING "</think>\\n\\n" ')
+            rules.append("REASONING: /[^<]*/")
+        return "\n".join([start, "call: " + " | ".join(names), *rules])
+
+    @staticmethod
+    def _value_rule(schema, json_name, rules):
+        """The expression of a parameter's value and its closing tag (adding a %json rule if needed)."""
+        closing = _literal("\n</parameter>\n")
+        if schema.get("type") == "string" and "enum" not in schema:
+            return "/([^<]*[^<\\n])?\\n<\\/parameter>\\n/"
+        if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]) and schema["enum"]:
+            return "(" + " | ".join(_literal(v) for v in schema["enum"]) + ") " + closing
+        rules.append(f"{json_name}: {json_rule(schema)}")
+        return f"{json_name} {closing}"
+
+    def parse(self, text, tools=()):
+        types = {tool_name(t): (parameters_schema(t).get("properties") or {}) for t in tools
+                 if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+        calls = []
+        kept = []
+        position = 0
+        for match in self._call.finditer(text):
+            name = match.group(1).strip()
+            arguments = {}
+            for key, raw in self._parameter.findall(match.group(2)):
+                key = key.strip()
+                arguments[key] = self._value(raw, types.get(name, {}).get(key, {}))
+            kept.append(text[position:match.start()])
+            position = match.end()
+            calls.append(ToolCall(name, arguments))
+        kept.append(text[position:])
+        return _content("".join(kept) if calls else text), calls
+
+    @staticmethod
+    def _value(raw, schema):
+        if schema.get("type") == "string" or (isinstance(schema.get("enum"), list)
+                                              and all(isinstance(v, str) for v in schema["enum"])):
+            return raw
+        if raw in PYTHON_SPELLINGS:  # the template writes values through Python's str()
+            return PYTHON_SPELLINGS[raw]
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+    text = staticmethod(qwen35_tool_call_text)
+
+
+PYTHON_SPELLINGS = {"True": True, "False": False, "None": None}
+
+
 def _content(text):
     text = text.strip()
     return text or None
 
 
-FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format()}
+FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format(), "qwen3.5": Qwen35Format()}
 
 
 class ToolStream:

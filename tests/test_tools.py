@@ -1,7 +1,7 @@
 """Tool calls without a model: the qwen and llama3 renderings of tools, calls and tool results
-against the official Jinja templates (tests/data/templates: Qwen/Qwen2.5-7B-Instruct, Apache-2.0,
-and meta-llama/Llama-3.1-8B-Instruct, Llama 3.1 Community License, both from their Hugging Face
-repositories), the parsers against the renderings, the grammars against the parsers, and the
+against the official Jinja templates (tests/data/templates: Qwen/Qwen2.5-7B-Instruct and
+Qwen/Qwen3.5-4B, Apache-2.0, and meta-llama/Llama-3.1-8B-Instruct, Llama 3.1 Community License, all
+from their Hugging Face repositories), the parsers against the renderings, the grammars against the parsers, and the
 streamed split of content and calls.
 """
 
@@ -20,6 +20,8 @@ TEMPLATES = pathlib.Path(__file__).parent / "data" / "templates"
 OFFICIAL = {
     "qwen": ("Qwen-Qwen2.5-7B-Instruct.jinja", {}),
     "llama3": ("meta-llama-Llama-3.1-8B-Instruct.jinja", {"bos_token": "<|begin_of_text|>"}),
+    "qwen3.5": ("Qwen3.5-4B.jinja", {}),
+    "qwen3.5-nothink": ("Qwen3.5-4B.jinja", {"enable_thinking": False}),
 }
 
 
@@ -50,13 +52,13 @@ class OfficialToolRenderingTests:
         """Tools in the prompt, assistant calls and tool results render as the official template
         writes them (Llama 3.1: one call per assistant message, as its template demands)."""
         tool_list = data.draw(tool_lists())
-        messages = data.draw(tool_conversations(tool_list, parallel=name == "qwen"))
+        messages = data.draw(tool_conversations(tool_list, parallel=name != "llama3"))
         template, variables = official[name]
         expected = template.render(messages=jinja_messages(messages), tools=tool_list or None,
                                    add_generation_prompt=True, **variables)
         assert chat.get_template(name).render_text(messages, tools=tool_list or None) == expected
 
-    @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr", "qwen3.5"])
+    @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr"])
     def test_templates_without_a_tool_format_say_so(self, name):
         """A template with no tool format refuses tools and tool messages with a ChatError saying so."""
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -72,10 +74,17 @@ class ParseTests:
         """What the template writes for a call is read back as the same name and arguments."""
         fmt = tools.FORMATS[name]
         count = data.draw(st.integers(1, 3)) if fmt.parallel else 1
-        calls = [chat.ToolCall(data.draw(st.sampled_from(["get_weather", "lookup", "a-b_c"])), data.draw(tool_arguments))
-                 for _ in range(count)]
+        names = ["get_weather", "lookup", "a-b_c"]
+        calls = [chat.ToolCall(data.draw(st.sampled_from(names)), data.draw(tool_arguments)) for _ in range(count)]
+        tool_list = []
+        if name == "qwen3.5":
+            # raw values: the tool's schema says which are strings (tested with other types below)
+            calls = [chat.ToolCall(c.name, {k: json.dumps(v, ensure_ascii=False) for k, v in c.arguments.items()})
+                     for c in calls]
+            strings = {"type": "object", "properties": {k: {"type": "string"} for k in ["city", "n", "flag", "tags", "é"]}}
+            tool_list = [{"type": "function", "function": {"name": n, "parameters": strings}} for n in names]
         text = "\n".join(fmt.text(call) for call in calls)
-        content, parsed = fmt.parse(text)
+        content, parsed = fmt.parse(text, tool_list)
         assert parsed == calls and content is None
 
     def test_text_that_is_no_call_stays_content(self):
@@ -102,9 +111,32 @@ class ToolStreamTests:
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         stream = tools.ToolStream(fmt)
         sent = "".join(stream.push(piece) for piece in pieces)
-        content, _ = fmt.parse(text)
+        content, _ = fmt.parse(text, [])
         assert sent + stream.finish(content) == (content or "")
         assert fmt.trigger not in sent
+
+
+class Qwen35ParameterTests:
+    def test_values_typed_by_the_schema(self):
+        """Qwen3.5's raw parameter values are read as the tool's schema types them: strings stay text
+        (even "18"), other types are JSON."""
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"},
+            "ok": {"type": "boolean"}, "nothing": {"type": "null"}}}}}
+        call = chat.ToolCall("f", {"city": "Paris", "code": "18", "n": 3, "tags": ["a", "b"], "ok": False, "nothing": None})
+        text = tools.FORMATS["qwen3.5"].text(call)
+        assert tools.FORMATS["qwen3.5"].parse(text, [tool]) == (None, [call])
+
+    def test_grammar_with_reasoning(self):
+        """In thinking mode the required-call grammar takes reasoning, then </think>, then the call."""
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "n": {"type": "integer"}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}}
+        fmt = tools.FORMATS["qwen3.5"]
+        lark = grammar.lark_grammar(fmt.grammar([tool], thinking=True))
+        call = fmt.text(chat.ToolCall("f", {"city": "Paris\nFrance", "n": 4, "unit": "C"}))
+        assert _accepts(lark, "Let me think.\n</think>\n\n" + call)
+        assert not _accepts(lark, call)
+        assert not _accepts(lark, "x</think>\n\n" + fmt.text(chat.ToolCall("f", {"n": 4})))
 
 
 class GrammarTests:
@@ -119,7 +151,14 @@ class GrammarTests:
         import llguidance
 
         fmt = tools.FORMATS[name]
-        tool_list = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+        if name == "qwen3.5":
+            # its grammar writes parameters in the schema's order and types them by the schema
+            arguments = {"city": str(arguments.get("city", "x")).replace("<", "") or "x", "n": 3}
+            schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+                      "required": ["city", "n"]}
+        else:
+            schema = {"type": "object"}
+        tool_list = [{"type": "function", "function": {"name": "f", "parameters": schema}},
                      {"type": "function", "function": {"name": "g"}}]
         text = fmt.grammar(tool_list, only="f")
         matcher_grammar = grammar.lark_grammar(text)

@@ -74,7 +74,10 @@ class Backend:
         choice = completion.tool_choice
         if completion.tools and choice not in ("auto", "none"):
             only = None if choice == "required" else choice
-            text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls)
+            # Qwen3.5's generation prompt leaves the reply inside a think block: reasoning comes first.
+            thinking = bool(getattr(self.template, "thinking", False))
+            text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
+                                            thinking=thinking)
             source, param = grammar.lark_grammar(text), "tools"
         elif completion.response_format is not None:
             schema = completion.response_format.get("schema", {"type": "object"})

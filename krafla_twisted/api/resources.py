@@ -373,7 +373,7 @@ class Reply:
             return
         content, calls = result.text, []
         if self.tool_format is not None:
-            content, calls = self.tool_format.parse(result.text)
+            content, calls = self.tool_format.parse(result.text, self.completion.tools)
         finish_reason = "tool_calls" if calls else result.finish_reason
         if self.stream is not None:
             self._ensure_stream_started()
