@@ -295,7 +295,8 @@ class Reply:
         self.stream.send(self._chunk(text, None, logprobs=self._take_logprobs()))
 
     def _take_logprobs(self):
-        if self.completion.logprobs is None:
+        """The logprobs of the tokens sampled since the last chunk, for the next one (None: none)."""
+        if self.completion.logprobs is None or not self.pending_logprobs:
             return None
         entries, self.pending_logprobs = self.pending_logprobs, []
         return self._logprobs(entries)
