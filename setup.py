@@ -34,6 +34,7 @@ setup(
         "numpy>=1.26",
         "gguf>=0.17",
         "pyopenssl>=24", "service-identity>=24",  # --listen ssl: (owner: ecosystem)
+        "llguidance>=1.9",  # response_format and tool calls: the token mask of a grammar (owner: agents)
     ],
     extras_require={
         "test": [
@@ -43,6 +44,9 @@ setup(
             "openai>=1.50",
             "prometheus-client>=0.20",  # tests: parses /metrics as Prometheus would (owner: ecosystem)
             "regex>=2024.4",  # tests: runs llama.cpp's pre-tokenizer patterns as an oracle (owner: tokenizer)
+            # tests: agent frameworks against a real server, replies checked against their schemas (owner: agents)
+            "jsonschema>=4.20", "hypothesis-jsonschema>=0.23", "instructor>=1.7", "pydantic-ai-slim[openai]>=1.0",
+            "langchain-openai>=0.3",
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},

@@ -20,6 +20,7 @@ Hugging Face's `continue_final_message` when it ends with an assistant message, 
 continued rather than closed.
 """
 
+import json
 from dataclasses import dataclass
 
 
@@ -27,13 +28,26 @@ class ChatError(ValueError):
     """A conversation this template cannot render (the message says which message and why)."""
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict   # the call's arguments, parsed from OpenAI's JSON string
 
 
 @dataclass(frozen=True)
 class Message:
-    role: str       # "system", "user" or "assistant" ("developer" arrives as "system")
+    role: str       # "system", "user", "assistant" or "tool" ("developer" arrives as "system")
     content: str
+    tool_calls: tuple = ()      # an assistant's ToolCalls
+    tool_call_id: str = None    # a tool message: the call it answers
+
+
+def tool_json(value, indent=None):
+    """JSON as Hugging Face's chat templates write it (their `tojson`: key order kept, no ASCII escapes)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def normalize_messages(messages):
@@ -53,8 +67,27 @@ def normalize_messages(messages):
         if role not in ROLES:
             raise ChatError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got {role!r}")
         content = content_text(message.get("content"), f"messages[{index}].content")
-        out.append(Message("system" if role == "developer" else role, content))
+        calls = tuple(_tool_call(call, f"messages[{index}].tool_calls[{n}]")
+                      for n, call in enumerate(message.get("tool_calls") or ()))
+        out.append(Message("system" if role == "developer" else role, content, calls, message.get("tool_call_id")))
     return out
+
+
+def _tool_call(call, where):
+    if isinstance(call, ToolCall):
+        return call
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatError(f"{where} must be an object with function.name and function.arguments")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise ChatError(f"{where}.function.arguments is not JSON: {e}") from None
+    if not isinstance(arguments, dict):
+        raise ChatError(f"{where}.function.arguments must be a JSON object")
+    return ToolCall(function["name"], arguments)
 
 
 def content_text(content, where="content"):
@@ -116,6 +149,7 @@ class Template:
     default_system = None    # the official template's system prompt when a conversation has none
     stop_markers = ()        # end-of-turn and end-of-text markers, as special tokens or text
     system_turn = True       # a system message after the first renders as its own turn
+    tool_format = None       # the name of the template's tool-call format (krafla_twisted.tools), None: none
 
     @property
     def stop_strings(self):
@@ -131,34 +165,43 @@ class Template:
                 ids.add(token)
         return frozenset(ids)
 
-    def segments(self, messages, system=None):
-        """The conversation as (kind, text) segments; kind is bos, eos, special, text or content."""
+    def segments(self, messages, system=None, tools=None):
+        """The conversation as (kind, text) segments; kind is bos, eos, special, text or content.
+        `tools`: OpenAI's tool objects, rendered in the template's own format (ChatError for a
+        template without one)."""
         messages = normalize_messages(messages)
+        uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+        if uses_tools and self.tool_format is None:
+            raise ChatError(f"the {self.name} chat template has no format for tool calls; serve a model whose "
+                            "template has one (qwen, llama3, qwen3.5) or leave out tools")
         system_prompt, rest = self._split_system(messages, system)
         for index, message in enumerate(rest):
             if message.role == "system" and not self.system_turn:
                 raise ChatError(f"the {self.name} template takes a system message only at the start "
                                 f"(messages[{index + (len(messages) - len(rest))}] is a system message)")
-        continue_last = bool(rest) and rest[-1].role == "assistant"
+        continue_last = bool(rest) and rest[-1].role == "assistant" and not rest[-1].tool_calls
         out = _Segments()
-        self._write(out, system_prompt, rest, continue_last)
+        if self.tool_format is not None:
+            self._write(out, system_prompt, rest, continue_last, tools=list(tools or ()))
+        else:
+            self._write(out, system_prompt, rest, continue_last)
         return out.items
 
-    def render_text(self, messages, system=None):
+    def render_text(self, messages, system=None, tools=None):
         """The prompt as text, as the official template writes it."""
         parts = []
-        for kind, text in self.segments(messages, system):
+        for kind, text in self.segments(messages, system, tools):
             parts.append(self.bos_text if kind == BOS else self.eos_text if kind == EOS else text)
         return "".join(parts)
 
-    def render(self, messages, tokenizer, system=None):
+    def render(self, messages, tokenizer, system=None, tools=None):
         """The prompt as token ids: special markers by id, all other text with special=False.
 
         A SentencePiece tokenizer that adds a space prefix to every text it encodes (Llama 2,
         TinyLlama) would put one before each assistant message too, which the model never
         produces after its prompt; for those, all text between two special tokens is encoded
         as one piece, as llama.cpp does."""
-        segments = self.segments(messages, system)
+        segments = self.segments(messages, system, tools)
         if getattr(tokenizer, "add_space_prefix", False):
             segments = _merge_text(segments)
         ids = []
@@ -245,6 +288,79 @@ class ChatMLTemplate(Template):
         out.text("\n")
 
 
+QWEN_TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN_TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                     "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                     "\"arguments\": <args-json-object>}\n</tool_call>")
+
+
+def qwen_tool_call_text(call):
+    """One call as Qwen2.5 writes it (and as krafla's grammar makes the model write it)."""
+    return f'<tool_call>\n{{"name": "{call.name}", "arguments": {tool_json(call.arguments)}}}\n</tool_call>'
+
+
+class QwenTemplate(ChatMLTemplate):
+    """Qwen2.5: chatml with tools in the system turn, calls in `<tool_call>` tags and tool results
+    in `<tool_response>` tags inside one user turn, as its official template writes them."""
+
+    tool_format = "qwen"
+
+    def __init__(self):
+        super().__init__("qwen", QWEN_SYSTEM, ("<|im_end|>", "<|endoftext|>"))
+
+    def _write(self, out, system_prompt, messages, continue_last, tools=()):
+        if tools:
+            out.special("<|im_start|>")
+            out.text("system\n" + (system_prompt if system_prompt is not None else QWEN_SYSTEM) + QWEN_TOOLS_HEADER)
+            for tool in tools:
+                out.text("\n" + tool_json(tool))
+            out.text(QWEN_TOOLS_FOOTER)
+            out.special("<|im_end|>")
+            out.text("\n")
+        elif system_prompt is not None:
+            self._turn(out, "system", system_prompt)
+        for index, message in enumerate(messages):
+            last = index == len(messages) - 1
+            if message.role == "tool":
+                if index == 0 or messages[index - 1].role != "tool":
+                    out.special("<|im_start|>")
+                    out.text("user")
+                out.text(f"\n<tool_response>\n{message.content}\n</tool_response>")
+                if last or messages[index + 1].role != "tool":
+                    out.special("<|im_end|>")
+                    out.text("\n")
+            elif message.role == "assistant" and message.tool_calls:
+                calls = "\n".join(qwen_tool_call_text(call) for call in message.tool_calls)
+                out.special("<|im_start|>")
+                out.text("assistant\n")
+                out.content(message.content + "\n" + calls if message.content else calls)
+                out.special("<|im_end|>")
+                out.text("\n")
+            elif message.role == "assistant":
+                out.special("<|im_start|>")
+                out.text("assistant\n")
+                out.content(message.content)
+                if not (last and continue_last):
+                    out.special("<|im_end|>")
+                    out.text("\n")
+            else:
+                self._turn(out, message.role, message.content)
+        if not continue_last:
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+
+
+LLAMA3_TOOLS_PROMPT = ("Given the following functions, please respond with a JSON for a function call with its proper "
+                       "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+                       "\"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n")
+
+
+def llama3_tool_call_text(call):
+    """One call as Llama 3.1 writes it."""
+    return f'{{"name": "{call.name}", "parameters": {tool_json(call.arguments)}}}'
+
+
 class Llama3Template(Template):
     """Llama 3.1's format: a system header with the knowledge cutoff and date, trimmed contents."""
 
@@ -252,14 +368,43 @@ class Llama3Template(Template):
     bos_text = "<|begin_of_text|>"
     stop_markers = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
     date_string = "26 Jul 2024"
+    tool_format = "llama3"
 
-    def _write(self, out, system_prompt, messages, continue_last):
+    def _write(self, out, system_prompt, messages, continue_last, tools=()):
         out.bos()
         self._header(out, "system")
+        if tools:
+            out.text("Environment: ipython\n")
         out.text(f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n")
         out.text((system_prompt or "").strip())
         out.special("<|eot_id|>")
+        if tools:
+            # The official template puts the tools in the first message after the system prompt.
+            if not messages:
+                raise ChatError("the llama3 template puts the tools in the first user message, and there is none")
+            self._header(out, "user")
+            out.text(LLAMA3_TOOLS_PROMPT)
+            for tool in tools:
+                out.text(tool_json(tool, indent=4) + "\n\n")
+            out.text(messages[0].content.strip())
+            out.special("<|eot_id|>")
+            messages = messages[1:]
+            continue_last = continue_last and bool(messages)
         for index, message in enumerate(messages):
+            if message.role == "tool":
+                self._header(out, "ipython")
+                # The official template writes a result through tojson (a string is iterable in Jinja).
+                out.text(tool_json(message.content))
+                out.special("<|eot_id|>")
+                continue
+            if message.tool_calls:
+                if len(message.tool_calls) != 1:
+                    raise ChatError("the llama3 template takes one tool call per assistant message, as its "
+                                    f"official template does; an assistant message has {len(message.tool_calls)}")
+                self._header(out, "assistant")
+                out.content(llama3_tool_call_text(message.tool_calls[0]))
+                out.special("<|eot_id|>")
+                continue
             self._header(out, message.role)
             if message.role == "assistant":
                 out.content(message.content.strip())
@@ -382,13 +527,24 @@ class Qwen35Template(Template):
 
     stop_markers = ("<|im_end|>", "<|endoftext|>")
     system_turn = False
+    tool_format = "qwen3.5"
 
     def __init__(self, name, thinking):
         self.name = name
         self.thinking = thinking
 
-    def _write(self, out, system_prompt, messages, continue_last):
-        if system_prompt is not None:
+    def _write(self, out, system_prompt, messages, continue_last, tools=()):
+        if tools:
+            out.special("<|im_start|>")
+            out.text("system\n" + QWEN35_TOOLS_HEADER)
+            for tool in tools:
+                out.text("\n" + tool_json(tool))
+            out.text(QWEN35_TOOLS_FOOTER)
+            if system_prompt is not None and system_prompt.strip():
+                out.text("\n\n" + system_prompt.strip())
+            out.special("<|im_end|>")
+            out.text("\n")
+        elif system_prompt is not None:
             ChatMLTemplate._turn(out, "system", system_prompt.strip())
         last_query = None
         for index in range(len(messages) - 1, -1, -1):
@@ -405,6 +561,16 @@ class Qwen35Template(Template):
             if message.role == "user":
                 ChatMLTemplate._turn(out, "user", content)
                 continue
+            if message.role == "tool":
+                previous = messages[index - 1].role if index else ("system" if system_prompt is not None else None)
+                if previous is not None and previous != "tool":
+                    out.special("<|im_start|>")
+                    out.text("user")
+                out.text(f"\n<tool_response>\n{content}\n</tool_response>")
+                if index == len(messages) - 1 or messages[index + 1].role != "tool":
+                    out.special("<|im_end|>")
+                    out.text("\n")
+                continue
             reasoning = ""
             if "</think>" in content:
                 reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
@@ -417,6 +583,9 @@ class Qwen35Template(Template):
                 out.text("\n" + reasoning + "\n")
                 out.special("</think>")
                 out.text("\n\n")
+            if message.tool_calls:
+                calls = "\n".join(qwen35_tool_call_text(call) for call in message.tool_calls)
+                content = content + "\n\n" + calls if content.strip() else content + calls
             out.content(content)
             if index == len(messages) - 1 and continue_last:
                 continue
@@ -433,6 +602,33 @@ class Qwen35Template(Template):
                 out.text("\n\n")
 
 
+QWEN35_TOOLS_HEADER = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN35_TOOLS_FOOTER = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified "
+    "format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural "
+    "language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question "
+    "like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>")
+
+
+def qwen35_parameter_text(value):
+    """A parameter value as Qwen3.5's template writes it: objects and arrays as JSON, the rest
+    through Jinja's `string` filter (Python's str: True, None, 1.5)."""
+    if isinstance(value, (dict, list)):
+        return tool_json(value)
+    return str(value)
+
+
+def qwen35_tool_call_text(call):
+    """One call in Qwen3.5's XML form."""
+    parameters = "".join(f"<parameter={name}>\n{qwen35_parameter_text(value)}\n</parameter>\n"
+                         for name, value in call.arguments.items())
+    return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
+
+
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -441,7 +637,7 @@ TEMPLATES = {
     "zephyr": ZephyrTemplate(),
     "llama2": Llama2Template(),
     "chatml": ChatMLTemplate("chatml"),
-    "qwen": ChatMLTemplate("qwen", QWEN_SYSTEM, ("<|im_end|>", "<|endoftext|>")),
+    "qwen": QwenTemplate(),
     "smollm": ChatMLTemplate("smollm", SMOLLM_SYSTEM, ("<|im_end|>", "<|endoftext|>")),
     "gemma": GemmaTemplate(),
     "qwen3.5": Qwen35Template("qwen3.5", thinking=True),

@@ -24,6 +24,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from krafla_twisted import chat, clib, options
 from krafla_twisted.sampler import Sampler
 
@@ -79,6 +81,7 @@ class GenerationResult:
     generation_seconds: float
     tokens: tuple = ()          # the reply's token ids (a stop token is not included)
     seed: int = None            # the seed the sampler used
+    logprobs: tuple = ()        # TokenLogprobs of the reply's tokens, when asked for
 
     @property
     def prompt_tokens_per_second(self):
@@ -88,6 +91,38 @@ class GenerationResult:
     @property
     def completion_tokens_per_second(self):
         return self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and the `top` most likely tokens' ((id, logprob), ...),
+    from the log-softmax of the model's logits before penalties, bias and grammar masks."""
+
+    token: int
+    logprob: float
+    top: tuple = ()
+
+
+def token_logprob(logits, token, top):
+    """The TokenLogprob of `token` under `logits` (the model's, unmodified) with `top` alternatives;
+    ties among the top are ordered by token id."""
+    values = logits.astype(np.float64)
+    peak = values.max()
+    logsum = peak + math.log(np.exp(values - peak).sum())
+    best = ()
+    if top:
+        candidates = np.argpartition(-values, top - 1)[:top] if top < len(values) else np.arange(len(values))
+        ordered = sorted(candidates.tolist(), key=lambda t: (-values[t], t))
+        best = tuple((t, float(values[t] - logsum)) for t in ordered)
+    return TokenLogprob(int(token), float(values[token] - logsum), best)
+
+
+def apply_logit_bias(logits, logit_bias):
+    """Add OpenAI's logit_bias ({token id: -100..100}) to a copy of `logits`; -100 bans a token."""
+    biased = logits.copy()
+    for token, bias in logit_bias.items():
+        biased[token] = -np.inf if bias <= -100 else biased[token] + bias
+    return biased
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,11 +306,17 @@ class Generator:
         self.runtime = runtime
 
     def generate(self, prompt_tokens, *, max_tokens=None, sampling=None, stop_strings=(), on_text=None,
-                 cancelled=lambda: False, on_prompt_progress=None):
+                 cancelled=lambda: False, on_prompt_progress=None, constraint=None, logit_bias=None,
+                 logprobs=None, on_logprobs=None):
         """Generate after `prompt_tokens`. max_tokens None or 0: until the context is full.
         `on_text(piece)` gets the reply's text as it becomes final; `cancelled()` is asked
         between tokens (and between prompt batches); `on_prompt_progress(done, total)` after
-        each prompt batch. Must be called in the thread that owns the runtime."""
+        each prompt batch. Must be called in the thread that owns the runtime.
+
+        `constraint` (a grammar.Constraint) masks every step's logits and ends the reply when its
+        value is complete; `logit_bias` ({id: bias}) is added first. `logprobs` (None, or how many
+        alternatives, 0-20) records a TokenLogprob per reply token; `on_logprobs(entries)` gets
+        those of the tokens sampled since the last call, just before each `on_text`."""
         runtime = self.runtime
         session = runtime.session
         prompt = [int(t) for t in prompt_tokens]
@@ -308,9 +349,15 @@ class Generator:
         if max_tokens:
             limit = min(limit, max_tokens)
 
+        token_logprobs = []
+        reported = [0]
+
         def emit(text):
             if text:
                 pieces.append(text)
+                if on_logprobs is not None and len(token_logprobs) > reported[0]:
+                    on_logprobs(tuple(token_logprobs[reported[0]:]))
+                    reported[0] = len(token_logprobs)
                 if on_text is not None:
                     on_text(text)
 
@@ -322,14 +369,23 @@ class Generator:
                     finish = "cancelled"
                     break
                 history = runtime.cached[-history_size:] if history_size and sampling.repeat_penalty != 1.0 else ()
-                token = sampler.sample(logits, history)
+                chosen_from = logits
+                if logit_bias:
+                    chosen_from = apply_logit_bias(logits, logit_bias)
+                if constraint is not None:
+                    chosen_from = constraint.mask(chosen_from if chosen_from is not logits else logits.copy())
+                token = sampler.sample(chosen_from, history)
                 if token in runtime.stop_token_ids:
                     finish = "stop"
                     break
+                if logprobs is not None:
+                    token_logprobs.append(token_logprob(logits, token, logprobs))
                 reply.append(token)
+                if constraint is not None:
+                    constraint.accept(token)
                 text, stopped = stops.push(decoder.push(token))
                 emit(text)
-                if stopped:
+                if stopped or (constraint is not None and constraint.done):
                     finish = "stop"
                     break
                 if len(reply) >= limit:
@@ -344,9 +400,11 @@ class Generator:
                 emit(text)
             if stopped:
                 finish = "stop"  # the held-back end of the reply held a stop string
+        if on_logprobs is not None and len(token_logprobs) > reported[0]:
+            on_logprobs(tuple(token_logprobs[reported[0]:]))
         generation_seconds = time.perf_counter() - started
         return GenerationResult("".join(pieces), finish, len(prompt), len(reply), cached_count, prompt_seconds,
-                                generation_seconds, tuple(reply), seed)
+                                generation_seconds, tuple(reply), seed, tuple(token_logprobs))
 
     def _eval(self, tokens):
         runtime = self.runtime

@@ -1,5 +1,7 @@
 """Hypothesis strategies shared by the tests (append new ones in their own section)."""
 
+import json
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -151,7 +153,7 @@ _sampling_invalid = {
     "n": _not("int") | st.integers(-(2**40), 2**40).filter(lambda n: n != 1),
     "model": _not("string"),
 }
-# Types only: true for logprobs or a non-empty list of tools is a refusal, tested on its own.
+# Types only; the refusals and the new fields' values are tested on their own.
 _chat_invalid = dict(
     _sampling_invalid,
     messages=(_not("array") | st.just([]) | st.lists(_not("object"), min_size=1, max_size=2)
@@ -160,7 +162,10 @@ _chat_invalid = dict(
               | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _not("string", "array")}), min_size=1, max_size=2)),
     logprobs=_not("bool"),
     tools=_not("array"),
-    response_format=_not("object") | st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", None, 3])}),
+    response_format=_not("object") | st.fixed_dictionaries({"type": st.sampled_from(["xml", "json_schema", None, 3])}),
+    top_logprobs=_not("int") | _integer_outside(0, 20),
+    logit_bias=_not("object") | st.fixed_dictionaries({"1": _not("int", "number") | _number_outside(-100, 100)}),
+    tool_choice=_not("string", "object") | st.sampled_from(["always", "required"]),
 )
 _completion_invalid = dict(
     _sampling_invalid,
@@ -219,6 +224,91 @@ def weight_rows(draw, max_rows=4, max_blocks=4):
     values = draw(hnp.arrays(np.float32, shape, elements=elements))
     scale = draw(st.sampled_from([1e-30, 1e-6, 1.0, 127.0, 1e3, 1e7, 1e30]))
     return values * np.float32(scale)
+
+
+# ------------------------------------------------------------------------------------------
+# Tools and JSON schemas (tests/test_tools.py, tests/test_structured.py; owner: agents)
+
+_tool_names = st.sampled_from(["get_weather", "lookup", "send_mail", "a-b_c"])
+_tool_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=10)
+tool_arguments = st.dictionaries(st.sampled_from(["city", "n", "flag", "tags", "é"]),
+                                 st.one_of(st.integers(-1000, 1000), st.booleans(), _tool_text,
+                                           st.lists(_tool_text, max_size=2)), max_size=3)
+
+
+@st.composite
+def tool_lists(draw):
+    """OpenAI tool objects with distinct names, with or without descriptions and parameters."""
+    names = draw(st.lists(_tool_names, unique=True, max_size=3))
+    out = []
+    for name in names:
+        function = {"name": name}
+        if draw(st.booleans()):
+            function["description"] = draw(_tool_text)
+        if draw(st.booleans()):
+            function["parameters"] = {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"]}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+@st.composite
+def tool_conversations(draw, tool_list, parallel=True):
+    """A user turn, then rounds of assistant calls with their tool results, maybe a plain answer,
+    ending with a user or tool message (so a generation prompt follows)."""
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(_tool_text)})
+    messages.append({"role": "user", "content": draw(_tool_text)})
+    for round_index in range(draw(st.integers(0, 2))):
+        count = draw(st.integers(1, 3)) if parallel else 1
+        calls = [{"id": f"call_{round_index}_{i}", "type": "function",
+                  "function": {"name": draw(_tool_names), "arguments": json.dumps(draw(tool_arguments))}}
+                 for i in range(count)]
+        content = draw(_tool_text) if parallel and draw(st.booleans()) else ""
+        messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        for call in calls:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": draw(_tool_text)})
+        if draw(st.booleans()):
+            messages.append({"role": "assistant", "content": draw(_tool_text).strip() or "ok"})
+            messages.append({"role": "user", "content": draw(_tool_text)})
+    return messages
+
+
+_schema_leaves = st.one_of(
+    st.just({"type": "string", "maxLength": 12}),
+    st.just({"type": "integer", "minimum": -100, "maximum": 100}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(st.sampled_from(["red", "green", "blue", "a b", "ü"]), min_size=1, max_size=4, unique=True).map(
+        lambda values: {"enum": values}),
+    st.just({"type": "string", "pattern": "^[a-z]{1,6}$"}),
+)
+_schema_property_names = st.sampled_from(["name", "age", "colour", "items", "ok", "x", "nested"])
+
+
+def _object_schema(properties, draw_required):
+    return {"type": "object", "properties": properties, "required": draw_required, "additionalProperties": False}
+
+
+@st.composite
+def json_schemas(draw, depth=2):
+    """Schemas within the supported subset (docs/api.md): objects with fixed properties, arrays with
+    bounded items, enums, strings with a length or pattern, bounded integers, booleans, null (every value
+    bounded, so a reply always completes)."""
+    if depth == 0:
+        return draw(_schema_leaves)
+    kind = draw(st.sampled_from(["object", "object", "array", "leaf", "anyOf"]))
+    if kind == "leaf":
+        return draw(_schema_leaves)
+    if kind == "array":
+        return {"type": "array", "items": draw(json_schemas(depth=depth - 1)), "maxItems": 3}
+    if kind == "anyOf":
+        return {"anyOf": [draw(_schema_leaves), draw(_schema_leaves)]}
+    names = draw(st.lists(_schema_property_names, min_size=1, max_size=3, unique=True))
+    properties = {name: draw(json_schemas(depth=depth - 1)) for name in names}
+    required = [name for name in names if draw(st.booleans())] or names[:1]
+    return _object_schema(properties, required)
 
 
 # ------------------------------------------------------------------------------------------

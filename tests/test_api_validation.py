@@ -79,7 +79,8 @@ class ParseErrorTests(unittest.TestCase):
 
 
 class RefusalTests(unittest.TestCase):
-    """What the original refuses: logprobs, tools, response_format other than text, echo, suffix, best_of>1, n!=1."""
+    """What the original refuses and still does: legacy functions, images, echo, suffix, best_of>1, n!=1; and
+    the new fields' bad values (top_logprobs without logprobs, logit_bias out of range, unknown response_format)."""
 
     def setUp(self):
         self.harness = APIHarness()
@@ -94,12 +95,16 @@ class RefusalTests(unittest.TestCase):
     def test_chat_refusals(self):
         """Each chat refusal is a 400 naming the field; the harmless values of the same fields are accepted."""
         base = {"messages": [{"role": "user", "content": "hi"}]}
-        for extra, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
-                             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        for extra, param in (({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                              ({"functions": [{"name": "f"}]}, "functions"),
-                             ({"response_format": {"type": "json_object"}}, "response_format"),
+                             ({"response_format": {"type": "xml"}}, "response_format.type"),
+                             ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+                             ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                             ({"tool_choice": "required"}, "tool_choice"),
+                             ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
                              ({"n": 2}, "n"),
-                             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+                             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+                             ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
                              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                               "messages[0].content[0]")):
             error = self.refused("/v1/chat/completions", dict(base, **extra), param)
@@ -110,9 +115,9 @@ class RefusalTests(unittest.TestCase):
             self.assertEqual(response.code, 200, harmless)
 
     def test_completion_refusals(self):
-        """echo, suffix, best_of above 1, logprobs, n above 1 and several prompts are refused for completions."""
+        """echo, suffix, best_of above 1, logprobs above 5, n above 1 and several prompts are refused for completions."""
         for extra, param in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),
-                             ({"logprobs": 1}, "logprobs"), ({"n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
+                             ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"), ({"n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
             self.refused("/v1/completions", dict({"prompt": "hi"}, **extra), param)
         for harmless in ({"echo": False}, {"suffix": None}, {"best_of": 1}, {"logprobs": None}, {"prompt": ["one"]}):
             response, _ = self.harness.fetch("POST", "/v1/completions", dict({"prompt": "hi"}, **harmless))

@@ -1,6 +1,7 @@
 """The documentation works: every relative link in README.md and docs/*.md resolves (anchors
 included), and every example fenced as ```sh runnable or ```python runnable runs against a real
-`twistd krafla` with the default model.
+`twistd krafla` with the default model (```python runnable-qwen: the same model with `--chat qwen`,
+for the tool-call examples, which need a template with a tool format).
 
 Examples are written for `make serve` (http://127.0.0.1:8080); here that address is replaced with
 the test server's, and `.venv/bin/` with the folder of the Python running the tests. An example
@@ -68,8 +69,9 @@ def runnable_blocks():
     for path in DOCS:
         for info, code in FENCE.findall(read(path)):
             words = info.split()
-            if "runnable" in words[1:]:
-                out.append((os.path.relpath(path, REPO), words[0], code))
+            for marker in ("runnable", "runnable-qwen"):
+                if marker in words[1:]:
+                    out.append((os.path.relpath(path, REPO), words[0], code, marker))
     return out
 
 
@@ -115,9 +117,9 @@ class ReadmeTests:
 
     def test_runnable_examples_everywhere(self):
         """The README, the quick start and the API page each keep runnable examples (the marker was not lost)."""
-        files = {path for path, _, _ in BLOCKS}
+        files = {path for path, _, _, _ in BLOCKS}
         assert {"README.md", "docs/index.md", "docs/api.md"} <= files
-        assert {lang for _, lang, _ in BLOCKS} == {"sh", "python"}
+        assert {lang for _, lang, _, _ in BLOCKS} == {"sh", "python"}
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +130,21 @@ def server():
     process.stop()
 
 
+@pytest.fixture(scope="module")
+def qwen_server():
+    model = real_model("smollm2-135m")
+    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "qwen", "-t", "2"]).start()
+    yield process
+    process.stop()
+
+
 class RunnableExampleTests:
     """Each runnable example in the docs, against a real server."""
 
-    @pytest.mark.parametrize("path, lang, code", BLOCKS, ids=[f"{p}:{i}" for i, (p, _, _) in enumerate(BLOCKS)])
-    def test_example(self, server, path, lang, code):
+    @pytest.mark.parametrize("path, lang, code, marker", BLOCKS, ids=[f"{p}:{i}" for i, (p, _, _, _) in enumerate(BLOCKS)])
+    def test_example(self, request, path, lang, code, marker):
         """The example exits 0 and prints no error body."""
+        server = request.getfixturevalue("qwen_server" if marker == "runnable-qwen" else "server")
         code = code.replace("http://127.0.0.1:8080", server.root_url(""))
         code = code.replace(".venv/bin/", os.path.dirname(sys.executable) + "/")
         if lang == "sh":
@@ -197,4 +208,4 @@ class FreshCloneTests:
 
 def read_readme_curl():
     """The README's runnable curl example."""
-    return next(code for path, lang, code in BLOCKS if path == "README.md" and code.startswith("curl "))
+    return next(code for path, lang, code, _ in BLOCKS if path == "README.md" and code.startswith("curl "))

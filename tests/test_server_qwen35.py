@@ -107,3 +107,35 @@ class Qwen35ServerTests:
             assert chat(server, second)[0] == warm
         finally:
             stop(server)
+
+
+class Qwen35ToolTests:
+    def test_required_call_in_qwen35_format(self, files, tmp_path):
+        """qwen3.5-nothink with tools and tool_choice required: the random model's reply is forced
+        into Qwen3.5's XML call format, parsed into tool_calls with arguments typed by the schema,
+        and the call with its result renders into the next turn (200). The tools' system prompt
+        needs a longer context than the other tests' model has."""
+        mlt = files[1]
+        mlb = write_tiny_qwen35(tmp_path / "tiny-1k.mlb", seed=5, weight_type="q8_0", n_vocab=Tokenizer(mlt).n_vocab,
+                                dim=32, tied_embeddings=0, max_seq=1024)
+        server = start((mlb, mlt), "qwen3.5-nothink")
+        tool = {"type": "function", "function": {"name": "set_unit", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["unit", "n"]}}}
+        try:
+            messages = [{"role": "user", "content": "Pick a unit."}]
+            status, _, content = treq_call("POST", server.url("/chat/completions"), {
+                "messages": messages, "tools": [tool], "tool_choice": "required", "max_tokens": 60, "temperature": 0})
+            assert status == 200, content
+            choice = json.loads(content)["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", choice
+            (call,) = choice["message"]["tool_calls"]
+            arguments = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] == "set_unit" and arguments["unit"] in ("C", "F")
+            assert isinstance(arguments["n"], int) and 0 <= arguments["n"] <= 9
+            messages += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "done"}]
+            status, _, content = treq_call("POST", server.url("/chat/completions"), {
+                "messages": messages, "tools": [tool], "max_tokens": 4, "temperature": 0})
+            assert status == 200, content
+        finally:
+            stop(server)

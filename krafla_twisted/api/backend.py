@@ -13,7 +13,7 @@ import os
 
 from twisted.logger import Logger
 
-from krafla_twisted import __version__, chat, clib, generate, models
+from krafla_twisted import __version__, chat, clib, generate, grammar, models, tools
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
 
 log = Logger(namespace="krafla")
@@ -29,6 +29,8 @@ class Backend:
         self.n_vocab = self.tokenizer.n_vocab
         self.n_ctx = runtime.n_ctx
         self.has_chat = self.template is not None
+        tool_format = getattr(self.template, "tool_format", None)
+        self.tool_format = tools.FORMATS[tool_format] if tool_format else None
 
     def banner(self):
         """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`."""
@@ -44,9 +46,11 @@ class Backend:
         """The prompt's token ids: the chat rendered turn by turn, the text encoded, or the ids as given."""
         if completion.kind == "chat":
             try:
-                return self.template.render(list(completion.messages), self.tokenizer, system=self.runtime.system)
+                return self.template.render(list(completion.messages), self.tokenizer, system=self.runtime.system,
+                                            tools=completion.tools or None)
             except chat.ChatError as e:
-                raise InvalidRequest(str(e), param="messages") from None
+                no_format = completion.tools and self.tool_format is None
+                raise InvalidRequest(str(e), param="tools" if no_format else "messages") from None
         if completion.prompt_tokens is not None:
             return list(completion.prompt_tokens)
         tokens = self.tokenizer.encode(completion.prompt_text)
@@ -59,25 +63,75 @@ class Backend:
         changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)}
         return dataclasses.replace(self.runtime.sampling, **{k: v for k, v in changes.items() if v is not None})
 
-    def complete(self, completion, on_text, cancelled):
+    def logprob_pieces(self, entries):
+        """TokenLogprobs with each token as its bytes: (bytes, logprob, ((bytes, logprob), ...))."""
+        piece = self.tokenizer.token_bytes
+        return tuple((piece(e.token), e.logprob, tuple((piece(t), value) for t, value in e.top)) for e in entries)
+
+    def constraint(self, completion):
+        """The grammar.Constraint a request's response_format or tool_choice asks for, or None.
+        This must be called in the worker thread (a tokenizer's first grammar builds its vocabulary)."""
+        choice = completion.tool_choice
+        if completion.tools and choice not in ("auto", "none"):
+            only = None if choice == "required" else choice
+            # Qwen3.5's generation prompt leaves the reply inside a think block: reasoning comes first.
+            thinking = bool(getattr(self.template, "thinking", False))
+            text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
+                                            thinking=thinking)
+            source, param = grammar.lark_grammar(text), "tools"
+        elif completion.response_format is not None:
+            schema = completion.response_format.get("schema", {"type": "object"})
+            if completion.response_format["type"] == "json_object":
+                schema = {"type": "object"}
+            param = "response_format"
+            try:
+                source = grammar.json_schema_grammar(schema)
+            except grammar.GrammarError as e:
+                raise InvalidRequest(str(e), param=param) from None
+        else:
+            return None
+        try:
+            vocabulary = grammar.Vocabulary.of(self.tokenizer, self.runtime.stop_token_ids)
+            return grammar.Constraint(vocabulary, source)
+        except grammar.GrammarError as e:
+            raise InvalidRequest(f"'{param}' cannot be used: {e}", param=param) from None
+
+    def complete(self, completion, on_text, cancelled, on_logprobs=None):
         """Generate the reply for a validated request. This must be called in the worker thread."""
         param = "messages" if completion.kind == "chat" else "prompt"
+        bad = next((t for t in completion.logit_bias if t >= self.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {self.n_vocab - 1})",
+                                 param="logit_bias")
         prompt = self.prompt_tokens(completion)
+        constraint = self.constraint(completion)
+        if on_logprobs is not None:
+            streamed, on_logprobs = on_logprobs, lambda entries: streamed(self.logprob_pieces(entries))
         stop = tuple(completion.stop)
         if completion.kind == "chat":
             stop += tuple(self.template.stop_strings)
         max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
         try:
-            return self.generator.generate(
+            result = self.generator.generate(
                 prompt,
                 max_tokens=max_tokens,
                 sampling=self.sampling(completion.sampling),
                 stop_strings=stop,
                 on_text=on_text,
                 cancelled=cancelled,
+                constraint=constraint,
+                logit_bias=completion.logit_bias,
+                logprobs=completion.logprobs,
+                on_logprobs=on_logprobs,
             )
+            if completion.logprobs is None:
+                return result
+            return dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
         except generate.ContextLengthExceeded as e:
             raise ContextTooLong(str(e), param=param) from None
+        except grammar.GrammarError as e:
+            param = "tools" if completion.tools and completion.tool_choice not in ("auto", "none") else "response_format"
+            raise InvalidRequest(f"the reply's grammar failed: {e}", param=param) from None
         except ValueError as e:
             # The request was validated; what the engine still refuses (a token id, an empty prompt) is the request's.
             raise InvalidRequest(str(e), param=param) from None

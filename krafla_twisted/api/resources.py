@@ -14,6 +14,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
+from krafla_twisted.chat import tool_json
+from krafla_twisted.tools import ToolStream
 from krafla_twisted.api.errors import (
     APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
 )
@@ -236,7 +238,14 @@ class Reply:
         self.created = int(api.clock.seconds())
         self.gone = False
         self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
-        self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None)
+        streamed_logprobs = completion.stream and completion.logprobs is not None
+        self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None,
+                       on_logprobs=self._logprobs_from_worker if streamed_logprobs else None)
+        self.pending_logprobs = []   # streamed: entries of tokens whose text is not sent yet
+        self.text_offset = 0         # completions' logprobs.text_offset of the next token
+        tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
+        self.tool_format = tool_format if completion.tools and completion.tool_choice != "none" else None
+        self.tool_stream = ToolStream(self.tool_format) if self.tool_format and completion.stream else None
 
     def start(self):
         self.api.replies.add(self)
@@ -271,28 +280,67 @@ class Reply:
         # Runs in the worker thread: hand the piece to the reactor, touch nothing here.
         self.api.worker.call_in_reactor(self._piece, text)
 
+    def _logprobs_from_worker(self, entries):
+        # Runs in the worker thread, just before the text of these tokens.
+        self.api.worker.call_in_reactor(self.pending_logprobs.extend, entries)
+
     def _piece(self, text):
         if self.gone or not text:
             return
+        if self.tool_stream is not None:
+            text = self.tool_stream.push(text)
+            if not text:
+                return
         self._ensure_stream_started()
-        self.stream.send(self._chunk(text, None))
+        self.stream.send(self._chunk(text, None, logprobs=self._take_logprobs()))
+
+    def _take_logprobs(self):
+        """The logprobs of the tokens sampled since the last chunk, for the next one (None: none)."""
+        if self.completion.logprobs is None or not self.pending_logprobs:
+            return None
+        entries, self.pending_logprobs = self.pending_logprobs, []
+        return self._logprobs(entries)
+
+    def _logprobs(self, entries):
+        """OpenAI's logprobs object for these (bytes, logprob, top) entries."""
+        if self.chat:
+            def item(piece, value):
+                return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
+
+            return {"content": [{**item(piece, value), "top_logprobs": [item(p, v) for p, v in top]}
+                                for piece, value, top in entries], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for piece, value, top in entries:
+            token = piece.decode("utf-8", "replace")
+            out["tokens"].append(token)
+            out["token_logprobs"].append(value)
+            out["top_logprobs"].append({p.decode("utf-8", "replace"): v for p, v in top})
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(token)
+        return out
+
+    def _tool_calls(self, calls):
+        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                 "function": {"name": call.name, "arguments": tool_json(call.arguments)}} for call in calls]
 
     def _ensure_stream_started(self):
         if not self.stream.started and self.chat:
             self.stream.send(self._chunk(None, None, role=True))
         self.stream.start()
 
-    def _chunk(self, text, finish_reason, role=False):
+    def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         if self.chat:
             delta = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             kind = "text_completion"
         chunk = self._envelope(kind)
         chunk["choices"] = [choice]
@@ -324,9 +372,20 @@ class Reply:
         self.request.work_done()
         if self.gone or result is None or result.finish_reason == "cancelled":
             return
+        content, calls = result.text, []
+        if self.tool_format is not None:
+            content, calls = self.tool_format.parse(result.text, self.completion.tools)
+        finish_reason = "tool_calls" if calls else result.finish_reason
         if self.stream is not None:
             self._ensure_stream_started()
-            self.stream.send(self._chunk(None, result.finish_reason))
+            if self.tool_stream is not None:
+                rest = self.tool_stream.finish(content)
+                if rest:
+                    self.stream.send(self._chunk(rest, None, logprobs=self._take_logprobs()))
+                if calls:
+                    deltas = [dict(call, index=index) for index, call in enumerate(self._tool_calls(calls))]
+                    self.stream.send(self._chunk(None, None, tool_calls=deltas, logprobs=self._take_logprobs()))
+            self.stream.send(self._chunk(None, finish_reason, logprobs=self._take_logprobs()))
             if self.completion.include_usage:
                 usage = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
                 usage["choices"] = []
@@ -335,11 +394,14 @@ class Reply:
             self.stream.end()
             return
         reply = self._envelope("chat.completion" if self.chat else "text_completion")
+        logprobs = self._logprobs(result.logprobs) if self.completion.logprobs is not None else None
         if self.chat:
-            message = {"role": "assistant", "content": result.text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+            message = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = self._tool_calls(calls)
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": finish_reason}
         reply["choices"] = [choice]
         reply["usage"] = self._usage(result)
         self._write_whole(json_response(self.request, reply))

@@ -7,6 +7,7 @@ user, ...) are ignored, as the original says.
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from krafla_twisted.api.errors import InvalidRequest, Unsupported
@@ -15,7 +16,9 @@ MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class CompletionRequest:
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
+    logit_bias: dict = field(default_factory=dict)   # {token id: -100..100}
+    logprobs: int | None = None         # None: no log probabilities; else how many alternatives (0-20)
+    response_format: dict | None = None  # None (text), {"type": "json_object"} or {"type": "json_schema", "schema": S}
+    tools: tuple = ()                   # OpenAI tool objects ({"type": "function", "function": {...}})
+    tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
+    parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
 
 
 def parse_json_body(body):
@@ -251,31 +260,21 @@ def parse_chat_request(body):
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InvalidRequest(f"'logprobs' must be a boolean, not {_json_type(logprobs)}", param="logprobs")
-    if logprobs:
-        raise Unsupported("This server does not return log probabilities ('logprobs')", param="logprobs")
-    top_logprobs = _integer(body, "top_logprobs", 0, 20)
-    if top_logprobs:
-        raise Unsupported("This server does not return log probabilities ('top_logprobs')", param="top_logprobs")
-    for name in ("tools", "functions"):
-        tools = body.get(name)
-        if tools is None:
-            continue
-        if not isinstance(tools, list):
-            raise InvalidRequest(f"'{name}' must be an array, not {_json_type(tools)}", param=name)
-        if tools:
-            raise Unsupported(f"This server does not call tools; '{name}' must be empty", param=name)
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict):
-            raise InvalidRequest(
-                f"'response_format' must be an object, not {_json_type(response_format)}", param="response_format"
-            )
-        if response_format.get("type") != "text":
-            raise Unsupported(
-                f"This server only writes plain text; 'response_format.type' must be \"text\", "
-                f"not {json.dumps(response_format.get('type'))}",
-                param="response_format",
-            )
+    top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    functions = body.get("functions")
+    if functions is not None:
+        if not isinstance(functions, list):
+            raise InvalidRequest(f"'functions' must be an array, not {_json_type(functions)}", param="functions")
+        if functions:
+            raise Unsupported("'functions' is OpenAI's retired form of tools; send 'tools' instead", param="functions")
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest(f"'parallel_tool_calls' must be a boolean, not {_json_type(parallel)}",
+                             param="parallel_tool_calls")
     stream, include_usage = _stream(body)
     return CompletionRequest(
         kind="chat",
@@ -285,7 +284,129 @@ def parse_chat_request(body):
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
+        logit_bias=_logit_bias(body),
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        response_format=_response_format(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel is True,
     )
+
+
+def _logit_bias(body):
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100}; ids are checked against the
+    vocabulary when the request runs (the model's size is the backend's)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'logit_bias' must be an object of token ids to numbers, not {_json_type(value)}",
+                             param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = None
+        if token is None or str(token) != key.strip() or token < 0:
+            raise InvalidRequest(f"'logit_bias' keys must be token ids (integers >= 0); got {key!r}", param="logit_bias")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"'logit_bias[{key}]' must be a number from -100 to 100; got {json.dumps(bias)}",
+                                 param="logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _response_format(body):
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'response_format' must be an object, not {_json_type(value)}", param="response_format")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest("'response_format.json_schema' must be an object with 'name' and 'schema'",
+                                 param="response_format.json_schema")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest(f"'response_format.json_schema.name' must be a string, not {_json_type(name)}",
+                                 param="response_format.json_schema.name")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(f"'response_format.json_schema.schema' must be an object, not {_json_type(schema)}",
+                                 param="response_format.json_schema.schema")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequest(f"'response_format.json_schema.strict' must be a boolean, not {_json_type(strict)}",
+                                 param="response_format.json_schema.strict")
+        return {"type": "json_schema", "schema": {} if schema is True else schema}
+    raise InvalidRequest(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
+                         f"not {json.dumps(kind)}", param="response_format.type")
+
+
+def _tools(body):
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"'tools' must be an array, not {_json_type(tools)}", param="tools")
+    names = set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"'{where}' must be an object, not {_json_type(tool)}", param=where)
+        if tool.get("type") != "function":
+            raise InvalidRequest(f"'{where}.type' must be \"function\"; got {json.dumps(tool.get('type'))}",
+                                 param=f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidRequest(f"'{where}.function' must be an object", param=f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise InvalidRequest(f"'{where}.function.name' must be 1 to 64 letters, digits, _ or -; got {json.dumps(name)}",
+                                 param=f"{where}.function.name")
+        if name in names:
+            raise InvalidRequest(f"'{where}.function.name' repeats the tool name {name!r}", param=f"{where}.function.name")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidRequest(f"'{where}.function.parameters' must be a JSON schema object", param=f"{where}.function.parameters")
+        description = function.get("description")
+        if description is not None:
+            _check_text(description if isinstance(description, str) else "", f"{where}.function.description")
+    return tuple(tools)
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tool_choice(body, tools):
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise InvalidRequest(f"'tool_choice' must be \"auto\", \"none\", \"required\" or a function; got {value!r}",
+                                 param="tool_choice")
+        choice = value
+    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
+            and isinstance(value["function"].get("name"), str):
+        choice = value["function"]["name"]
+        if choice not in {t["function"]["name"] for t in tools}:
+            raise InvalidRequest(f"'tool_choice' names the function {choice!r}, which is not in 'tools'",
+                                 param="tool_choice")
+    else:
+        raise InvalidRequest("'tool_choice' must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                             param="tool_choice")
+    if choice != "none" and choice != "auto" and not tools:
+        raise InvalidRequest(f"'tool_choice' {choice!r} needs 'tools'", param="tool_choice")
+    return choice
 
 
 def _messages(body):
@@ -304,16 +425,53 @@ def _messages(body):
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidRequest(f"'{where}.role' must be a string, not {_json_type(role)}", param=f"{where}.role")
-        if role in ("tool", "function"):
-            raise Unsupported(f"This server does not call tools; '{where}.role' cannot be {role!r}", param=f"{where}.role")
+        if role == "function":
+            raise Unsupported(f"'{where}.role' \"function\" is OpenAI's retired form; send \"tool\" messages",
+                              param=f"{where}.role")
         if role not in CHAT_ROLES:
             raise InvalidRequest(
                 f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}", param=f"{where}.role"
             )
-        if message.get("tool_calls"):
-            raise Unsupported(f"This server does not call tools; '{where}.tool_calls' must be empty", param=f"{where}.tool_calls")
-        result.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+        item = {"role": role}
+        content = message.get("content")
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            item["tool_calls"] = _message_tool_calls(calls, f"{where}.tool_calls")
+            if content is None:
+                content = ""
+        elif calls is not None and calls != []:
+            raise InvalidRequest(f"'{where}.tool_calls' is only for assistant messages", param=f"{where}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise InvalidRequest(f"'{where}.tool_call_id' must be the id of the call this answers, a string",
+                                     param=f"{where}.tool_call_id")
+            item["tool_call_id"] = call_id
+        item["content"] = _content(content, f"{where}.content")
+        result.append(item)
     return tuple(result)
+
+
+def _message_tool_calls(calls, where):
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"'{where}' must be an array, not {_json_type(calls)}", param=where)
+    out = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"'{at}' must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                                 param=at)
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as e:
+                raise InvalidRequest(f"'{at}.function.arguments' is not JSON: {e}", param=f"{at}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"'{at}.function.arguments' must be a JSON object", param=f"{at}.function.arguments")
+        out.append({"function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _content(content, where):
@@ -358,8 +516,8 @@ def parse_completion_request(body, n_vocab):
     logprobs = body.get("logprobs")
     if logprobs is not None and not (_is_int(logprobs) or isinstance(logprobs, bool)):
         raise InvalidRequest(f"'logprobs' must be an integer, not {_json_type(logprobs)}", param="logprobs")
-    if logprobs:
-        raise Unsupported("This server does not return log probabilities ('logprobs')", param="logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequest(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}; got {logprobs}", param="logprobs")
     prompt_text, prompt_tokens = _prompt(body.get("prompt"), n_vocab)
     stream, include_usage = _stream(body)
     return CompletionRequest(
@@ -371,6 +529,8 @@ def parse_completion_request(body, n_vocab):
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
+        logit_bias=_logit_bias(body),
+        logprobs=None if logprobs is None or logprobs is False else int(logprobs),
     )
 
 

@@ -13,9 +13,10 @@ from twisted.python.threadpool import ThreadPool
 class Job:
     """One request's work. `cancelled` is written in the I/O thread and read in the worker thread."""
 
-    def __init__(self, completion, on_text=None):
+    def __init__(self, completion, on_text=None, on_logprobs=None):
         self.completion = completion
         self.on_text = on_text
+        self.on_logprobs = on_logprobs
         self.cancelled = False
 
     def cancel(self):
@@ -69,4 +70,5 @@ class EngineWorker:
         # Runs in the worker thread.
         if job.cancelled:
             return None
-        return self.backend.complete(job.completion, on_text=job.on_text, cancelled=lambda: job.cancelled)
+        extra = {"on_logprobs": job.on_logprobs} if job.on_logprobs is not None else {}
+        return self.backend.complete(job.completion, on_text=job.on_text, cancelled=lambda: job.cancelled, **extra)

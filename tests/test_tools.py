@@ -1,0 +1,191 @@
+"""Tool calls without a model: the qwen and llama3 renderings of tools, calls and tool results
+against the official Jinja templates (tests/data/templates: Qwen/Qwen2.5-7B-Instruct and
+Qwen/Qwen3.5-4B, Apache-2.0, and meta-llama/Llama-3.1-8B-Instruct, Llama 3.1 Community License, all
+from their Hugging Face repositories), the parsers against the renderings, the grammars against the parsers, and the
+streamed split of content and calls.
+"""
+
+import json
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from krafla_twisted import chat, grammar, tools
+from tests.strategies import tool_arguments, tool_conversations, tool_lists
+from tests.test_chat import jinja_environment
+
+TEMPLATES = pathlib.Path(__file__).parent / "data" / "templates"
+OFFICIAL = {
+    "qwen": ("Qwen-Qwen2.5-7B-Instruct.jinja", {}),
+    "llama3": ("meta-llama-Llama-3.1-8B-Instruct.jinja", {"bos_token": "<|begin_of_text|>"}),
+    "qwen3.5": ("Qwen3.5-4B.jinja", {}),
+    "qwen3.5-nothink": ("Qwen3.5-4B.jinja", {"enable_thinking": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def official():
+    env = jinja_environment()
+    return {name: (env.from_string((TEMPLATES / file).read_text()), variables) for name, (file, variables) in OFFICIAL.items()}
+
+
+def jinja_messages(messages):
+    """The conversation as Hugging Face's templates take it: arguments as objects, not JSON text."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if "tool_calls" in message:
+            message["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                     for c in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+class OfficialToolRenderingTests:
+    @pytest.mark.parametrize("name", list(OFFICIAL))
+    @settings(max_examples=80, deadline=None)
+    @given(data=st.data())
+    def test_text_equals_jinja(self, official, name, data):
+        """Tools in the prompt, assistant calls and tool results render as the official template
+        writes them (Llama 3.1: one call per assistant message, as its template demands)."""
+        tool_list = data.draw(tool_lists())
+        messages = data.draw(tool_conversations(tool_list, parallel=name != "llama3"))
+        template, variables = official[name]
+        expected = template.render(messages=jinja_messages(messages), tools=tool_list or None,
+                                   add_generation_prompt=True, **variables)
+        assert chat.get_template(name).render_text(messages, tools=tool_list or None) == expected
+
+    @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr"])
+    def test_templates_without_a_tool_format_say_so(self, name):
+        """A template with no tool format refuses tools and tool messages with a ChatError saying so."""
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(chat.ChatError, match="no format for tool calls"):
+            chat.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
+
+
+class ParseTests:
+    @pytest.mark.parametrize("name", list(tools.FORMATS))
+    @settings(max_examples=100, deadline=None)
+    @given(data=st.data())
+    def test_rendered_calls_parse_back(self, name, data):
+        """What the template writes for a call is read back as the same name and arguments."""
+        fmt = tools.FORMATS[name]
+        count = data.draw(st.integers(1, 3)) if fmt.parallel else 1
+        names = ["get_weather", "lookup", "a-b_c"]
+        calls = [chat.ToolCall(data.draw(st.sampled_from(names)), data.draw(tool_arguments)) for _ in range(count)]
+        tool_list = []
+        if name == "qwen3.5":
+            # raw values: the tool's schema says which are strings (tested with other types below)
+            calls = [chat.ToolCall(c.name, {k: json.dumps(v, ensure_ascii=False) for k, v in c.arguments.items()})
+                     for c in calls]
+            strings = {"type": "object", "properties": {k: {"type": "string"} for k in ["city", "n", "flag", "tags", "é"]}}
+            tool_list = [{"type": "function", "function": {"name": n, "parameters": strings}} for n in names]
+        text = "\n".join(fmt.text(call) for call in calls)
+        content, parsed = fmt.parse(text, tool_list)
+        assert parsed == calls and content is None
+
+    def test_text_that_is_no_call_stays_content(self):
+        """Broken calls and plain text are content; finish_reason stays the generator's."""
+        for text in ("Hello", "<tool_call>\n{not json}\n</tool_call>", '<tool_call>\n{"arguments": {}}\n</tool_call>'):
+            assert tools.FORMATS["qwen"].parse(text) == (text.strip(), [])
+        assert tools.FORMATS["llama3"].parse('{"name": 3}') == ('{"name": 3}', [])
+        assert tools.FORMATS["qwen"].parse("Sure.\n" + chat.qwen_tool_call_text(chat.ToolCall("f", {"x": 1}))) == (
+            "Sure.", [chat.ToolCall("f", {"x": 1})])
+
+
+class ToolStreamTests:
+    @pytest.mark.parametrize("name", list(tools.FORMATS))
+    @settings(max_examples=200, deadline=None)
+    @given(data=st.data())
+    def test_sent_pieces_join_to_the_final_content(self, name, data):
+        """However the reply is cut into pieces, what is streamed before the end and the rest sent
+        at the end join to exactly the content the whole reply parses to."""
+        fmt = tools.FORMATS[name]
+        prefix = data.draw(st.text(st.sampled_from(" \nab<{}_t"), max_size=12))
+        call = fmt.text(chat.ToolCall("f", {"x": 1})) if data.draw(st.booleans()) else ""
+        text = prefix + call + data.draw(st.text(st.sampled_from(" \nab"), max_size=4))
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        stream = tools.ToolStream(fmt)
+        sent = "".join(stream.push(piece) for piece in pieces)
+        content, _ = fmt.parse(text, [])
+        assert sent + stream.finish(content) == (content or "")
+        assert fmt.trigger not in sent
+
+
+class Qwen35ParameterTests:
+    def test_values_typed_by_the_schema(self):
+        """Qwen3.5's raw parameter values are read as the tool's schema types them: strings stay text
+        (even "18"), other types are JSON."""
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"},
+            "ok": {"type": "boolean"}, "nothing": {"type": "null"}}}}}
+        call = chat.ToolCall("f", {"city": "Paris", "code": "18", "n": 3, "tags": ["a", "b"], "ok": False, "nothing": None})
+        text = tools.FORMATS["qwen3.5"].text(call)
+        assert tools.FORMATS["qwen3.5"].parse(text, [tool]) == (None, [call])
+
+    def test_grammar_with_reasoning(self):
+        """In thinking mode the required-call grammar takes reasoning, then </think>, then the call."""
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "n": {"type": "integer"}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}}
+        fmt = tools.FORMATS["qwen3.5"]
+        lark = grammar.lark_grammar(fmt.grammar([tool], thinking=True))
+        call = fmt.text(chat.ToolCall("f", {"city": "Paris\nFrance", "n": 4, "unit": "C"}))
+        assert _accepts(lark, "Let me think.\n</think>\n\n" + call)
+        assert not _accepts(lark, call)
+        assert not _accepts(lark, "x</think>\n\n" + fmt.text(chat.ToolCall("f", {"n": 4})))
+
+
+class GrammarTests:
+    """The tool grammars, run by llguidance over text: what they accept parses to a call."""
+
+    @pytest.mark.parametrize("name", list(tools.FORMATS))
+    @settings(max_examples=30, deadline=None)
+    @given(arguments=tool_arguments)
+    def test_grammar_accepts_the_rendering(self, name, arguments):
+        """The rendering of a call with any arguments matching the schema is a complete sentence of
+        the required-call grammar, and a call of another function is not."""
+        import llguidance
+
+        fmt = tools.FORMATS[name]
+        if name == "qwen3.5":
+            # its grammar writes parameters in the schema's order and types them by the schema
+            arguments = {"city": str(arguments.get("city", "x")).replace("<", "") or "x", "n": 3}
+            schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+                      "required": ["city", "n"]}
+        else:
+            schema = {"type": "object"}
+        tool_list = [{"type": "function", "function": {"name": "f", "parameters": schema}},
+                     {"type": "function", "function": {"name": "g"}}]
+        text = fmt.grammar(tool_list, only="f")
+        matcher_grammar = grammar.lark_grammar(text)
+        assert llguidance.LLMatcher.validate_grammar(matcher_grammar) in ("",) or \
+            llguidance.LLMatcher.validate_grammar(matcher_grammar).startswith("WARNING")
+        call = fmt.text(chat.ToolCall("f", arguments))
+        other = fmt.text(chat.ToolCall("g", arguments))
+        assert _accepts(matcher_grammar, call)
+        assert not _accepts(matcher_grammar, other)
+
+
+def _accepts(lark_text, text):
+    """Whether llguidance's grammar accepts `text` whole, over a byte vocabulary."""
+    import llguidance
+
+    class Bytes:
+        eos_token_id = 256
+        bos_token_id = None
+        special_token_ids = [256]
+        tokens = [bytes([b]) for b in range(256)] + [b"\xff<end>"]
+
+        def __call__(self, data):
+            return list(bytes(data))
+
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()), n_vocab=257)
+    matcher = llguidance.LLMatcher(tokenizer, lark_text, log_level=0)
+    for byte in text.encode("utf-8"):
+        if not matcher.consume_token(byte):
+            return False
+    return matcher.is_accepting()
