@@ -327,11 +327,11 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
         float *q = s->q + t * m->q_dim, *k = s->k + t * m->kv_dim, *v = s->v + t * m->kv_dim;
         for (int32_t head = 0; head < h->n_heads; head++) {
             if (l->q_norm) rms_norm(q + head * hd, l->q_norm, q + head * hd, hd, h->norm_eps);
-            rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
             if (l->k_norm) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
-            rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         size_t pos = (size_t)j->pos + (size_t)t, row = kv_bytes(s, hd);
         for (int32_t head = 0; head < h->n_kv_heads; head++) {

@@ -81,8 +81,13 @@ static int read_hparams(reader *r, kr_model *m) {
     if (!strcmp(arch, "qwen35"))
         return kr_fail(r->err, KR_ERR_UNSUPPORTED, "%s: architecture qwen35 (linear attention) is not supported yet",
                        r->path);
-    if (strcmp(arch, "llama") && strcmp(arch, "qwen2") && strcmp(arch, "gemma3"))
-        return kr_fail(r->err, KR_ERR_UNSUPPORTED, "%s: architecture '%.64s' is not supported (llama, qwen2, gemma3)",
+    // mistral, phi3 (split by the converter) and smollm3 are llama's layer; qwen3 adds q/k norms.
+    static const char *const known[] = {"llama", "qwen2", "gemma3", "qwen3", "mistral", "phi3", "smollm3"};
+    bool found = false;
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) found = found || !strcmp(arch, known[i]);
+    if (!found)
+        return kr_fail(r->err, KR_ERR_UNSUPPORTED,
+                       "%s: architecture '%.64s' is not supported (llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3)",
                        r->path, arch);
     snprintf(h->arch, sizeof h->arch, "%s", arch);
     if ((status = read_string(r, "name", false, "", &name))) return status;
@@ -168,6 +173,29 @@ static int read_layer_types(reader *r, kr_model *m) {
     return KR_OK;
 }
 
+// layer_rope: absent means every layer rotates q and k; 0 marks a layer without RoPE.
+static int read_layer_rope(reader *r, kr_model *m) {
+    int32_t index = kr_file_find_meta(r->file, "layer_rope");
+    if (index < 0) return KR_OK;
+    int32_t kind;
+    uint32_t count;
+    int status = kr_file_meta(r->file, index, NULL, &kind, NULL, NULL, NULL, &count, r->err);
+    if (status) return status;
+    if (kind != KR_META_INTS)
+        return kr_fail(r->err, KR_ERR_FORMAT, "%s: metadata layer_rope should be a list of integers", r->path);
+    if (count != (uint32_t)m->info.n_layers)
+        return kr_fail(r->err, KR_ERR_FORMAT, "%s: layer_rope has %u entries for %d layers", r->path, count,
+                       m->info.n_layers);
+    for (int32_t i = 0; i < m->info.n_layers; i++) {
+        int64_t flag = kr_file_meta_int_at(r->file, index, (uint32_t)i);
+        if (flag != 0 && flag != 1)
+            return kr_fail(r->err, KR_ERR_FORMAT, "%s: layer_rope[%d] = %lld, expected 0 or 1", r->path, i,
+                           (long long)flag);
+        m->layers[i].no_rope = flag == 0;
+    }
+    return KR_OK;
+}
+
 // --- Tensors
 
 // "(a, b)" or "(a,)", numpy style.
@@ -223,7 +251,7 @@ static int bind_vector(reader *r, const char *name, int64_t length, const float 
 static int bind_layer(reader *r, kr_model *m, int32_t i) {
     const kr_model_info *h = &m->info;
     kr_layer *l = &m->layers[i];
-    bool qwen2 = !strcmp(h->arch, "qwen2"), gemma3 = !strcmp(h->arch, "gemma3");
+    bool qwen2 = !strcmp(h->arch, "qwen2"), gemma3 = !strcmp(h->arch, "gemma3"), qwen3 = !strcmp(h->arch, "qwen3");
     char name[96];
     int status;
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
@@ -240,6 +268,9 @@ static int bind_layer(reader *r, kr_model *m, int32_t i) {
     if (qwen2 && ((status = bind_vector(r, NAME("attn_q.bias"), m->q_dim, &l->bq)) ||
                   (status = bind_vector(r, NAME("attn_k.bias"), m->kv_dim, &l->bk)) ||
                   (status = bind_vector(r, NAME("attn_v.bias"), m->kv_dim, &l->bv))))
+        return status;
+    if (qwen3 && ((status = bind_vector(r, NAME("attn_q_norm.weight"), h->head_dim, &l->q_norm)) ||
+                  (status = bind_vector(r, NAME("attn_k_norm.weight"), h->head_dim, &l->k_norm))))
         return status;
     if (gemma3 && ((status = bind_vector(r, NAME("attn_q_norm.weight"), h->head_dim, &l->q_norm)) ||
                    (status = bind_vector(r, NAME("attn_k_norm.weight"), h->head_dim, &l->k_norm)) ||
@@ -277,13 +308,25 @@ static int bind_tensors(reader *r, kr_model *m) {
 }
 
 // RoPE frequencies theta^(-2i/rope_dims); full-attention layers divide positions by rope_scale.
-static void rope_frequencies(kr_model *m) {
+// An optional rope_freqs.weight (rope_dims / 2,) divides each pair's frequency (Llama 3.1's
+// scaling), in every layer.
+static int rope_frequencies(reader *r, kr_model *m) {
     const kr_model_info *h = &m->info;
-    for (int32_t i = 0; i < h->rope_dims / 2; i++) {
-        double exponent = (2.0 * i) / h->rope_dims;
-        m->inv_freq_full[i] = (float)(1.0 / pow(h->rope_theta, exponent) / h->rope_scale);
-        m->inv_freq_local[i] = (float)(1.0 / pow(h->rope_theta_local, exponent));
+    const float *factors = NULL;
+    if (kr_file_find_tensor_index(r->file, "rope_freqs.weight") >= 0) {
+        int status = bind_vector(r, "rope_freqs.weight", h->rope_dims / 2, &factors);
+        if (status) return status;
+        for (int32_t i = 0; i < h->rope_dims / 2; i++)
+            if (!isfinite(factors[i]) || factors[i] <= 0)
+                return kr_fail(r->err, KR_ERR_FORMAT, "%s: rope_freqs.weight[%d] = %g, expected a positive number",
+                               r->path, i, (double)factors[i]);
     }
+    for (int32_t i = 0; i < h->rope_dims / 2; i++) {
+        double exponent = (2.0 * i) / h->rope_dims, divisor = factors ? (double)factors[i] : 1.0;
+        m->inv_freq_full[i] = (float)(1.0 / pow(h->rope_theta, exponent) / h->rope_scale / divisor);
+        m->inv_freq_local[i] = (float)(1.0 / pow(h->rope_theta_local, exponent) / divisor);
+    }
+    return KR_OK;
 }
 
 // --- API
@@ -319,8 +362,7 @@ kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err) {
         kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
         goto fail;
     }
-    if (read_layer_types(&r, m) || bind_tensors(&r, m)) goto fail;
-    rope_frequencies(m);
+    if (read_layer_types(&r, m) || read_layer_rope(&r, m) || bind_tensors(&r, m) || rope_frequencies(&r, m)) goto fail;
 pool:
     m->pool = kr_pool_new(n_threads, err);
     if (!m->pool) goto fail;

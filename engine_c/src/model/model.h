@@ -43,6 +43,7 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
 
 typedef struct {
     int32_t sliding;                  // 1: sliding-window attention layer
+    int32_t no_rope;                  // 1: q and k are not rotated (smollm3's every fourth layer)
     const float *attn_norm;           // (dim,)
     kr_matrix wq;                     // (n_heads * head_dim, dim)
     kr_matrix wk, wv;                 // (n_kv_heads * head_dim, dim)
@@ -64,7 +65,7 @@ struct kr_model {
     kr_matrix output;                 // (n_vocab, dim), token_embd when tied
     const float *output_norm;         // (dim,)
     kr_layer *layers;                 // (n_layers,)
-    float *inv_freq_full;             // (rope_dims / 2,) RoPE frequencies / rope_scale
+    float *inv_freq_full;             // (rope_dims / 2,) RoPE frequencies / rope_scale / rope_freqs
     float *inv_freq_local;            // (rope_dims / 2,) for sliding-window layers
     kr_pool *pool;
     atomic_int busy;                  // 1 while a session of this model is evaluating
