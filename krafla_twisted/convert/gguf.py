@@ -342,12 +342,21 @@ def _open(src, progress):
 
 
 def _tokenizer_container(reader, src):
+    """The .mlt container, with the chat template the GGUF's tokenizer.chat_template renders like
+    (krafla_twisted/chat_file.py)."""
+    from krafla_twisted import chat_file
     from krafla_twisted.convert.tokenizer import container_from_gguf
 
     try:
-        return container_from_gguf(reader)
+        container = container_from_gguf(reader)
     except ValueError as e:
         raise ConvertError(f"{src}: tokenizer: {e}") from e
+    jinja = _Fields(reader, src).get("tokenizer.chat_template")
+    try:
+        chat_file.store(container, jinja if isinstance(jinja, str) else None)
+    except chat_file.TemplateFileError as e:
+        raise ConvertError(f"{src}: metadata tokenizer.chat_template: {e}") from None
+    return container
 
 
 def convert_gguf_tokenizer(src, out_mlt, progress=True):

@@ -506,6 +506,27 @@ def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src, fus
     return out.reshape(-1)
 
 
+def _chat_template(folder):
+    """(where, Jinja text or None): chat_template.jinja, else tokenizer_config.json's chat_template
+    (a string, or a list of named templates of which `default` is taken)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file, jinja_file.read_text(encoding="utf-8")
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return config_path, None
+    try:
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ConvertError(f"{config_path}: not a JSON object ({e})") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConvertError(f"{config_path}: chat_template is {type(template).__name__}, expected a string")
+    return config_path, template
+
+
 def _rope_freq_factors(text, metadata, path):
     """Llama 3.1's per-pair RoPE divisors (float32, rope_dims / 2) when config.json asks for
     rope_type llama3, else None."""
@@ -553,6 +574,12 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             tokenizer = container_from_folder(src, n_vocab=metadata["n_vocab"])
         except ValueError as e:
             raise ConvertError(f"{src}: tokenizer: {e}") from e
+        from krafla_twisted import chat_file
+        where_template, jinja = _chat_template(src)
+        try:
+            chat_file.store(tokenizer, jinja)
+        except chat_file.TemplateFileError as e:
+            raise ConvertError(f"{where_template}: {e}") from None
 
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or str(config.get("_name_or_path") or "").split("/")[-1] or src.name
