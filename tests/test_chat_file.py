@@ -18,6 +18,8 @@ from tests.test_chat import template_file
 OFFICIAL = {
     # file: (bos_token, eos_token, the built-in template it must be recognised as)
     "meta-llama-Llama-3.1-8B-Instruct.jinja": ("<|begin_of_text|>", "<|eot_id|>", "llama3"),
+    # prints today's date when strftime_now is defined; without it, 26 Jul 2024 as llama3 does
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": ("<|begin_of_text|>", "<|eot_id|>", "llama3"),
     "Qwen-Qwen2.5-7B-Instruct.jinja": ("", "<|im_end|>", "qwen"),
     "HuggingFaceTB-SmolLM2-135M-Instruct.jinja": ("", "<|im_end|>", "smollm"),
     "google-gemma-2-2b-it.jinja": ("<bos>", "<eos>", "gemma"),

@@ -169,14 +169,14 @@ class FromLlamaCppGGUFTests:
 
 
 class RefusalTests:
-    @pytest.mark.parametrize("rope, message", [
-        ({"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-          "original_max_position_embeddings": 64}, "LongRoPE"),
-        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
-         "YaRN"),
+    @pytest.mark.parametrize("arch, rope, message", [
+        ("phi3", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}, "LongRoPE"),
+        ("qwen3", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                   "original_max_position_embeddings": 64}, "YaRN"),
     ])
-    def test_refused_rope_scaling_names_itself(self, tmp_path, rope, message):
-        """Phi-3.5's LongRoPE and YaRN are refused with a message naming them (config.json)."""
-        write_tiny_hf_model(tmp_path / "hf", "phi3", seed=3, max_position_embeddings=256, rope_parameters=rope)
+    def test_refused_rope_scaling_names_itself(self, tmp_path, arch, rope, message):
+        """Phi-3.5's LongRoPE and Qwen's YaRN are refused with a message naming them (config.json)."""
+        write_tiny_hf_model(tmp_path / "hf", arch, seed=3, rope_parameters=rope)
         with pytest.raises(ConvertError, match=message):
             convert_hf(tmp_path / "hf", tmp_path / "m.mlb", None, "f32", progress=False)

@@ -52,9 +52,10 @@ CONFIGS = {
     "mistral": (MistralConfig, dict(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "phi3": (Phi3Config, dict(rms_norm_eps=1e-5, tie_word_embeddings=False, original_max_position_embeddings=256,
+                              pad_token_id=None,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 1.0})),
-    "smollm3": (SmolLM3Config, dict(rms_norm_eps=1e-6, tie_word_embeddings=True,
+    "smollm3": (SmolLM3Config, dict(rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=None,
                                     rope_parameters={"rope_type": "default", "rope_theta": 2000000.0})),
 }
 
@@ -68,7 +69,6 @@ def write_tiny_hf_model(folder, arch, *, seed, **config):
     settings.update(config)
     if arch == "phi3":
         settings.pop("head_dim")  # Phi-3's head width is hidden_size / heads
-    settings = {k: v for k, v in settings.items() if v is not None or k == "sliding_window"}
     model = AutoModelForCausalLM.from_config(config_class(**settings), dtype=torch.float32,
                                              attn_implementation="eager")
     generator = torch.Generator().manual_seed(seed)
