@@ -3,8 +3,11 @@
 `convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader,
 maps the architecture's hyperparameters to the metadata keys of docs/formats.md, dequantizes
 every tensor with our own numpy code (krafla_twisted/convert/quantize.py) and quantizes the
-matrices to the asked type. Tensor names stay GGUF's. Supported architectures: llama, qwen2,
-gemma3; anything else is refused with a message that says what is missing.
+matrices to the asked type. Tensor names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up
+are split into the llama names). Supported architectures: llama (Llama 3.1's rope_freqs.weight
+kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3; anything else is refused
+with a message that says what is missing. The .mlt names the chat template the GGUF's own
+tokenizer.chat_template renders like (krafla_twisted/chat_file.py).
 """
 
 import math

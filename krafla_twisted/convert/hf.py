@@ -2,8 +2,9 @@
 
 `convert_hf(folder, out_mlb, out_mlt, type_name)` reads the checkpoint with our own safetensors
 reader (an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
-byte range, then the raw data; no torch), maps llama, qwen2, gemma3 and qwen3_5 text models to the
-tensor names and metadata keys of docs/formats.md, and encodes the matrices as `type_name` with
+byte range, then the raw data; no torch), maps llama (with Llama 3.1's RoPE scaling), qwen2, qwen3,
+mistral, phi3, smollm3, gemma3 and qwen3_5 text models to the tensor names and metadata keys of
+docs/formats.md, and encodes the matrices as `type_name` with
 the same quantizers as the GGUF path. Vision towers and multi-token-prediction heads are skipped
 with a message. The tokenizer comes from tokenizer.json (convert/tokenizer_json.py).
 
@@ -12,6 +13,11 @@ Conventions (Hugging Face -> .mlb):
 - Gemma's and Qwen3.5's RMSNorm multiply by (1 + w): the .mlb stores 1 + w. Qwen3.5's gated
   norm inside the DeltaNet layer multiplies by w and is copied unchanged.
 - Qwen3.5 DeltaNet: A_log becomes ssm_a = -exp(A_log); dt_bias becomes ssm_dt.bias.
+- Phi-3's qkv_proj (q, k, v rows) and gate_up_proj (gate rows, then up) are split by rows.
+- Llama 3.1's rope_type llama3 becomes the tensor rope_freqs.weight (one divisor per pair, as
+  llama.cpp writes it); SmolLM3's no_rope_layers becomes layer_rope.
+- The model's own chat template (tokenizer_config.json, chat_template.jinja) is named in the .mlt
+  (krafla_twisted/chat_file.py).
 """
 
 import json
