@@ -387,6 +387,9 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost first
         sources[tensor.name] = (tensor, shape)
+    for refused, why in _REFUSED_TENSORS.items():
+        if refused in sources:
+            raise ConvertError(f"{src}: tensor {refused}: {why}")
     if "token_embd.weight" not in sources:
         raise ConvertError(f"{src}: tensor token_embd.weight is missing")
     metadata["n_vocab"] = sources["token_embd.weight"][1][0]
@@ -399,9 +402,6 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     if missing:
         raise ConvertError(f"{src}: {metadata['arch']} model lacks tensors {', '.join(missing[:8])}"
                            + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    for refused, why in _REFUSED_TENSORS.items():
-        if refused in sources:
-            raise ConvertError(f"{src}: tensor {refused}: {why}")
     rope_freqs = None
     if _ROPE_FREQS in sources:
         # Llama 3.1's RoPE scaling: one divisor per rotated pair, kept as it is
