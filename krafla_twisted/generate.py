@@ -211,15 +211,16 @@ class Runtime:
         template_from = "--chat" if config["chat"] else "the default model" if chat_name else None
         if chat_name == "none":  # --chat none: plain-text prompts whatever the file says
             chat_name = None
-        elif not chat_name:
-            from krafla_twisted import chat_file
-
-            chat_name = chat_file.template_of(config["tokenizer"])
-            template_from = "the tokenizer file" if chat_name else None
         template = chat.get_template(chat_name) if chat_name else None
         model = Model(model_path, threads=threads, **packing)
         try:
             tokenizer = Tokenizer(config["tokenizer"])
+            if not config["chat"] and template is None:  # the template the tokenizer file names
+                from krafla_twisted import chat_file
+
+                chat_name = chat_file.template_of(config["tokenizer"])
+                template = chat.get_template(chat_name) if chat_name else None
+                template_from = "the tokenizer file" if chat_name else None
             sampling = SamplingParams(
                 temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
                 repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
