@@ -33,6 +33,7 @@ setup(
         "treq>=24.9",
         "numpy>=1.26",
         "gguf>=0.17",
+        "jinja2>=3.1",  # the converter renders a model's own chat template to name it (chat_file.py)
         "pyopenssl>=24", "service-identity>=24",  # --listen ssl: (owner: ecosystem)
         "llguidance>=1.9",  # response_format and tool calls: the token mask of a grammar (owner: agents)
     ],

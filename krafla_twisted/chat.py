@@ -1,4 +1,4 @@
-"""The nine chat templates, rendered turn by turn into token segments.
+"""The chat templates, rendered turn by turn into token segments.
 
 A template turns a conversation into a list of segments: the BOS or EOS token, a special token
 (`<|im_start|>`, inserted by id), plain text (encoded with special=False, so user text that looks
@@ -14,7 +14,8 @@ are the exception: see Template.render.
     text = template.render_text([{"role": "user", "content": "Hi"}])
 
 The text of a rendering equals what the model's official Jinja template gives (tested against
-jinja2 for llama3, qwen, smollm, gemma, qwen3.5 and qwen3.5-nothink), with
+jinja2 for llama3, qwen, smollm, gemma, qwen3.5, qwen3.5-nothink, qwen3, qwen3-nothink, mistral, phi3,
+smollm3 and smollm3-nothink), with
 `add_generation_prompt=True` when the conversation ends with a user or system message, and with
 Hugging Face's `continue_final_message` when it ends with an assistant message, which is then
 continued rather than closed.
@@ -629,6 +630,202 @@ def qwen35_tool_call_text(call):
     return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
 
 
+class Qwen3Template(Template):
+    """Qwen3: chatml turns kept as written; an assistant message after the last user query gets a
+    `<think>` block when it is the last message or has reasoning (split off at `</think>`),
+    earlier ones only their answer. The generation prompt is the bare assistant header, or with
+    -nothink an empty, closed think block after it (enable_thinking=false)."""
+
+    stop_markers = ("<|im_end|>", "<|endoftext|>")
+
+    def __init__(self, name, thinking):
+        self.name = name
+        self.thinking = thinking
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if system_prompt is not None:
+            ChatMLTemplate._turn(out, "system", system_prompt)
+        last_query = len(messages) - 1
+        for index in range(len(messages) - 1, -1, -1):
+            message = messages[index]
+            if message.role == "user" and not (message.content.startswith("<tool_response>")
+                                               and message.content.endswith("</tool_response>")):
+                last_query = index
+                break
+        for index, message in enumerate(messages):
+            if message.role != "assistant":
+                ChatMLTemplate._turn(out, message.role, message.content)
+                continue
+            content, reasoning = message.content, ""
+            if "</think>" in content:
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+            last = index == len(messages) - 1
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+            if index > last_query and (last or reasoning):
+                out.special("<think>")
+                out.text("\n" + reasoning.strip("\n") + "\n")
+                out.special("</think>")
+                out.text("\n\n")
+                content = content.lstrip("\n")
+            out.content(content)
+            if last and continue_last:
+                continue
+            out.special("<|im_end|>")
+            out.text("\n")
+        if not continue_last:
+            out.special("<|im_start|>")
+            out.text("assistant\n")
+            if not self.thinking:
+                out.special("<think>")
+                out.text("\n\n")
+                out.special("</think>")
+                out.text("\n\n")
+
+
+class MistralTemplate(Template):
+    """Mistral's v3 (Tekken) format, as Mistral Nemo's template writes it: `<s>[INST]U[/INST]A</s>`;
+    a system message goes before the last user message, and only when that message ends the
+    conversation (a conversation ending with an assistant message drops it, as the official
+    template does). Roles must alternate user/assistant after the system message."""
+
+    name = "mistral"
+    bos_text = "<s>"
+    eos_text = "</s>"
+    stop_markers = ("</s>",)
+    system_turn = False
+
+    def stop_token_ids(self, tokenizer):
+        ids = set(super().stop_token_ids(tokenizer))
+        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+            ids.add(tokenizer.eos_id)
+        return frozenset(ids)
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        for index, message in enumerate(messages):
+            if (message.role == "user") != (index % 2 == 0):
+                raise ChatError("the mistral template needs roles alternating user/assistant/user/... after "
+                                f"an optional system message (message {index} after it is {message.role})")
+        out.bos()
+        for index, message in enumerate(messages):
+            last = index == len(messages) - 1
+            if message.role == "user":
+                out.special("[INST]")
+                if last and system_prompt is not None:
+                    out.text(system_prompt + "\n\n")
+                out.text(message.content)
+                out.special("[/INST]")
+            else:
+                out.content(message.content)
+                if not (last and continue_last):
+                    out.eos()
+
+
+class Phi3Template(Template):
+    """Phi-3 / Phi-3.5: `<|role|>\ncontent<|end|>\n` turns with the tags as special tokens; an
+    empty system message is left out."""
+
+    name = "phi3"
+    eos_text = "<|endoftext|>"
+    stop_markers = ("<|end|>", "<|endoftext|>")
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if system_prompt:
+            self._turn(out, "system", system_prompt)
+        for index, message in enumerate(messages):
+            if message.role == "system":
+                if message.content:
+                    self._turn(out, "system", message.content)
+            elif message.role == "user":
+                self._turn(out, "user", message.content)
+            else:
+                out.special("<|assistant|>")
+                out.text("\n")
+                out.content(message.content)
+                if not (index == len(messages) - 1 and continue_last):
+                    out.special("<|end|>")
+                    out.text("\n")
+        if not continue_last:
+            out.special("<|assistant|>")
+            out.text("\n")
+
+    @staticmethod
+    def _turn(out, role, content):
+        out.special(f"<|{role}|>")
+        out.text("\n" + content)
+        out.special("<|end|>")
+        out.text("\n")
+
+
+SMOLLM3_THINK_SYSTEM = (
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves "
+    "thoroughly exploring questions through a systematic thinking process before providing the final precise "
+    "and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, "
+    "exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking "
+    "process. Please structure your response into two main sections: Thought and Solution using the specified "
+    "format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning "
+    "process in steps. Each step should include detailed considerations such as analysing questions, "
+    "summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, "
+    "refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, "
+    "explorations, and reflections from the Thought section, systematically present the final solution that "
+    "you deem correct. The Solution section should be logical, accurate, and concise and detail necessary "
+    "steps needed to reach the conclusion.")
+SMOLLM3_NOTHINK_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
+
+
+class SmolLM3Template(Template):
+    """SmolLM3: chatml turns after a system header (metadata, the reasoning mode and the custom
+    instructions, or a default prompt for the mode). `/think` or `/no_think` in the system
+    message picks the mode and is removed from it; -nothink starts in /no_think, where every
+    assistant turn and the generation prompt carry an empty think block."""
+
+    stop_markers = ("<|im_end|>", "<|end_of_text|>")
+    system_turn = False
+
+    def __init__(self, name, thinking):
+        self.name = name
+        self.thinking = thinking
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        thinking, instructions = self.thinking, ""
+        if system_prompt is not None:
+            if "/no_think" in system_prompt:
+                thinking = False
+            elif "/think" in system_prompt:
+                thinking = True
+            instructions = system_prompt.replace("/no_think", "").replace("/think", "").rstrip()
+        if not instructions:
+            instructions = SMOLLM3_THINK_SYSTEM if thinking else SMOLLM3_NOTHINK_SYSTEM
+        out.special("<|im_start|>")
+        out.text("system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\n"
+                 f"Reasoning Mode: {'/think' if thinking else '/no_think'}\n\n"
+                 f"## Custom Instructions\n\n{instructions}\n\n")
+        out.special("<|im_end|>")
+        out.text("\n")
+        for index, message in enumerate(messages):
+            if message.role == "user":
+                ChatMLTemplate._turn(out, "user", message.content)
+                continue
+            self._assistant_header(out, thinking)
+            out.content(message.content.lstrip("\n"))
+            if not (index == len(messages) - 1 and continue_last):
+                out.special("<|im_end|>")
+                out.text("\n")
+        if not continue_last:
+            self._assistant_header(out, thinking)
+
+    @staticmethod
+    def _assistant_header(out, thinking):
+        out.special("<|im_start|>")
+        out.text("assistant\n")
+        if not thinking:
+            out.special("<think>")
+            out.text("\n\n")
+            out.special("</think>")
+            out.text("\n")
+
+
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -642,6 +839,12 @@ TEMPLATES = {
     "gemma": GemmaTemplate(),
     "qwen3.5": Qwen35Template("qwen3.5", thinking=True),
     "qwen3.5-nothink": Qwen35Template("qwen3.5-nothink", thinking=False),
+    "qwen3": Qwen3Template("qwen3", thinking=True),
+    "qwen3-nothink": Qwen3Template("qwen3-nothink", thinking=False),
+    "mistral": MistralTemplate(),
+    "phi3": Phi3Template(),
+    "smollm3": SmolLM3Template("smollm3", thinking=True),
+    "smollm3-nothink": SmolLM3Template("smollm3-nothink", thinking=False),
 }
 
 TEMPLATE_NAMES = tuple(TEMPLATES)

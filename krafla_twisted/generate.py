@@ -205,6 +205,7 @@ class Runtime:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.template_from = None   # where the template's name came from: "--chat", "the tokenizer file", ...
         self.kv = kv
         self.batch = batch
         self.threads = threads if threads is not None else getattr(model, "threads", None)
@@ -242,16 +243,27 @@ class Runtime:
             raise options.OptionError(f"-z TOKENIZER.mlt is required with the model {model_path}")
         packing = _packing_arguments(Model, config)
         threads = config["threads"] or options.default_threads()
+        template_from = "--chat" if config["chat"] else "the default model" if chat_name else None
+        if chat_name == "none":  # --chat none: plain-text prompts whatever the file says
+            chat_name = None
         template = chat.get_template(chat_name) if chat_name else None
         model = Model(model_path, threads=threads, **packing)
         try:
             tokenizer = Tokenizer(config["tokenizer"])
+            if not config["chat"] and template is None:  # the template the tokenizer file names
+                from krafla_twisted import chat_file
+
+                chat_name = chat_file.template_of(config["tokenizer"])
+                template = chat.get_template(chat_name) if chat_name else None
+                template_from = "the tokenizer file" if chat_name else None
             sampling = SamplingParams(
                 temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
                 repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
-            return cls(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], batch=config["batch"],
-                       eos=config["eos"], sampling=sampling, max_tokens=config["max_tokens"],
-                       system=config["system"], threads=threads)
+            runtime = cls(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], batch=config["batch"],
+                          eos=config["eos"], sampling=sampling, max_tokens=config["max_tokens"],
+                          system=config["system"], threads=threads)
+            runtime.template_from = template_from
+            return runtime
         except BaseException:
             model.close()
             raise

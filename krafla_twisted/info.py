@@ -28,8 +28,13 @@ def printable(text):
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+SHOWN_STRING_CHARS = 100  # longer strings (a .mlt's chat_template_jinja) are cut in the text report
+
+
 def format_value(value):
     if isinstance(value, str):
+        if len(value) > SHOWN_STRING_CHARS:
+            return json.dumps(value[:SHOWN_STRING_CHARS], ensure_ascii=False) + f"... ({len(value)} characters)"
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         shown = ", ".join(format_value(v) for v in value[:SHOWN_ARRAY_VALUES])

@@ -122,7 +122,7 @@ def _paths(model, folder, type_name):
 @functools.lru_cache(maxsize=1)
 def converter_fingerprints():
     """Digests of the code that writes .mlb and .mlt files: a change means cached files are stale."""
-    from krafla_twisted import formats
+    from krafla_twisted import chat_file, formats
     from krafla_twisted.convert import gguf as gguf_converter
     from krafla_twisted.convert import quantize, tokenizer
 
@@ -133,7 +133,7 @@ def converter_fingerprints():
             h.update(ast.dump(ast.parse(Path(module.__file__).read_bytes())).encode())
         return h.hexdigest()[:16]
 
-    return {"weights": digest(formats, gguf_converter, quantize), "tokenizer": digest(formats, tokenizer)}
+    return {"weights": digest(formats, gguf_converter, quantize), "tokenizer": digest(formats, tokenizer, chat_file)}
 
 
 def _marker(path):

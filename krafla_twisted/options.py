@@ -99,8 +99,9 @@ class Option:
 ENGINE_OPTIONS = (
     Option("tokenizer", "tokenizer", "z", None, "Tokenizer file (.mlt) of the model.", metavar="TOK.mlt"),
     Option("chat", "chat", None, None,
-           f"Chat template: {', '.join(TEMPLATE_NAMES)}. Without it prompts are plain text "
-           "(with the default model, its own template is used).", choices=TEMPLATE_NAMES, metavar="TEMPLATE"),
+           f"Chat template: {', '.join(TEMPLATE_NAMES)}, or none for plain-text prompts. Without it, the "
+           "template the tokenizer file names (krafla convert finds it from the model's own template); "
+           "with none there, prompts are plain text.", choices=TEMPLATE_NAMES + ("none",), metavar="TEMPLATE"),
     Option("system", "system", None, None, "System prompt for chats that have none.", metavar="TEXT"),
     Option("threads", "threads", "t", None, "Threads (default: the number of CPUs).", int, "N", low=1, high=MAX_THREADS),
     Option("ctx", "ctx", None, None,

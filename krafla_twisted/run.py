@@ -5,10 +5,12 @@
     echo "Summarise: ..." | krafla run MODEL.mlb -z TOK.mlt --chat qwen
 
 The reply streams to stdout as it is generated; stderr gets a one-line status while a long
-prompt runs (on a terminal) and one stats line at the end. With --chat the prompt is one user
-message rendered by the template, as the server renders a chat request; without it, plain text
-(with BOS if the tokenizer adds one). Without MODEL the default model is pulled on first use and
-its own chat template applies. A prompt read from stdin loses one trailing newline (what echo
+prompt runs (on a terminal) and one stats line at the end. With a chat template the prompt is one
+user message rendered by it, as the server renders a chat request: --chat names it, else the
+tokenizer file's own (krafla convert found it from the model's template; stderr says which).
+With `--chat none`, or a file that names none, the prompt is plain text (with BOS if the tokenizer
+adds one). Without MODEL the default model is pulled on first use and its own chat template
+applies. A prompt read from stdin loses one trailing newline (what echo
 adds). Same seed (or -T 0), same options: same output.
 
 Interactive (`-i`, or stdin a terminal without -p): each line is the next user message of one
@@ -113,6 +115,9 @@ def main(args, stdin=None, stdout=None, stderr=None):
             if not prompt:
                 raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
         runtime = generate.Runtime.from_options(args, progress=True)
+        if runtime.template is not None and runtime.template_from not in (None, "--chat"):
+            print(f"krafla run: chat template {runtime.template.name} (from {runtime.template_from}; "
+                  "--chat none for plain text)", file=stderr)
         interactive = args.interactive or (maybe_interactive and runtime.template is not None)
         if maybe_interactive and not interactive:
             prompt = read_prompt(args, stdin)

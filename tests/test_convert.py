@@ -332,9 +332,9 @@ class RefusalTests:
             self.convert(tmp_path, source)
 
     def test_unknown_tensor_is_named(self, tmp_path):
-        """A tensor krafla has no use for (llama3's rope_freqs) is refused rather than dropped."""
-        source = write_gguf(tmp_path / "m.gguf", extra={"rope_freqs.weight": (8,)})
-        with pytest.raises(ConvertError, match=r"does not know for llama: rope_freqs\.weight"):
+        """A tensor krafla has no use for (a mixture of experts' router) is refused rather than dropped."""
+        source = write_gguf(tmp_path / "m.gguf", extra={"blk.0.ffn_gate_inp.weight": (4, 32)})
+        with pytest.raises(ConvertError, match=r"does not know for llama: blk\.0\.ffn_gate_inp\.weight"):
             self.convert(tmp_path, source)
 
     def test_missing_hyperparameter_is_named(self, tmp_path):
@@ -467,6 +467,46 @@ class TinyConversionTests:
         np.testing.assert_array_equal(model.array("blk.0.attn_q_norm.weight"), norm)
         assert model.metadata["layer_types"] == [1]
 
+    def test_phi3_fused_matrices_are_split_by_rows(self, tmp_path):
+        """phi3's attn_qkv (q, k, v rows) and double-height ffn_up (gate rows, then up) become
+        attn_q/k/v and ffn_gate/up holding exactly those rows; a window makes every layer slide."""
+        rng = np.random.default_rng(2)
+        qkv, up = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((128, 32)).astype(np.float32)
+        source = write_gguf(tmp_path / "p.gguf", "phi3", n_layers=2,
+                            drop=[f"blk.{i}.{n}" for i in range(2) for n in ("attn_q.weight", "attn_k.weight",
+                                                                             "attn_v.weight", "ffn_gate.weight")],
+                            extra={"blk.0.attn_qkv.weight": (64, 32), "blk.1.attn_qkv.weight": (64, 32),
+                                   "blk.0.ffn_up.weight": (128, 32), "blk.1.ffn_up.weight": (128, 32)},
+                            values={"blk.1.attn_qkv.weight": qkv, "blk.1.ffn_up.weight": up},
+                            kv={"phi3.attention.sliding_window": 16})
+        model = formats.read(convert_gguf(source, tmp_path / "p.mlb", tmp_path / "p.mlt", "f32", progress=False)[0])
+        parts = {"attn_q.weight": qkv[:32], "attn_k.weight": qkv[32:48], "attn_v.weight": qkv[48:],
+                 "ffn_gate.weight": up[:64], "ffn_up.weight": up[64:]}
+        for name, rows in parts.items():
+            np.testing.assert_array_equal(model.array(f"blk.1.{name}"), rows)
+        assert "blk.0.attn_qkv.weight" not in model.tensors
+        meta = model.metadata
+        assert (meta["arch"], meta["rope_style"], meta["sliding_window"], meta["layer_types"]) == \
+            ("phi3", "neox", 16, [1, 1])
+        with ContainerFile(str(tmp_path / "p.mlb")):
+            pass
+
+    def test_smollm3_and_llama3_rope(self, tmp_path):
+        """smollm3: every fourth layer without RoPE; a llama GGUF's rope_freqs.weight is kept as
+        it is; LongRoPE's factor tensors are refused by name."""
+        source = write_gguf(tmp_path / "s.gguf", "smollm3", n_layers=8)
+        meta = formats.read(convert_gguf(source, tmp_path / "s.mlb", tmp_path / "s.mlt", progress=False)[0]).metadata
+        assert meta["layer_rope"] == [1, 1, 1, 0, 1, 1, 1, 0] and meta["rope_style"] == "norm"
+        factors = np.linspace(1, 8, 8, dtype=np.float32)
+        source = write_gguf(tmp_path / "l.gguf", extra={"rope_freqs.weight": (8,)},
+                            values={"rope_freqs.weight": factors})
+        model = formats.read(convert_gguf(source, tmp_path / "l.mlb", tmp_path / "l.mlt", progress=False)[0])
+        np.testing.assert_array_equal(model.array("rope_freqs.weight"), factors)
+        source = write_gguf(tmp_path / "r.gguf", "phi3", drop=["blk.0.attn_q.weight"],
+                            extra={"rope_factors_long.weight": (8,)})
+        with pytest.raises(ConvertError, match="rope_factors_long.weight: LongRoPE"):
+            convert_gguf(source, tmp_path / "r.mlb", tmp_path / "r.mlt", progress=False)
+
     def test_every_source_type_decodes_like_gguf_py(self, tmp_path):
         """F16, BF16, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K/Q5_K source tensors, converted to f32, hold
         exactly gguf-py's dequantized values."""
@@ -529,5 +569,45 @@ class HuggingFaceConfigTests:
             hyperparameters({"model_type": "mamba"})
         base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "intermediate_size": 96}
-        with pytest.raises(ConvertError, match="RoPE type 'yarn' is not supported"):
+        with pytest.raises(ConvertError, match="RoPE type 'yarn': YaRN RoPE scaling is not supported"):
             hyperparameters(dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+        with pytest.raises(ConvertError, match="RoPE type 'longrope': LongRoPE"):
+            hyperparameters(dict(base, model_type="phi3", rope_scaling={"rope_type": "longrope"}))
+        with pytest.raises(ConvertError, match="RoPE scaling together with sliding-window layers"):
+            hyperparameters(dict(base, model_type="mistral", sliding_window=8,
+                                 rope_scaling={"rope_type": "linear", "factor": 2.0}))
+
+    def test_issue_17_configs(self):
+        """qwen3, mistral (its window on every layer), phi3 (partial RoPE) and smollm3 (its
+        no-RoPE layers) configs become the .mlb keys of docs/formats.md."""
+        from krafla_twisted.convert.hf import hyperparameters
+
+        base = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 96}
+        arch, _, meta = hyperparameters(dict(base, model_type="qwen3", head_dim=32))
+        assert (arch, meta["head_dim"], meta["rope_style"], meta["sliding_window"]) == ("qwen3", 32, "neox", 0)
+        arch, _, meta = hyperparameters(dict(base, model_type="mistral", sliding_window=4096))
+        assert (arch, meta["sliding_window"], meta["layer_types"]) == ("mistral", 4096, [1, 1, 1, 1])
+        arch, _, meta = hyperparameters(dict(base, model_type="phi3", partial_rotary_factor=0.75))
+        assert (arch, meta["head_dim"], meta["rope_dims"]) == ("phi3", 16, 12)
+        arch, _, meta = hyperparameters(dict(base, model_type="smollm3", num_hidden_layers=8))
+        assert (arch, meta["layer_rope"]) == ("smollm3", [1, 1, 1, 0, 1, 1, 1, 0])
+        _, _, meta = hyperparameters(dict(base, model_type="smollm3", no_rope_layers=[0, 1, 1, 1]))
+        assert meta["layer_rope"] == [0, 1, 1, 1]
+        with pytest.raises(ConvertError, match="no_rope_layers"):
+            hyperparameters(dict(base, model_type="smollm3", no_rope_layers=[1, 1]))
+
+    def test_llama3_rope_factors(self):
+        """Llama 3.1's divisors (the published Llama-3.1-8B values: theta 500000, factor 8, low 1,
+        high 4, original context 8192): the fastest pairs keep their frequency, the slowest are
+        divided by 8, the ones between are blended, never decreasing."""
+        from krafla_twisted.convert.hf import llama3_rope_factors
+
+        factors = llama3_rope_factors(500000.0, 128, 8.0, 1.0, 4.0, 8192.0)
+        assert factors.shape == (64,) and factors.dtype == np.float32
+        assert factors[0] == 1.0 and factors[-1] == 8.0
+        assert np.all(np.diff(factors) >= 0)
+        wavelength = 2 * np.pi * 500000.0 ** (np.arange(64) * 2 / 128)
+        between = (wavelength >= 8192 / 4) & (wavelength <= 8192)
+        assert between.any() and np.all((factors[between] > 1) & (factors[between] < 8))
+        assert np.all(factors[wavelength < 8192 / 4] == 1) and np.all(factors[wavelength > 8192] == 8)

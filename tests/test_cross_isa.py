@@ -29,6 +29,8 @@ ODD_SHAPES = {
     "qwen2": dict(dim=42, head_dim=6, n_heads=6, n_kv_heads=3, ffn_dim=45),
     "gemma3": dict(dim=38, head_dim=14, ffn_dim=51),
     "qwen35": dict(dim=44, head_dim=12, ffn_dim=61, linear_k_head_dim=13, linear_v_head_dim=11),
+    "qwen3": dict(dim=46, head_dim=10, ffn_dim=53),
+    "smollm3": dict(dim=54, head_dim=14, ffn_dim=43),
 }
 
 

@@ -77,6 +77,19 @@ class InfoOutputTests:
                             for t in expected.tensors.values()],
             }
 
+    def test_long_strings_are_cut_with_their_length(self, tmp_path):
+        """A long string value (a .mlt's chat_template_jinja) prints its first characters and its
+        length, not the whole text; --json keeps it whole."""
+        container = write_tiny_model(tmp_path / "a.mlb", "llama", seed=1)
+        text = "{% for m in messages %}" + "x" * 500 + "{% endfor %}"
+        container.metadata["chat_template_jinja"] = text
+        formats.write(tmp_path / "b.mlb", container)
+        status, out, _ = run_info(tmp_path / "b.mlb")
+        line = next(line for line in out.splitlines() if "chat_template_jinja" in line)
+        assert status == 0 and line.endswith(f"... ({len(text)} characters)") and len(line) < 200
+        status, out, _ = run_info("--json", tmp_path / "b.mlb")
+        assert json.loads(out)["metadata"]["chat_template_jinja"] == text
+
     def test_hostile_names_are_escaped(self, tmp_path):
         """Terminal control characters in keys, strings and tensor names are printed escaped, and a
         long array is shortened to its first values and its length."""

@@ -151,7 +151,7 @@ class RunTests:
     def test_seeded_sampling_from_stdin_repeats(self, smollm):
         """With -T 0.9 -s 7 and the prompt on stdin, two runs give the same text; -n caps it;
         another seed gives another text."""
-        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "-T", "0.9", "-s", "7", "-n", "20"]
+        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "none", "-T", "0.9", "-s", "7", "-n", "20"]
         first = krafla_run(*argv, stdin="Once upon a time\n")
         assert first.returncode == 0, first.stderr
         assert krafla_run(*argv, stdin="Once upon a time\n").stdout == first.stdout
@@ -232,9 +232,23 @@ class RunTests:
         assert err.startswith("> ") and err.count("# prompt") == 1
 
     def test_interactive_needs_a_template(self, smollm):
-        """-i without --chat (and with a model file) is refused: it is a chat."""
-        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "-i", stdin="Hi\n")
+        """-i with --chat none is refused: it is a chat."""
+        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "none", "-i", stdin="Hi\n")
         assert result.returncode == 1 and "--chat" in result.stderr
+
+    def test_template_from_the_tokenizer_file(self, smollm):
+        """Without --chat, the template the .mlt names (smollm, found in the GGUF's own template)
+        renders the prompt, and stderr says so: the same reply as with --chat smollm. --chat none
+        gives the plain-text reply instead."""
+        argv = [str(smollm.mlb), "-z", str(smollm.mlt), "-T", "0", "-n", "12", "-t", "2", "-p", "Hi!"]
+        named = krafla_run(*argv, "--chat", "smollm")
+        from_file = krafla_run(*argv)
+        plain = krafla_run(*argv, "--chat", "none")
+        assert from_file.returncode == 0, from_file.stderr
+        assert from_file.stdout == named.stdout and from_file.stdout.strip()
+        assert "chat template smollm (from the tokenizer file" in from_file.stderr
+        assert "chat template" not in named.stderr and "chat template" not in plain.stderr
+        assert plain.stdout != named.stdout
 
     @pytest.mark.parametrize("argv, fragment", [
         (["/nonexistent/model.mlb", "-z", "/nonexistent/tok.mlt", "-p", "x"], "/nonexistent/model.mlb"),

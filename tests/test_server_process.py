@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from krafla_twisted import clib
+from krafla_twisted import clib, formats
 from tests.support.real_models import real_model
 from tests.support.server import REPO, TWISTD, ServerProcess, server_env, treq_call, wait_for_listening, wait_until_removed
 
@@ -40,9 +40,11 @@ class APIKeyTests:
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         assert fetch(server.root_url("/health")) == (200, {"status": "ok"})
 
-    def test_key_by_flag_alias_and_no_chat(self, model):
-        """--api-key guards everything but /health; --alias names the model; without --chat, chat is a 400."""
-        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--api-key", "flag-key", "--alias", "my-model"]).start()
+    def test_key_by_flag_alias_and_no_chat(self, model, tmp_path):
+        """--api-key guards everything but /health; --alias names the model; with neither --chat nor
+        a template named in the tokenizer file, chat is a 400."""
+        plain_mlt = without_chat_template(model.mlt, tmp_path / "plain.mlt")
+        server = ServerProcess([str(model.mlb), "-z", str(plain_mlt), "--api-key", "flag-key", "--alias", "my-model"]).start()
         try:
             self.check_key(server, "flag-key")
             status, body = fetch(server.url("/models"), {"Authorization": "Bearer flag-key"})
@@ -64,6 +66,44 @@ class APIKeyTests:
                 assert b"env-key" not in f.read()
         finally:
             assert server.stop() in (0, -signal.SIGTERM)
+
+
+def without_chat_template(mlt, out):
+    """A copy of the .mlt `mlt` that names no chat template (as files converted before issue 17)."""
+    container = formats.read(mlt, magic=formats.TOKENIZER_MAGIC)
+    for key in ("chat_template", "chat_template_from", "chat_template_jinja"):
+        container.metadata.pop(key, None)
+    formats.write(out, container)
+    return out
+
+
+class TemplateFromFileTests:
+    """The chat template the converter found in the model's own file (issue 17)."""
+
+    CHAT = {"messages": [{"role": "system", "content": "Answer briefly."},
+                         {"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0}
+
+    def reply(self, args):
+        server = ServerProcess([*args, "-t", "1"]).start()
+        try:
+            status, body = fetch(server.url("/chat/completions"), None, self.CHAT)
+            assert status == 200, body
+            banner = server.wait_for(lambda line: "# krafla " in line)
+            return body["choices"][0]["message"]["content"], body["usage"], banner
+        finally:
+            assert server.stop() in (0, -signal.SIGTERM)
+
+    def test_server_without_chat_replies_as_with_it(self, model):
+        """The pulled SmolLM2's .mlt names smollm (from the GGUF's own template): a server started
+        without --chat says so in its banner and replies exactly as one started with --chat smollm."""
+        assert formats.read(model.mlt, magic=formats.TOKENIZER_MAGIC).metadata["chat_template"] == "smollm"
+        with_flag = self.reply([str(model.mlb), "-z", str(model.mlt), "--chat", "smollm"])
+        from_file = self.reply([str(model.mlb), "-z", str(model.mlt)])
+        assert from_file[:2] == with_flag[:2]
+        assert from_file[0]
+        assert "chat smollm (from the tokenizer file)" in from_file[2]
+        assert "chat smollm," in with_flag[2]
 
 
 class StartupTests:

@@ -31,25 +31,33 @@ def doc_section(title):
     return DOC[start:end if end >= 0 else len(DOC)]
 
 
-def doc_metadata_keys():
-    """Every key named in the first column of the model metadata table."""
+def doc_metadata_keys(optional=False):
+    """Every key named in the first column of the model metadata table (optional=True: only those
+    whose description starts "optional", which a file may leave out)."""
     keys = []
     for line in doc_section("### Metadata").splitlines():
         if line.startswith("| `"):
-            keys += re.findall(r"`([a-z_]+)`", line.split("|")[1])
+            cells = line.split("|")
+            if not optional or cells[3].strip().startswith("optional"):
+                keys += re.findall(r"`([a-z_]+)`", cells[1])
     return keys
 
 
-def doc_tensors(metadata):
-    """{name: shape} the document asks of a model with this metadata."""
+def doc_tensors(metadata, include_optional=False):
+    """{name: shape} the document asks of a model with this metadata (with include_optional, also
+    the tensors a file may leave out)."""
     arch, tied = metadata["arch"], metadata["tied_embeddings"]
     expected, template_shapes = {}, {}
     for line in doc_section("### Tensors").splitlines():
         if not line.startswith("| `"):
             continue
         names_cell, shape_cell, note = (cell.strip() for cell in line.split("|")[1:4])
-        if note.startswith(("qwen2", "gemma3")) and not note.startswith(arch):
+        only = re.match(r"([a-z0-9]+(?:, [a-z0-9]+)*)(?::| only)", note)  # "qwen2 only", "gemma3, qwen3: ..."
+        if only and only.group(1) != "optional" and arch not in only.group(1).split(", "):
             continue
+        if note.startswith("optional") and not include_optional:
+            continue
+        shape_cell = shape_cell[: shape_cell.index(")") + 1].replace("/", "//")  # "(rope_dims/2,) f32"
         if note.startswith("absent when `tied_embeddings` is 1") and tied:
             continue
         names = re.findall(r"`([^`]+)`", names_cell)
@@ -67,7 +75,7 @@ def doc_tensors(metadata):
 
 
 def expected_type(name, metadata, weight_type):
-    if name.endswith((".bias", "norm.weight")):
+    if name.endswith((".bias", "norm.weight")) or name == "rope_freqs.weight":
         return "f32"
     head = "output.weight" if not metadata["tied_embeddings"] else "token_embd.weight"
     if name == head and weight_type == "q4_0":
@@ -85,10 +93,13 @@ class TinyModelLayoutTests:
         path = tmp_path / "tiny.mlb"
         write_tiny_model(path, arch, seed=0, weight_type=weight_type)
         model = formats.read(path, formats.MODEL_MAGIC)
-        assert sorted(model.metadata) == sorted(doc_metadata_keys())
+        assert set(model.metadata) <= set(doc_metadata_keys())
+        assert set(doc_metadata_keys()) - set(model.metadata) <= set(doc_metadata_keys(optional=True))
         assert model.metadata["arch"] == arch
         expected = doc_tensors(model.metadata)
-        assert {name: t.shape for name, t in model.tensors.items()} == expected
+        shapes = {name: t.shape for name, t in model.tensors.items()}
+        assert set(expected) <= set(shapes)
+        assert shapes == {name: shape for name, shape in doc_tensors(model.metadata, True).items() if name in shapes}
         for name, tensor in model.tensors.items():
             assert tensor.type.name == expected_type(name, model.metadata, weight_type), name
         with ContainerFile(path) as loaded:
@@ -202,6 +213,8 @@ class TinyModelStrategyTests:
         path = tmp_path / "m.mlb"
         write_tiny_model(path, arch, weight_type=weight_type, **kwargs)
         model = formats.read(path)
-        assert {name: t.shape for name, t in model.tensors.items()} == doc_tensors(model.metadata)
+        shapes = {name: t.shape for name, t in model.tensors.items()}
+        assert set(doc_tensors(model.metadata)) <= set(shapes)
+        assert shapes == {name: shape for name, shape in doc_tensors(model.metadata, True).items() if name in shapes}
         with ContainerFile(path) as loaded:
             assert loaded.metadata == model.metadata

@@ -33,10 +33,14 @@ class Backend:
         self.tool_format = tools.FORMATS[tool_format] if tool_format else None
 
     def banner(self):
-        """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`."""
+        """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`; T is
+        followed by where it came from when --chat did not name it (`smollm (from the tokenizer file)`)."""
         isa = clib.load().kr_isa().decode("ascii")
         model = self.runtime.model
         template = self.template.name if self.template is not None else "none"
+        source = getattr(self.runtime, "template_from", None)
+        if source and source != "--chat":
+            template += f" (from {source})"
         return (
             f"# krafla {__version__}, isa {isa}: model {file_stem(model.path)}, context {self.n_ctx} of "
             f"{model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}"

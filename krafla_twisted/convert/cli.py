@@ -37,4 +37,20 @@ def main(args):
         print(f"krafla convert: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out_mlb} and {out_mlt}")
+    print(_template_line(out_mlt))
     return 0
+
+
+def _template_line(mlt):
+    """What the .mlt says about the chat template: its name and how it was found, or the hint."""
+    from krafla_twisted import chat, formats
+
+    metadata = formats.read(mlt, magic=formats.TOKENIZER_MAGIC).metadata
+    name = metadata.get("chat_template")
+    if name is None:
+        where = "is none of krafla's" if "chat_template_jinja" in metadata else "is not in the source"
+        return (f"chat template: the model's own template {where}; serve it with --chat NAME "
+                f"({', '.join(chat.TEMPLATE_NAMES)})")
+    how = {"jinja": "renders like the model's own template",
+           "vocabulary": "the source has no template; its vocabulary's turn markers are this format's"}
+    return f"chat template: {name} ({how.get(metadata.get('chat_template_from'), 'from the tokenizer file')})"

@@ -3,8 +3,11 @@
 `convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader,
 maps the architecture's hyperparameters to the metadata keys of docs/formats.md, dequantizes
 every tensor with our own numpy code (krafla_twisted/convert/quantize.py) and quantizes the
-matrices to the asked type. Tensor names stay GGUF's. Supported architectures: llama, qwen2,
-gemma3; anything else is refused with a message that says what is missing.
+matrices to the asked type. Tensor names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up
+are split into the llama names). Supported architectures: llama (Llama 3.1's rope_freqs.weight
+kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3; anything else is refused
+with a message that says what is missing. The .mlt names the chat template the GGUF's own
+tokenizer.chat_template renders like (krafla_twisted/chat_file.py).
 """
 
 import math
@@ -32,6 +35,7 @@ class Architecture:
     activation: str
     layer_tensors: tuple  # per-layer tensor names (without "blk.N.")
     gemma: bool = False  # gemma3: scaled embeddings, sliding-window layers, local rope base
+    fused: bool = False  # phi3: attn_qkv and a double-height ffn_up, split into the llama names
 
 
 _LLAMA_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
@@ -44,6 +48,20 @@ ARCHITECTURES = {
     "gemma3": Architecture("neox", "gelu_tanh", _LLAMA_LAYER + (
         "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight"),
         gemma=True),
+    "qwen3": Architecture("neox", "silu", _LLAMA_LAYER + ("attn_q_norm.weight", "attn_k_norm.weight")),
+    # llama.cpp permutes SmolLM3's q/k rows as it does Llama's
+    "smollm3": Architecture("norm", "silu", _LLAMA_LAYER),
+    "phi3": Architecture("neox", "silu", ("attn_norm.weight", "attn_qkv.weight", "attn_output.weight",
+                                          "ffn_norm.weight", "ffn_up.weight", "ffn_down.weight"), fused=True),
+}
+# SmolLM3 leaves q and k unrotated in every fourth layer; llama.cpp's GGUF does not store the
+# pattern (its loader hard-codes the period), transformers' config calls it no_rope_layer_interval.
+SMOLLM3_NO_ROPE_INTERVAL = 4
+# Tensors a GGUF may carry besides the layers: llama.cpp's Llama 3.1 RoPE divisors (one per pair).
+_ROPE_FREQS = "rope_freqs.weight"
+_REFUSED_TENSORS = {
+    "rope_factors_long.weight": "LongRoPE (Phi-3.5, Phi-4-mini and the 128k Phi-3 models) is not supported",
+    "rope_factors_short.weight": "LongRoPE (Phi-3.5, Phi-4-mini and the 128k Phi-3 models) is not supported",
 }
 
 # Gemma 3: five sliding-window layers, then one full-attention layer (transformers'
@@ -144,7 +162,8 @@ def hyperparameters(reader, path="<gguf>"):
     rope_scale = 1.0
     scaling = fields.get(p + "rope.scaling.type")
     if scaling not in (None, "none", "linear"):
-        raise ConvertError(f"{path}: RoPE scaling {scaling!r} is not supported (only linear)")
+        raise ConvertError(f"{path}: RoPE scaling {scaling!r} is not supported (linear, and llama3 through "
+                           "rope_freqs.weight)")
     if scaling == "linear":
         rope_scale = fields.real(p + "rope.scaling.factor", "linear RoPE scale")
 
@@ -179,6 +198,16 @@ def hyperparameters(reader, path="<gguf>"):
                                                    default=GEMMA3_ROPE_THETA_LOCAL)
         metadata["sliding_window"] = fields.integer(p + "attention.sliding_window", "sliding window")
         metadata["layer_types"] = _gemma3_layer_types(fields, p + "attention.sliding_window_pattern", n_layers)
+    elif arch_name == "phi3":
+        # llama.cpp writes 0 when the model has no window (Phi-4); else every layer slides
+        window = fields.get(p + "attention.sliding_window") or 0
+        if window:
+            if rope_scale != 1.0:
+                raise ConvertError(f"{path}: RoPE scaling together with a sliding window is not supported")
+            metadata["sliding_window"] = fields.integer(p + "attention.sliding_window", "sliding window")
+            metadata["layer_types"] = [1] * n_layers
+    if arch_name == "smollm3":
+        metadata["layer_rope"] = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(n_layers)]
     return metadata
 
 
@@ -217,11 +246,34 @@ def _expected_shapes(metadata, arch):
         "ffn_down.weight": (dim, ffn),
         "post_ffw_norm.weight": (dim,),
     }
+    if arch.fused:
+        per_layer["attn_qkv.weight"] = (q_rows + 2 * kv_rows, dim)
+        per_layer["ffn_up.weight"] = (2 * ffn, dim)
     shapes = {"token_embd.weight": (metadata["n_vocab"], dim), "output_norm.weight": (dim,)}
     for layer in range(metadata["n_layers"]):
         for name in arch.layer_tensors:
             shapes[f"blk.{layer}.{name}"] = per_layer[name]
     return shapes
+
+
+def _split_fused(metadata, expected):
+    """Phi-3's fused tensors -> {output name: (source name, first row, shape)}: attn_qkv holds
+    q, k, v rows in that order; ffn_up holds the gate's rows, then the up projection's."""
+    dim, ffn = metadata["dim"], metadata["ffn_dim"]
+    q_rows = metadata["n_heads"] * metadata["head_dim"]
+    kv_rows = metadata["n_kv_heads"] * metadata["head_dim"]
+    parts = {}
+    for name in expected:
+        if name.endswith("attn_qkv.weight"):
+            prefix = name[: -len("attn_qkv.weight")]
+            parts[prefix + "attn_q.weight"] = (name, 0, (q_rows, dim))
+            parts[prefix + "attn_k.weight"] = (name, q_rows, (kv_rows, dim))
+            parts[prefix + "attn_v.weight"] = (name, q_rows + kv_rows, (kv_rows, dim))
+        elif name.endswith("ffn_up.weight"):
+            prefix = name[: -len("ffn_up.weight")]
+            parts[prefix + "ffn_gate.weight"] = (name, 0, (ffn, dim))
+            parts[prefix + "ffn_up.weight"] = (name, ffn, (ffn, dim))
+    return parts
 
 
 def _output_type(name, shape, type_name, tied):
@@ -248,16 +300,19 @@ def _check_readable(tensor, name, path):
                            f"(supported: {', '.join(quantize.SUPPORTED)})")
 
 
-def _convert_tensor(tensor, name, shape, tensor_type, path, bar):
-    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes."""
+def _convert_tensor(tensor, name, shape, tensor_type, path, bar, source_shape=None, first_row=0):
+    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes.
+    `source_shape`, `first_row`: the tensor is rows first_row.. of a larger (fused) one."""
     gguf_type = tensor.tensor_type.name
+    source_shape = source_shape or shape
     n_per_row = shape[-1]
     rows = math.prod(shape[:-1])
+    source_rows = math.prod(source_shape[:-1])
     raw = np.asarray(tensor.data)  # uint8 for block types, typed for F32/F16
     row_size = quantize.row_bytes(gguf_type, n_per_row) if raw.dtype == np.uint8 else n_per_row
-    if raw.size != rows * row_size:
-        raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {shape}")
-    raw = raw.reshape(rows, row_size)
+    if raw.size != source_rows * row_size:
+        raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {source_shape}")
+    raw = raw.reshape(source_rows, row_size)[first_row:first_row + rows]
     out = None
     step = max(1, _CHUNK_WEIGHTS // n_per_row)
     for start in range(0, rows, step):
@@ -290,12 +345,21 @@ def _open(src, progress):
 
 
 def _tokenizer_container(reader, src):
+    """The .mlt container, with the chat template the GGUF's tokenizer.chat_template renders like
+    (krafla_twisted/chat_file.py)."""
+    from krafla_twisted import chat_file
     from krafla_twisted.convert.tokenizer import container_from_gguf
 
     try:
-        return container_from_gguf(reader)
+        container = container_from_gguf(reader)
     except ValueError as e:
         raise ConvertError(f"{src}: tokenizer: {e}") from e
+    jinja = _Fields(reader, src).get("tokenizer.chat_template")
+    try:
+        chat_file.store(container, jinja if isinstance(jinja, str) else None)
+    except chat_file.TemplateFileError as e:
+        raise ConvertError(f"{src}: metadata tokenizer.chat_template: {e}") from None
+    return container
 
 
 def convert_gguf_tokenizer(src, out_mlt, progress=True):
@@ -323,6 +387,9 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost first
         sources[tensor.name] = (tensor, shape)
+    for refused, why in _REFUSED_TENSORS.items():
+        if refused in sources:
+            raise ConvertError(f"{src}: tensor {refused}: {why}")
     if "token_embd.weight" not in sources:
         raise ConvertError(f"{src}: tensor token_embd.weight is missing")
     metadata["n_vocab"] = sources["token_embd.weight"][1][0]
@@ -335,6 +402,16 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     if missing:
         raise ConvertError(f"{src}: {metadata['arch']} model lacks tensors {', '.join(missing[:8])}"
                            + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    rope_freqs = None
+    if _ROPE_FREQS in sources:
+        # Llama 3.1's RoPE scaling: one divisor per rotated pair, kept as it is
+        rope_freqs = (metadata["rope_dims"] // 2,)
+        if sources[_ROPE_FREQS][1] != rope_freqs:
+            raise ConvertError(f"{src}: tensor {_ROPE_FREQS} has shape {sources[_ROPE_FREQS][1]}, expected "
+                               f"{rope_freqs} (one factor per rotated pair)")
+        if metadata["sliding_window"]:
+            raise ConvertError(f"{src}: {_ROPE_FREQS} together with a sliding window is not supported")
+        expected[_ROPE_FREQS] = rope_freqs
     unknown = [n for n in sources if n not in expected]
     if unknown:
         raise ConvertError(f"{src}: tensors krafla does not know for {metadata['arch']}: {', '.join(unknown[:8])}"
@@ -358,11 +435,17 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
                    file=sys.stderr, leave=False)
     try:
         # token_embd, then the layers in order, then the output: the order the engine reads them.
-        order = sorted(expected, key=_tensor_order)
-        for tensor_name in order:
-            tensor, shape = sources[tensor_name]
+        outputs = {name: (name, 0, shape) for name, shape in expected.items()}
+        if arch.fused:
+            for name in list(outputs):
+                if name.endswith(("attn_qkv.weight", "ffn_up.weight")):
+                    del outputs[name]
+            outputs.update(_split_fused(metadata, expected))
+        for tensor_name in sorted(outputs, key=_tensor_order):
+            source_name, first_row, shape = outputs[tensor_name]
+            tensor, source_shape = sources[source_name]
             tensor_type = _output_type(tensor_name, shape, type_name, tied)
-            data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar)
+            data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar, source_shape, first_row)
             model.add(tensor_name, tensor_type, shape, data)
     finally:
         if bar is not None:

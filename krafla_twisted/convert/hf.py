@@ -2,8 +2,9 @@
 
 `convert_hf(folder, out_mlb, out_mlt, type_name)` reads the checkpoint with our own safetensors
 reader (an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
-byte range, then the raw data; no torch), maps llama, qwen2, gemma3 and qwen3_5 text models to the
-tensor names and metadata keys of docs/formats.md, and encodes the matrices as `type_name` with
+byte range, then the raw data; no torch), maps llama (with Llama 3.1's RoPE scaling), qwen2, qwen3,
+mistral, phi3, smollm3, gemma3 and qwen3_5 text models to the tensor names and metadata keys of
+docs/formats.md, and encodes the matrices as `type_name` with
 the same quantizers as the GGUF path. Vision towers and multi-token-prediction heads are skipped
 with a message. The tokenizer comes from tokenizer.json (convert/tokenizer_json.py).
 
@@ -12,6 +13,11 @@ Conventions (Hugging Face -> .mlb):
 - Gemma's and Qwen3.5's RMSNorm multiply by (1 + w): the .mlb stores 1 + w. Qwen3.5's gated
   norm inside the DeltaNet layer multiplies by w and is copied unchanged.
 - Qwen3.5 DeltaNet: A_log becomes ssm_a = -exp(A_log); dt_bias becomes ssm_dt.bias.
+- Phi-3's qkv_proj (q, k, v rows) and gate_up_proj (gate rows, then up) are split by rows.
+- Llama 3.1's rope_type llama3 becomes the tensor rope_freqs.weight (one divisor per pair, as
+  llama.cpp writes it); SmolLM3's no_rope_layers becomes layer_rope.
+- The model's own chat template (tokenizer_config.json, chat_template.jinja) is named in the .mlt
+  (krafla_twisted/chat_file.py).
 """
 
 import json
@@ -141,22 +147,64 @@ def _load_config(folder):
 
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-         "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+         "qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3": "qwen3", "mistral": "mistral",
+         "phi3": "phi3", "smollm3": "smollm3"}
 
 
-def _rope(config, layer_type=None, default_theta=10000.0):
-    """(theta, linear factor, partial rotary factor) from rope_parameters or the older flat keys
-    (rope_theta, rope_scaling); a key the config leaves out takes transformers' default."""
+def llama3_rope_factors(theta, rope_dims, factor, low_freq_factor, high_freq_factor, original_context):
+    """Llama 3.1's RoPE scaling as one divisor per rotated pair (what llama.cpp stores as
+    rope_freqs.weight): 1 for wavelengths shorter than original_context / high_freq_factor,
+    `factor` for those longer than original_context / low_freq_factor, and in between the
+    divisor that blends the two smoothly (Meta's reference implementation of Llama 3.1)."""
+    if high_freq_factor <= low_freq_factor:
+        raise ConvertError(f"llama3 RoPE scaling: high_freq_factor {high_freq_factor} must exceed "
+                           f"low_freq_factor {low_freq_factor}")
+    low_wavelength = original_context / low_freq_factor
+    high_wavelength = original_context / high_freq_factor
+    factors = []
+    for i in range(rope_dims // 2):
+        wavelength = 2 * math.pi * theta ** (2 * i / rope_dims)
+        if wavelength < high_wavelength:
+            factors.append(1.0)
+        elif wavelength > low_wavelength:
+            factors.append(float(factor))
+        else:
+            smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+_ROPE_REFUSALS = {
+    "longrope": "LongRoPE (Phi-3.5, Phi-4-mini and the 128k Phi-3 models: short and long factors with an "
+                "attention factor) is not supported",
+    "su": "LongRoPE (Phi-3's 'su' scaling) is not supported",
+    "yarn": "YaRN RoPE scaling is not supported; remove rope_scaling from config.json to run the model "
+            "at its original context",
+    "dynamic": "dynamic NTK RoPE scaling is not supported",
+}
+
+
+def _rope(config, layer_type=None, default_theta=10000.0, path="<config>"):
+    """(theta, linear factor, partial rotary factor, llama3 parameters or None) from
+    rope_parameters or the older flat keys (rope_theta, rope_scaling); a key the config leaves out
+    takes transformers' default."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if layer_type and layer_type in params:
         params = params[layer_type]
     theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ConvertError(f"RoPE type {kind!r} is not supported (default, linear)")
+    if kind in _ROPE_REFUSALS:
+        raise ConvertError(f"{path}: RoPE type {kind!r}: {_ROPE_REFUSALS[kind]}")
+    if kind not in ("default", "linear", "llama3"):
+        raise ConvertError(f"{path}: RoPE type {kind!r} is not supported (default, linear, llama3)")
     factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    llama3 = None
+    if kind == "llama3":
+        llama3 = (float(params.get("factor", 8.0)), float(params.get("low_freq_factor", 1.0)),
+                  float(params.get("high_freq_factor", 4.0)),
+                  float(params.get("original_max_position_embeddings", 8192)))
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    return float(theta), factor, float(partial)
+    return float(theta), factor, float(partial), llama3
 
 
 def hyperparameters(config, path="<config>"):
@@ -189,18 +237,28 @@ def hyperparameters(config, path="<config>"):
     if gemma and not layer_names:
         period = int(text.get("sliding_window_pattern", 6))
         layer_names = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+    if arch in ("mistral", "phi3") and not layer_names:
+        # transformers' Mistral and Phi-3 slide every layer's window when the config sets one
+        layer_names = ["sliding_attention" if text.get("sliding_window") else "full_attention"] * n_layers
     layer_names = layer_names or ["full_attention"] * n_layers
     if len(layer_names) != n_layers:
         raise ConvertError(f"{path}: layer_types has {len(layer_names)} entries for {n_layers} layers")
     codes = {"full_attention": 0, "sliding_attention": 1, "linear_attention": 2}
     if any(name not in codes for name in layer_names):
         raise ConvertError(f"{path}: unknown layer types in {sorted(set(layer_names))}")
-    theta, factor, partial = _rope(text, "full_attention" if gemma else None, 1e6 if gemma else 10000.0)
+    sliding = "sliding_attention" in layer_names
+    window = int(text.get("sliding_window") or 0) if sliding else 0
+    if sliding and window < 1:
+        raise ConvertError(f"{path}: sliding-window layers but sliding_window is {text.get('sliding_window')!r}")
+    theta, factor, partial, llama3 = _rope(text, "full_attention" if gemma else None, 1e6 if gemma else 10000.0, path)
+    if sliding and not gemma and (factor != 1.0 or llama3):
+        raise ConvertError(f"{path}: RoPE scaling together with sliding-window layers is supported for gemma3 only")
     theta_local = theta
     if gemma:
-        sliding = (text.get("rope_parameters") or {}).get("sliding_attention")
-        theta_local = float(sliding["rope_theta"]) if sliding else float(text.get("rope_local_base_freq", 10000.0))
-    rope_dims = int(head_dim * partial) if qwen35 else head_dim
+        sliding_params = (text.get("rope_parameters") or {}).get("sliding_attention")
+        theta_local = (float(sliding_params["rope_theta"]) if sliding_params
+                       else float(text.get("rope_local_base_freq", 10000.0)))
+    rope_dims = int(head_dim * partial) if arch in ("qwen35", "phi3") else head_dim
     if rope_dims % 2 or rope_dims > head_dim or rope_dims < 2:
         raise ConvertError(f"{path}: {rope_dims} rotated dimensions do not fit a head of {head_dim}")
     act = (text.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else (text.get("hidden_act") or "silu")
@@ -227,11 +285,18 @@ def hyperparameters(config, path="<config>"):
         "activation": activation,
         "embedding_scale": math.sqrt(dim) if gemma else 1.0,
         "attn_scale": float(text.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim ** -0.5,
-        "sliding_window": int(text.get("sliding_window") or 0) if gemma else 0,
+        "sliding_window": window,
         "layer_types": [codes[name] for name in layer_names],
         "attn_softcap": 0.0,  # transformers' Gemma 3 does not apply attn_logit_softcapping
         "final_softcap": float(text.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
     }
+    if arch == "smollm3":
+        # no_rope_layers: 1 where the layer rotates q and k, 0 where it does not (every fourth)
+        interval = int(text.get("no_rope_layer_interval", 4))
+        flags = text.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if len(flags) != n_layers or any(flag not in (0, 1) for flag in flags):
+            raise ConvertError(f"{path}: no_rope_layers {flags!r} is not one 0/1 flag per layer")
+        metadata["layer_rope"] = [int(flag) for flag in flags]
     if qwen35:
         metadata.update({
             "linear_conv_kernel": int(text.get("linear_conv_kernel_dim", 4)),
@@ -267,6 +332,9 @@ _LAYER_NAMES = {
                "post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "qwen3": {**_COMMON, "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_norm.weight": "attn_q_norm.weight",
+              "self_attn.k_norm.weight": "attn_k_norm.weight"},
     "qwen35": {**_COMMON, "post_attention_layernorm.weight": "ffn_norm.weight",
                "self_attn.q_norm.weight": "attn_q_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -280,6 +348,29 @@ _LAYER_NAMES = {
                "linear_attn.norm.weight": "ssm_norm.weight",
                "linear_attn.out_proj.weight": "ssm_out.weight"},
 }
+
+
+_LAYER_NAMES["mistral"] = _LAYER_NAMES["smollm3"] = _LAYER_NAMES["llama"]
+# Phi-3 fuses q, k, v into one matrix (rows in that order) and gate, up into another: the
+# converter splits them into the llama names by rows.
+_LAYER_NAMES["phi3"] = {"input_layernorm.weight": "attn_norm.weight",
+                        "post_attention_layernorm.weight": "ffn_norm.weight",
+                        "self_attn.o_proj.weight": "attn_output.weight",
+                        "mlp.down_proj.weight": "ffn_down.weight"}
+_FUSED = {
+    "phi3": {"self_attn.qkv_proj.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+             "mlp.gate_up_proj.weight": ("ffn_gate.weight", "ffn_up.weight")},
+}
+
+
+def _fused_rows(metadata, krafla_suffix):
+    """Rows a split part takes in its fused matrix: (start, stop)."""
+    q_rows = metadata["n_heads"] * metadata["head_dim"]
+    kv_rows = metadata["n_kv_heads"] * metadata["head_dim"]
+    ffn = metadata["ffn_dim"]
+    return {"attn_q.weight": (0, q_rows), "attn_k.weight": (q_rows, q_rows + kv_rows),
+            "attn_v.weight": (q_rows + kv_rows, q_rows + 2 * kv_rows),
+            "ffn_gate.weight": (0, ffn), "ffn_up.weight": (ffn, 2 * ffn)}[krafla_suffix]
 
 
 def _plus_one(arch, name):
@@ -321,7 +412,7 @@ def expected_shapes(metadata):
                       "attn_output.weight": (dim, q_rows)})
             if arch == "qwen2":
                 s.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
-            if arch in ("gemma3", "qwen35"):
+            if arch in ("gemma3", "qwen35", "qwen3"):
                 s.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
             if arch == "gemma3":
                 s.update({"post_attention_norm.weight": (dim,), "post_ffw_norm.weight": (dim,)})
@@ -354,6 +445,9 @@ def _map_names(arch, names, path):
             _, layer, suffix = rest.split(".", 2)
             if suffix in layer_names:
                 mapped[f"blk.{int(layer)}.{layer_names[suffix]}"] = hf_name
+            elif suffix in _FUSED.get(arch, {}):
+                for part in _FUSED[arch][suffix]:
+                    mapped[f"blk.{int(layer)}.{part}"] = (hf_name, suffix, part)
             else:
                 unknown.append(hf_name)
         else:
@@ -383,9 +477,17 @@ def _output_type(name, shape, type_name, tied):
     return gguf_convert._output_type(name, shape, type_name, tied)
 
 
-def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src):
+def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src, fused=None):
     """One tensor encoded as `tensor_type`; matrices a few million weights at a time, so a large
-    embedding never needs a whole float32 copy."""
+    embedding never needs a whole float32 copy. `fused`: (first row, rows of the whole fused
+    matrix) when the tensor is a part of a fused matrix (Phi-3's qkv_proj, gate_up_proj)."""
+    base = 0
+    if fused is not None:
+        base, total_rows = fused
+        if st.shape(hf_name) != (total_rows, shape[1]):
+            raise ConvertError(f"{src}: tensor {hf_name} has shape {st.shape(hf_name)}, expected "
+                               f"{(total_rows, shape[1])} from config.json")
+
     def checked(values, expected_shape):
         if values.shape != expected_shape:
             raise ConvertError(f"{src}: tensor {hf_name} has shape {st.shape(hf_name)}, expected {shape} "
@@ -394,19 +496,51 @@ def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src):
             raise ConvertError(f"{src}: tensor {hf_name} holds NaN or infinite weights")
         return gguf_convert._encode(values, tensor_type)
 
-    if len(shape) != 2 or st.shape(hf_name) != shape or krafla_name.endswith("ssm_conv1d.weight"):
+    if fused is None and (len(shape) != 2 or st.shape(hf_name) != shape or krafla_name.endswith("ssm_conv1d.weight")):
         return checked(_values(arch, krafla_name, st.get(hf_name)), shape)
     rows, cols = shape
     step = max(1, gguf_convert._CHUNK_WEIGHTS // cols)
     out = None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        encoded = checked(_values(arch, krafla_name, st.get(hf_name, start, stop)), (stop - start, cols))
+        encoded = checked(_values(arch, krafla_name, st.get(hf_name, base + start, base + stop)),
+                          (stop - start, cols))
         encoded = np.ascontiguousarray(encoded).view(np.uint8).reshape(stop - start, -1)
         if out is None:
             out = np.empty((rows, encoded.shape[1]), np.uint8)
         out[start:stop] = encoded
     return out.reshape(-1)
+
+
+def _chat_template(folder):
+    """(where, Jinja text or None): chat_template.jinja, else tokenizer_config.json's chat_template
+    (a string, or a list of named templates of which `default` is taken)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file, jinja_file.read_text(encoding="utf-8")
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return config_path, None
+    try:
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ConvertError(f"{config_path}: not a JSON object ({e})") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConvertError(f"{config_path}: chat_template is {type(template).__name__}, expected a string")
+    return config_path, template
+
+
+def _rope_freq_factors(text, metadata, path):
+    """Llama 3.1's per-pair RoPE divisors (float32, rope_dims / 2) when config.json asks for
+    rope_type llama3, else None."""
+    *_, llama3 = _rope(text, None, 10000.0, path)
+    if llama3 is None:
+        return None
+    factor, low, high, original = llama3
+    return llama3_rope_factors(metadata["rope_theta"], metadata["rope_dims"], factor, low, high, original)
 
 
 def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
@@ -431,6 +565,7 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
     metadata["n_vocab"] = int(embd[0])
     metadata["tied_embeddings"] = int("output.weight" not in mapped)
     expected = expected_shapes(metadata)
+    rope_freqs = _rope_freq_factors(text, metadata, src / "config.json")
     missing = [n for n in expected if n not in mapped]
     if missing:
         raise ConvertError(f"{src}: {arch} model lacks tensors {', '.join(missing[:8])}")
@@ -445,6 +580,12 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             tokenizer = container_from_folder(src, n_vocab=metadata["n_vocab"])
         except ValueError as e:
             raise ConvertError(f"{src}: tokenizer: {e}") from e
+        from krafla_twisted import chat_file
+        where_template, jinja = _chat_template(src)
+        try:
+            chat_file.store(tokenizer, jinja)
+        except chat_file.TemplateFileError as e:
+            raise ConvertError(f"{where_template}: {e}") from None
 
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or str(config.get("_name_or_path") or "").split("/")[-1] or src.name
@@ -455,12 +596,17 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
         from tqdm import tqdm
         bar = tqdm(total=len(expected), unit="tensor", desc=f"converting to {type_name}", file=sys.stderr, leave=False)
     try:
+        if rope_freqs is not None:
+            model.add("rope_freqs.weight", formats.F32, rope_freqs.shape, rope_freqs)
         for krafla_name in sorted(expected, key=gguf_convert._tensor_order):
-            hf_name = mapped[krafla_name]
+            hf_name, fused = mapped[krafla_name], None
+            if isinstance(hf_name, tuple):  # a part of a fused matrix
+                hf_name, suffix, part = hf_name
+                fused = (_fused_rows(metadata, part)[0], _fused_rows(metadata, _FUSED[arch][suffix][-1])[1])
             shape = expected[krafla_name]
             tensor_type = _output_type(krafla_name, shape, type_name, tied)
             model.add(krafla_name, tensor_type, shape,
-                      _convert_tensor(where[hf_name], hf_name, arch, krafla_name, shape, tensor_type, src))
+                      _convert_tensor(where[hf_name], hf_name, arch, krafla_name, shape, tensor_type, src, fused))
             if bar is not None:
                 bar.update(1)
     finally:

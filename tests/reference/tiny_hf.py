@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, SmolLM3Config)
 
 from krafla_twisted import formats
 
@@ -45,6 +46,17 @@ CONFIGS = {
                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # issue 17: Llama 3.1's scaling is llama with rope_type llama3; the others are their own classes
+    "qwen3": (Qwen3Config, dict(rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mistral": (MistralConfig, dict(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "phi3": (Phi3Config, dict(rms_norm_eps=1e-5, tie_word_embeddings=False, original_max_position_embeddings=256,
+                              pad_token_id=None,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 1.0})),
+    "smollm3": (SmolLM3Config, dict(rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=None,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 2000000.0})),
 }
 
 _NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
@@ -55,6 +67,8 @@ def write_tiny_hf_model(folder, arch, *, seed, **config):
     config_class, defaults = CONFIGS[arch]
     settings = dict(SHAPE, **defaults)
     settings.update(config)
+    if arch == "phi3":
+        settings.pop("head_dim")  # Phi-3's head width is hidden_size / heads
     model = AutoModelForCausalLM.from_config(config_class(**settings), dtype=torch.float32,
                                              attn_implementation="eager")
     generator = torch.Generator().manual_seed(seed)

@@ -26,6 +26,11 @@ Conventions (the facts docs/formats.md states, which this file implements):
   logits likewise with final_softcap.
 - gemma3: q and k are RMS-normed per head before RoPE; the attention and MLP outputs are
   RMS-normed (post_attention_norm, post_ffw_norm) before their residual adds.
+- qwen3: q and k are RMS-normed per head before RoPE (w itself, no 1 + w); no biases.
+- mistral, phi3 (q/k/v and gate/up split by the converter) and smollm3 are llama's block.
+- rope_freqs.weight (Llama 3.1's scaling), when present: pair i's frequency is divided by
+  rope_freqs[i], in every layer.
+- layer_rope (smollm3), when present: a layer whose flag is 0 does not rotate q and k at all.
 """
 
 import math
@@ -42,6 +47,7 @@ ROW_CHUNK = 8192  # weight rows widened to float64 at a time
 # The weight types whose matmuls take activations rounded to q8_0 blocks (ggml's q8_1 for q4_1 and
 # q5_1 has the same quants and scale; krafla keeps the sum exact instead of ggml's f16 d * sum).
 Q8_ACTIVATION_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+ARCHS = ("llama", "qwen2", "gemma3", "qwen3", "mistral", "phi3", "smollm3")
 
 
 # ------------------------------------------------------------------------------------------
@@ -111,10 +117,13 @@ def linear(x, weight, bias=None):
     return out
 
 
-def rope(x, positions, theta, scale, style, rope_dims):
-    """Rotate x (n, heads, head_dim) at `positions` (n,); dimensions past rope_dims stay."""
+def rope(x, positions, theta, scale, style, rope_dims, divisors=None):
+    """Rotate x (n, heads, head_dim) at `positions` (n,); dimensions past rope_dims stay.
+    `divisors` (rope_dims / 2,): each pair's frequency is divided by its entry."""
     half = rope_dims // 2
     inverse_frequency = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dims)
+    if divisors is not None:
+        inverse_frequency = inverse_frequency / np.asarray(divisors, dtype=np.float64)
     angle = (np.asarray(positions, dtype=np.float64) / scale)[:, None] * inverse_frequency  # (n, half)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     out = x.copy()
@@ -182,8 +191,8 @@ class Config:
         if missing:
             raise ValueError(f"{path}: metadata lacks {', '.join(missing)}")
         self.arch = metadata["arch"]
-        if self.arch not in ("llama", "qwen2", "gemma3"):
-            raise ValueError(f"{path}: the reference implements llama, qwen2 and gemma3, not {self.arch!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"{path}: the reference implements {', '.join(ARCHS)}, not {self.arch!r}")
         for key in ("n_vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             setattr(self, key, int(metadata[key]))
         self.norm_eps = float(metadata["norm_eps"])
@@ -200,6 +209,7 @@ class Config:
         self.layer_types = [int(t) for t in metadata.get("layer_types", [FULL_ATTENTION] * self.n_layers)]
         self.attn_softcap = float(metadata.get("attn_softcap", 0.0))
         self.final_softcap = float(metadata.get("final_softcap", 0.0))
+        self.layer_rope = [int(f) for f in metadata.get("layer_rope", [1] * self.n_layers)]
         self._check(path)
 
     def _check(self, path):
@@ -211,6 +221,8 @@ class Config:
             raise ValueError(f"{path}: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rope_dims % 2 or not 0 < self.rope_dims <= self.head_dim:
             raise ValueError(f"{path}: rope_dims {self.rope_dims} must be even and at most head_dim {self.head_dim}")
+        if len(self.layer_rope) != self.n_layers or any(f not in (0, 1) for f in self.layer_rope):
+            raise ValueError(f"{path}: layer_rope {self.layer_rope} is not one 0/1 flag per layer")
         if len(self.layer_types) != self.n_layers:
             raise ValueError(f"{path}: {len(self.layer_types)} layer_types for {self.n_layers} layers")
         for layer, kind in enumerate(self.layer_types):
@@ -274,10 +286,14 @@ class ReferenceModel:
             }
             if config.arch == "qwen2":
                 shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
+            if config.arch == "qwen3":
+                shapes.update({"attn_q_norm.weight": (config.head_dim,), "attn_k_norm.weight": (config.head_dim,)})
             if config.arch == "gemma3":
                 shapes.update({"attn_q_norm.weight": (config.head_dim,), "attn_k_norm.weight": (config.head_dim,),
                                "post_attention_norm.weight": (config.dim,), "post_ffw_norm.weight": (config.dim,)})
             expected.update({f"blk.{layer}.{name}": shape for name, shape in shapes.items()})
+        if "rope_freqs.weight" in self.container.tensors:
+            expected["rope_freqs.weight"] = (config.rope_dims // 2,)
         for name, shape in expected.items():
             tensor = self.container.tensors.get(name)
             if tensor is None:
@@ -320,8 +336,10 @@ class ReferenceModel:
         if w("attn_k_norm.weight") is not None:
             k = rms_norm(k, w("attn_k_norm.weight"), config.norm_eps)
         theta, scale = (config.rope_theta_local, 1.0) if sliding else (config.rope_theta, config.rope_scale)
-        q = rope(q, positions, theta, scale, config.rope_style, config.rope_dims)
-        k = rope(k, positions, theta, scale, config.rope_style, config.rope_dims)
+        if config.layer_rope[layer]:
+            divisors = self.weight("rope_freqs.weight")
+            q = rope(q, positions, theta, scale, config.rope_style, config.rope_dims, divisors)
+            k = rope(k, positions, theta, scale, config.rope_style, config.rope_dims, divisors)
         keys, values = cache.extend(layer, k, v)
         out = attention(q, keys, values, positions, np.arange(len(keys)), config.attn_scale,
                         config.sliding_window if sliding else 0, config.attn_softcap)

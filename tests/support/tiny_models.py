@@ -1,7 +1,8 @@
 """Tiny random-weight models in the .mlb format, for tests of every architecture.
 
 `write_tiny_model(path, arch, seed=..., weight_type=..., **shape)` writes a model with exactly
-the metadata keys and tensor names docs/formats.md lists for llama, qwen2 and gemma3, with
+the metadata keys and tensor names docs/formats.md lists for llama, qwen2, gemma3, qwen3 and
+smollm3 (layer_rope, rope_freqs.weight), with
 weights drawn from a seeded generator and scaled so activations stay near unit size through
 the layers (matrices N(0, 1/fan_in), norm weights near 1, small biases). Matrices are stored in
 `weight_type`; norms and biases are f32, as the converter writes them. With q4_0, the output
@@ -19,7 +20,7 @@ from gguf.quants import quantize as gguf_quantize
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
 
-ARCHS = ("llama", "qwen2", "gemma3")
+ARCHS = ("llama", "qwen2", "gemma3", "qwen3", "smollm3")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 # Blocks as ggml writes them (krafla convert copies these types from a GGUF file as they are), by
@@ -33,6 +34,8 @@ DEFAULT_SHAPES = {
     "llama": dict(n_vocab=67, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, max_seq=128),
     "qwen2": dict(n_vocab=71, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq=128),
     "gemma3": dict(n_vocab=73, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
+    "qwen3": dict(n_vocab=79, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
+    "smollm3": dict(n_vocab=83, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, max_seq=128),
 }
 
 # Hyperparameters each architecture's real models use; any can be overridden by keyword.
@@ -41,6 +44,11 @@ DEFAULT_HYPERPARAMETERS = {
     "qwen2": dict(norm_eps=1e-6, rope_theta=1000000.0, rope_style="neox", activation="silu", tied_embeddings=1),
     "gemma3": dict(norm_eps=1e-6, rope_theta=1000000.0, rope_theta_local=10000.0, rope_style="neox",
                    activation="gelu_tanh", tied_embeddings=1, sliding_window=6, sliding_window_pattern=2),
+    "qwen3": dict(norm_eps=1e-6, rope_theta=1000000.0, rope_style="neox", activation="silu", tied_embeddings=0),
+    # SmolLM3's fourth layer has no RoPE; its tiny model also carries Llama 3.1's rope_freqs.weight
+    # (factors 1 .. 8 over the pairs), so every engine test covers that path too.
+    "smollm3": dict(norm_eps=1e-6, rope_theta=2000000.0, rope_style="norm", activation="silu", tied_embeddings=1,
+                    no_rope_interval=4, rope_freqs="llama3"),
 }
 
 
@@ -138,10 +146,21 @@ def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
         "attn_softcap": float(hyper.pop("attn_softcap", 0.0)),
         "final_softcap": float(hyper.pop("final_softcap", 0.0)),
     }
+    layer_rope = hyper.pop("layer_rope", None)
+    interval = hyper.pop("no_rope_interval", 0)
+    if layer_rope is None and interval:
+        layer_rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if layer_rope is not None:
+        metadata["layer_rope"] = [int(f) for f in layer_rope]
+    rope_freqs = hyper.pop("rope_freqs", None)
     if hyper:
         raise ValueError(f"tiny {arch}: unknown settings {sorted(hyper)}")
 
     container = formats.Container(formats.MODEL_MAGIC, metadata)
+    if rope_freqs is not None:
+        half = metadata["rope_dims"] // 2
+        factors = np.geomspace(1.0, 8.0, half) if isinstance(rope_freqs, str) else rope_freqs
+        container.add("rope_freqs.weight", formats.F32, (half,), np.asarray(factors, np.float32))
 
     def matrix(name, rows, cols, type_name=weight_type):
         weights = rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(math.sqrt(cols))
@@ -169,7 +188,7 @@ def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
             vector(prefix + "attn_q.bias", q_rows, 0.0, 0.1)
             vector(prefix + "attn_k.bias", kv_rows, 0.0, 0.1)
             vector(prefix + "attn_v.bias", kv_rows, 0.0, 0.1)
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):
             vector(prefix + "attn_q_norm.weight", head_dim, 1.0, 0.1)
             vector(prefix + "attn_k_norm.weight", head_dim, 1.0, 0.1)
         matrix(prefix + "attn_output.weight", dim, q_rows)

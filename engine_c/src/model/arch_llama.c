@@ -1,5 +1,6 @@
 // arch_llama.c: the llama family (owner: engine): llama, qwen2 (q/k/v biases) and gemma3 (q/k head
-// norms, post-norms, sliding-window layers, scaled embedding, soft-caps). Every layer is
+// norms, post-norms, sliding-window layers, scaled embedding, soft-caps); issue 17's qwen3 (q/k head
+// norms), mistral, phi3 and smollm3 (layer_rope: layers without RoPE). Every layer is
 //   x += [post_norm](attention(norm(x)));  x += [post_norm](mlp(norm(x)))
 // with layers.c's attention and MLP; the differences are which tensors are bound.
 #include "model/model.h"
@@ -17,9 +18,30 @@ typedef struct {
     const float *post_ffw_norm;       // (dim,) gemma3 or NULL
 } llama_layer;
 
+// layer_rope: absent means every layer rotates q and k; 0 marks a layer without RoPE.
+static int layer_rope(kr_model *m, const char *path, llama_layer *layers, kr_error *err) {
+    int32_t index = kr_file_find_meta(m->file, "layer_rope");
+    if (index < 0) return KR_OK;
+    int32_t kind;
+    uint32_t count;
+    int status = kr_file_meta(m->file, index, NULL, &kind, NULL, NULL, NULL, &count, err);
+    if (status) return status;
+    if (kind != KR_META_INTS)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata layer_rope should be a list of integers", path);
+    if (count != (uint32_t)m->info.n_layers)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: layer_rope has %u entries for %d layers", path, count, m->info.n_layers);
+    for (int32_t i = 0; i < m->info.n_layers; i++) {
+        int64_t flag = kr_file_meta_int_at(m->file, index, (uint32_t)i);
+        if (flag != 0 && flag != 1)
+            return kr_fail(err, KR_ERR_FORMAT, "%s: layer_rope[%d] = %lld, expected 0 or 1", path, i, (long long)flag);
+        layers[i].attn.no_rope = flag == 0;
+    }
+    return KR_OK;
+}
+
 static int llama_open(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
-    bool qwen2 = m->arch == &kr_arch_qwen2, gemma3 = m->arch == &kr_arch_gemma3;
+    bool qwen2 = m->arch == &kr_arch_qwen2, gemma3 = m->arch == &kr_arch_gemma3, qwen3 = m->arch == &kr_arch_qwen3;
     int status;
     if ((status = kr_load_hparams(m, path, err))) return status;
     llama_layer *layers = calloc((size_t)h->n_layers, sizeof *layers);
@@ -44,7 +66,7 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
         llama_layer *l = &layers[i];
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
         if ((status = kr_bind_f32(m, path, NAME("attn_norm.weight"), h->dim, 0, &l->attn_norm, err)) ||
-            (status = kr_bind_attention(m, path, i, m->q_dim, qwen2, gemma3, &l->attn, err)) ||
+            (status = kr_bind_attention(m, path, i, m->q_dim, qwen2, gemma3 || qwen3, &l->attn, err)) ||
             (status = kr_bind_f32(m, path, NAME("ffn_norm.weight"), h->dim, 0, &l->ffn_norm, err)) ||
             (status = kr_bind_mlp(m, path, i, &l->mlp, err)))
             return status;
@@ -55,6 +77,7 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
             return status;
 #undef NAME
     }
+    if ((status = layer_rope(m, path, layers, err))) return status;
     if ((status = kr_bind_embeddings(m, path, &layers[0].attn.wq, err))) return status;
     return kr_rope_frequencies(m, path, err);
 }
@@ -97,3 +120,7 @@ static void llama_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
 const kr_arch kr_arch_llama = LLAMA_FAMILY("llama");
 const kr_arch kr_arch_qwen2 = LLAMA_FAMILY("qwen2");
 const kr_arch kr_arch_gemma3 = LLAMA_FAMILY("gemma3");
+const kr_arch kr_arch_qwen3 = LLAMA_FAMILY("qwen3");
+const kr_arch kr_arch_mistral = LLAMA_FAMILY("mistral");
+const kr_arch kr_arch_phi3 = LLAMA_FAMILY("phi3");
+const kr_arch kr_arch_smollm3 = LLAMA_FAMILY("smollm3");

@@ -213,11 +213,11 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
         for (int32_t head = 0; head < h->n_heads; head++) {
             if (l->gated) memcpy(q + head * hd, s->qg + t * 2 * m->q_dim + head * 2 * hd, (size_t)hd * sizeof(float));
             if (l->q_norm) rms_norm(q + head * hd, l->q_norm, q + head * hd, hd, h->norm_eps);
-            rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
             if (l->k_norm) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
-            rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         kr_kv_cache *kv = &b->seq[t]->kv;
         size_t pos = (size_t)b->pos[t];

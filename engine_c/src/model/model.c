@@ -21,8 +21,9 @@
 #define MAX_SEQ (1 << 24)
 #define MAX_THREADS 256
 
-static const kr_arch *const ARCHS[] = {&kr_arch_llama, &kr_arch_qwen2, &kr_arch_gemma3, &kr_arch_qwen35};
-#define ARCH_NAMES "llama, qwen2, gemma3, qwen35"
+static const kr_arch *const ARCHS[] = {&kr_arch_llama, &kr_arch_qwen2, &kr_arch_gemma3, &kr_arch_qwen3,
+                                       &kr_arch_mistral, &kr_arch_phi3, &kr_arch_smollm3, &kr_arch_qwen35};
+#define ARCH_NAMES "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35"
 
 // --- Metadata
 
@@ -263,10 +264,21 @@ int kr_rope_frequencies(kr_model *m, const char *path, kr_error *err) {
     m->inv_freq_full = calloc((size_t)h->rope_dims / 2, sizeof(float));
     m->inv_freq_local = calloc((size_t)h->rope_dims / 2, sizeof(float));
     if (!m->inv_freq_full || !m->inv_freq_local) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
+    // An optional rope_freqs.weight (rope_dims / 2,) divides each pair's frequency (Llama 3.1's
+    // scaling, llama.cpp's tensor), in every layer.
+    const float *factors = NULL;
+    if (kr_file_find_tensor_index(m->file, "rope_freqs.weight") >= 0) {
+        int status = kr_bind_f32(m, path, "rope_freqs.weight", h->rope_dims / 2, 0, &factors, err);
+        if (status) return status;
+        for (int32_t i = 0; i < h->rope_dims / 2; i++)
+            if (!isfinite(factors[i]) || factors[i] <= 0)
+                return kr_fail(err, KR_ERR_FORMAT, "%s: rope_freqs.weight[%d] = %g, expected a positive number", path,
+                               i, (double)factors[i]);
+    }
     for (int32_t i = 0; i < h->rope_dims / 2; i++) {
-        double exponent = (2.0 * i) / h->rope_dims;
-        m->inv_freq_full[i] = (float)(1.0 / pow(h->rope_theta, exponent) / h->rope_scale);
-        m->inv_freq_local[i] = (float)(1.0 / pow(h->rope_theta_local, exponent));
+        double exponent = (2.0 * i) / h->rope_dims, divisor = factors ? (double)factors[i] : 1.0;
+        m->inv_freq_full[i] = (float)(1.0 / pow(h->rope_theta, exponent) / h->rope_scale / divisor);
+        m->inv_freq_local[i] = (float)(1.0 / pow(h->rope_theta_local, exponent) / divisor);
     }
     return KR_OK;
 }

@@ -39,6 +39,7 @@ typedef struct {
     const float *bq, *bk, *bv;        // biases (qwen2) or NULL
     const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm or NULL
     int32_t sliding;                  // 1: sliding-window layer (the model's sliding_window, local RoPE)
+    int32_t no_rope;                  // 1: q and k are not rotated (smollm3's every fourth layer)
     int32_t gated;
     int32_t cache_layer;              // which layer of the KV cache it reads and writes
 } kr_attention;
@@ -140,6 +141,9 @@ struct kr_arch {
 };
 
 extern const kr_arch kr_arch_llama, kr_arch_qwen2, kr_arch_gemma3, kr_arch_qwen35;
+// issue 17: mistral, phi3 (split by the converter) and smollm3 (layer_rope) are llama's layer,
+// qwen3 llama's layer with q/k head norms (arch_llama.c)
+extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smollm3;
 
 // --- Sequences and scratch (session.c), for a step over several sequences
 
