@@ -246,7 +246,7 @@ int32_t kr_session_kv_type(const kr_session *session);
 // a longer one is cut into consecutive steps (an item may straddle two), with the same bits.
 //
 // Everything is checked before any work, so a failed call changes no session: model and items
-// not NULL, n_items >= 1, each session open on this model and listed once, tokens in
+// not NULL, n_items >= 1, each session of this model and listed once, tokens in
 // [0, n_vocab) (KR_ERR_ARGUMENT), each item's tokens within its session's context
 // (KR_ERR_CONTEXT), logits_out present when asked for, the model not busy (KR_ERR_STATE). The
 // error message names the item. Qwen3.5's sessions follow their rule as ever: a session that
