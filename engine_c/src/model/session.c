@@ -2,7 +2,9 @@
 // step's scratch (kr_scratch), evaluated n_batch tokens per step through the model's architecture.
 //
 // kr_seq_new and kr_scratch_new are separate so a step can serve several sequences at once
-// (kr_batch): a scratch is as wide as a step, a sequence as long as its context.
+// (kr_batch): a scratch is as wide as a step, a sequence as long as its context. kr_batch_eval
+// runs several sessions' tokens in the same steps on one borrowed scratch; kr_session_eval and
+// kr_session_eval_all are its one-item case.
 #include "kernels/kernels.h"
 #include "model/model.h"
 
