@@ -247,11 +247,13 @@ def sequence_schedules(draw, max_vocab, max_steps=6):
 
 @st.composite
 def batch_plans(draw, max_vocab, n_others=(1, 3, 7)):
-    """A request and 1, 3 or 7 others (sequence_schedules), the thread count of the model they
-    share, and a seed for the order of the items in each step."""
+    """A request (asking for every logit) and 1, 3 or 7 others (sequence_schedules), the thread
+    count of the model they share, and a seed for the order of the items in each step."""
     n = draw(st.sampled_from(n_others))
+    request = draw(sequence_schedules(max_vocab))
+    request["modes"] = ["all"] * len(request["steps"])  # every position of the request is compared
     return dict(
-        sequences=[draw(sequence_schedules(max_vocab)) for _ in range(n + 1)],
+        sequences=[request] + [draw(sequence_schedules(max_vocab)) for _ in range(n)],
         threads=draw(st.integers(1, 4)),
         order_seed=draw(st.integers(0, 2**32 - 1)),
     )
