@@ -100,3 +100,5 @@ test-isa: lib venv
 ISA_TESTS += tests/test_attention.py
 # --- test-isa (engine): one step over several sequences, on every build
 ISA_TESTS += tests/test_mixed_batch.py
+# --- test-isa (batch): several sessions in the same steps (kr_batch_eval), on every build
+ISA_TESTS += tests/test_batch_eval.py

@@ -1,7 +1,10 @@
-"""`krafla bench MODEL.mlb -t N -p 512 -n 128 [-r reps] [--json]`: prompt and generation speed.
+"""`krafla bench MODEL.mlb -t N -p 512 -n 128 [-np S] [-r reps] [--json]`: prompt and generation speed.
 
 Measured as llama-bench measures them: `ppP` evaluates P prompt tokens from an empty cache in
-`--batch` sized steps; `tgN` generates N tokens one eval at a time from an empty cache. Tokens
+`--batch` sized steps; `tgN` generates N tokens one eval at a time from an empty cache. With
+`-np S` (S > 1), `tgN` runs S sequences stepping together instead (Model.eval_batch, one token
+of each per forward step, as the server batches concurrent replies; llama-batched-bench's S_TG)
+and reports their aggregate tokens/s: S * N tokens over the time of the N steps. Tokens
 are drawn at random from the vocabulary (speed does not depend on them), one warm-up run
 precedes the timed repetitions, and the table gives the median tokens/s with the standard
 deviation over the repetitions.
@@ -26,6 +29,8 @@ def add_arguments(parser):
     parser.add_argument("-n", "--generate", type=int, default=128, help="generated tokens, 0 to skip (default 128)")
     parser.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs of each test (default 5)")
     parser.add_argument("-b", "--batch", type=int, default=512, help="prompt tokens per forward step (default 512)")
+    parser.add_argument("-np", "--parallel", type=int, default=1,
+                        help="sequences generating together in each step, for tgN (default 1)")
     parser.add_argument("--kv", choices=("f32", "f16", "q8_0"), default="f32", help="KV cache type (default f32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per test instead of a table")
     # speed: weight repacking (krafla_twisted/pack.py)
@@ -47,9 +52,29 @@ def time_generation(session, tokens):
     return time.perf_counter() - start
 
 
-def measure(model, kind, n_tokens, repetitions, batch, kv):
+def time_parallel_generation(model, sessions, tokens):
+    """N steps, each one token of every session (tokens: (N, sessions))."""
+    for session in sessions:
+        session.truncate(0)
+    outs = [np.empty(model.n_vocab, np.float32) for _ in sessions]
+    start = time.perf_counter()
+    for step in tokens:
+        model.eval_batch([(session, step[k:k + 1], "last", outs[k]) for k, session in enumerate(sessions)])
+    return time.perf_counter() - start
+
+
+def measure(model, kind, n_tokens, repetitions, batch, kv, parallel=1):
     """Seconds of each timed repetition of one test (after one warm-up run)."""
     rng = np.random.default_rng(1234)
+    if kind == "tg" and parallel > 1:
+        tokens = rng.integers(0, model.n_vocab, size=(n_tokens, parallel)).astype(np.int32)
+        sessions = [model.session(ctx=max(n_tokens, 1), kv=kv, batch=1) for _ in range(parallel)]
+        try:
+            time_parallel_generation(model, sessions, tokens)
+            return [time_parallel_generation(model, sessions, tokens) for _ in range(repetitions)]
+        finally:
+            for session in sessions:
+                session.close()
     tokens = rng.integers(0, model.n_vocab, size=n_tokens).astype(np.int32)
     with model.session(ctx=max(n_tokens, 1), kv=kv, batch=batch) as session:
         run = time_prompt if kind == "pp" else time_generation
@@ -60,7 +85,8 @@ def measure(model, kind, n_tokens, repetitions, batch, kv):
 
 
 def summary(model, args, kind, n_tokens, seconds):
-    rates = [n_tokens / s for s in seconds]
+    parallel = args.parallel if kind == "tg" else 1
+    rates = [parallel * n_tokens / s for s in seconds]
     return {
         "model": model.name,
         "path": model.path,
@@ -72,7 +98,8 @@ def summary(model, args, kind, n_tokens, seconds):
         "threads": args.threads,
         "batch": args.batch,
         "kv": args.kv,
-        "test": f"{kind}{n_tokens}",
+        "parallel": parallel,
+        "test": f"{kind}{n_tokens}" + (f" np{parallel}" if parallel > 1 else ""),
         "n_tokens": n_tokens,
         "repetitions": len(seconds),
         "seconds": seconds,
@@ -112,7 +139,7 @@ def print_table(rows, out):
 
 
 def main(args):
-    for name in ("threads", "repetitions", "batch"):
+    for name in ("threads", "repetitions", "batch", "parallel"):
         if getattr(args, name) < 1:
             print(f"krafla bench: --{name} must be at least 1", file=sys.stderr)
             return 2
@@ -136,7 +163,7 @@ def main(args):
                 print(f"krafla bench: {n_tokens} tokens is too many", file=sys.stderr)
                 return 2
             try:
-                seconds = measure(model, kind, n_tokens, args.repetitions, args.batch, args.kv)
+                seconds = measure(model, kind, n_tokens, args.repetitions, args.batch, args.kv, args.parallel)
             except clib.KraflaError as e:
                 print(f"krafla bench: {e}", file=sys.stderr)
                 return 1

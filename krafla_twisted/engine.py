@@ -10,10 +10,14 @@ arrays to C without copies.
         session = model.session(ctx=2048, kv="f16", batch=32)
         logits = session.eval(prompt_ids)      # np.float32 (n_vocab,), of the last token
         rows = session.eval_all(more_ids)      # np.float32 (len(more_ids), n_vocab), of every token
+        other = model.session(ctx=2048, kv="f16", batch=32)
+        last, _ = model.eval_batch([(session, [next_id], "last"), (other, prompt_ids, "none")])
         session.truncate(10)                   # keep the first 10 positions of the cache
 
 One eval at a time per model: the thread pool belongs to the model, so sessions of one model
-must not evaluate concurrently (the C library refuses a second concurrent eval).
+must not evaluate concurrently (the C library refuses a second concurrent eval). To serve several
+sequences at once, `Model.eval_batch` runs them in the same forward steps (kr_batch_eval), each
+getting the bits it gets alone.
 """
 
 import ctypes
@@ -31,6 +35,7 @@ KR_ERR_CONTEXT = 6
 KR_ERR_STATE = 7
 
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
+LOGITS_MODES = {"none": 0, "last": 1, "all": 2}  # kr_logits_mode
 TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8"}
 DEFAULT_MAX_CTX = 4096
 
@@ -74,6 +79,16 @@ _int32_p = ctypes.POINTER(ctypes.c_int32)
 _float_p = ctypes.POINTER(ctypes.c_float)
 
 
+class kr_batch_item(ctypes.Structure):
+    _fields_ = [
+        ("session", _session_p),
+        ("tokens", _int32_p),
+        ("n_tokens", ctypes.c_int32),
+        ("logits", ctypes.c_int32),
+        ("logits_out", _float_p),
+    ]
+
+
 @clib.prototypes
 def _engine(lib):
     declare = clib.declare
@@ -93,6 +108,8 @@ def _engine(lib):
     declare(lib, "kr_session_eval_all", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
     # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
     declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
+    # int kr_batch_eval(kr_model *model, const kr_batch_item *items, int32_t n_items, kr_error *err);
+    declare(lib, "kr_batch_eval", ctypes.c_int, _model_p, ctypes.POINTER(kr_batch_item), ctypes.c_int32, _error_p)
     # int32_t kr_session_n_tokens(const kr_session *session);  (and n_ctx, n_batch, kv_type)
     for name in ("kr_session_n_tokens", "kr_session_n_ctx", "kr_session_n_batch", "kr_session_kv_type"):
         declare(lib, name, ctypes.c_int32, _session_p)
@@ -169,6 +186,55 @@ class Model(clib.OwnedHandle):
         result = Session(self, session, kv)
         self._sessions.add(result)
         return result
+
+    def eval_batch(self, items):
+        """Run several sessions of this model in the same forward steps (kr_batch_eval).
+
+        `items` is a sequence of (session, token_ids, logits) or (session, token_ids, logits, out):
+        token_ids are appended to the session as by Session.eval, `logits` is "none" (prefill),
+        "last" (the last token's, np.float32 (n_vocab,)) or "all" (every token's,
+        (len(token_ids), n_vocab)); `out`, a writeable C-contiguous float32 array of that shape,
+        receives them instead of a new array. Returns one entry per item: None for "none", else
+        the logits, each bit for bit what the session gets evaluated alone. A session appears at
+        most once; on any error no session changes."""
+        handle = self._check_open()
+        items = list(items)
+        if not items:
+            raise InvalidTokenError("eval_batch needs at least one (session, token_ids, logits) item",
+                                    KR_ERR_ARGUMENT)
+        raw = (kr_batch_item * len(items))()
+        keep, results = [], []
+        for index, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
+                raise InvalidTokenError(f"item {index}: expected (session, token_ids, logits[, out]), got {item!r}",
+                                        KR_ERR_ARGUMENT)
+            session, token_ids, mode = item[:3]
+            out = item[3] if len(item) == 4 else None
+            if not isinstance(session, Session) or session.model is not self:
+                raise InvalidTokenError(f"item {index}: {session!r} is not a session of {self!r}", KR_ERR_ARGUMENT)
+            if mode not in LOGITS_MODES:
+                raise InvalidTokenError(f"item {index}: logits {mode!r} is not one of {', '.join(LOGITS_MODES)}",
+                                        KR_ERR_ARGUMENT)
+            tokens = session._token_array(token_ids, f"eval_batch item {index}")
+            shape = {"none": None, "last": (self.n_vocab,), "all": (tokens.size, self.n_vocab)}[mode]
+            if out is not None:
+                if not (shape and isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
+                        and out.flags.c_contiguous and out.flags.writeable):
+                    raise ValueError(f"item {index}: out must be a writeable C-contiguous float32 array of shape "
+                                     f"{shape}")
+            elif shape:
+                out = np.empty(shape, dtype=np.float32)
+            raw[index].session = session._check_open()
+            raw[index].tokens = tokens.ctypes.data_as(_int32_p)
+            raw[index].n_tokens = tokens.size
+            raw[index].logits = LOGITS_MODES[mode]
+            raw[index].logits_out = out.ctypes.data_as(_float_p) if out is not None else None
+            keep.append(tokens)
+            results.append(out)
+        error = clib.kr_error()
+        if self._lib.kr_batch_eval(handle, raw, len(items), ctypes.byref(error)):
+            _raise(error)
+        return results
 
     def close(self):
         """Close every session of this model, then the model. Closing twice is harmless."""

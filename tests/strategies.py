@@ -331,3 +331,40 @@ def legacy_matmul_problems(draw, max_rows=13, max_blocks=7, max_tokens=9):
     row_end = draw(st.integers(row_begin + 1, rows))
     kind = draw(st.sampled_from(("quantized", "random", "extreme")))
     return type_name, rows, cols, n_tokens, row_begin, row_end, kind, draw(st.integers(0, 2**32 - 1))
+
+
+# Several sequences stepping together (kr_batch_eval, tests/test_batch_eval.py)
+
+LOGITS_MODES = ("none", "last", "all")
+
+
+@st.composite
+def sequence_schedules(draw, max_vocab, max_steps=6):
+    """One sequence as a scheduler with chunked prefill would run it: `tokens`, `steps` (how many
+    tokens each of its steps takes: prompt chunks of 1 to 9, then 1 per generated token), `modes`
+    (the logits each step asks for), `start` (the step it arrives at) and its session's spare
+    context and batch."""
+    chunks = draw(st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    steps = chunks + [1] * draw(st.integers(0, max_steps))
+    return dict(
+        tokens=draw(st.lists(st.integers(0, max_vocab - 1), min_size=sum(steps), max_size=sum(steps))),
+        steps=steps,
+        modes=draw(st.lists(st.sampled_from(LOGITS_MODES), min_size=len(steps), max_size=len(steps))),
+        start=draw(st.integers(0, 8)),
+        spare_ctx=draw(st.integers(0, 8)),
+        batch=draw(st.integers(1, 16)),
+    )
+
+
+@st.composite
+def batch_plans(draw, max_vocab, n_others=(1, 3, 7)):
+    """A request (asking for every logit) and 1, 3 or 7 others (sequence_schedules), the thread
+    count of the model they share, and a seed for the order of the items in each step."""
+    n = draw(st.sampled_from(n_others))
+    request = draw(sequence_schedules(max_vocab))
+    request["modes"] = ["all"] * len(request["steps"])  # every position of the request is compared
+    return dict(
+        sequences=[request] + [draw(sequence_schedules(max_vocab)) for _ in range(n)],
+        threads=draw(st.integers(1, 4)),
+        order_seed=draw(st.integers(0, 2**32 - 1)),
+    )

@@ -512,6 +512,18 @@ class BenchTests:
             np.testing.assert_allclose(row["tokens_per_second"], [row["n_tokens"] / s for s in row["seconds"]])
             assert row["median"] == sorted(row["tokens_per_second"])[1]
 
+    def test_parallel_generation(self, tiny, capsys):
+        """-np 3: tgN steps 3 sequences together and reports their aggregate rate, 3 * N tokens over
+        each run's seconds; the prompt test is unchanged; -np 0 is refused."""
+        path = tiny("qwen2", "q8_0")
+        assert cli.main(["bench", str(path), "-p", "8", "-n", "5", "-r", "2", "-np", "3", "--json"]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [(row["test"], row["parallel"]) for row in rows] == [("pp8", 1), ("tg5 np3", 3)]
+        np.testing.assert_allclose(rows[0]["tokens_per_second"], [8 / s for s in rows[0]["seconds"]])
+        np.testing.assert_allclose(rows[1]["tokens_per_second"], [15 / s for s in rows[1]["seconds"]])
+        assert cli.main(["bench", str(path), "-np", "0"]) == 2
+        assert "--parallel must be at least 1" in capsys.readouterr().err
+
     def test_table_and_errors(self, tiny, capsys):
         """The table has llama-bench's columns; bad arguments and files exit non-zero with a message."""
         path = tiny("llama")

@@ -177,8 +177,9 @@ int32_t kr_unicode_class(uint32_t codepoint);
 // A kr_model maps a .mlb file, validates every hyperparameter and binds every tensor (type and
 // shape checked), and owns a pool of n_threads threads (the caller plus n_threads - 1 workers).
 // A kr_session owns a KV cache of n_ctx positions and the scratch for n_batch tokens per step.
-// A model may have several sessions, but only one may be inside kr_session_eval at a time (a
-// second concurrent call fails with KR_ERR_STATE); free every session before closing its model.
+// A model may have several sessions, but only one call may evaluate on it at a time (a second
+// concurrent kr_session_eval* or kr_batch_eval fails with KR_ERR_STATE); kr_batch_eval runs one
+// step over several of its sessions at once. Free every session before closing its model.
 
 typedef struct kr_model kr_model;
 typedef struct kr_session kr_session;
@@ -228,10 +229,48 @@ int32_t kr_session_n_tokens(const kr_session *session);
 int32_t kr_session_n_ctx(const kr_session *session);
 int32_t kr_session_n_batch(const kr_session *session);
 int32_t kr_session_kv_type(const kr_session *session);
-// Tests of the step over several sequences (model/model.h, kr_batch; the server's batching builds on
-// it): one step of n tokens (at most sessions[0]'s n_batch, whose scratch it uses), token i
-// appended to sessions[which[i]] (all sessions of one model); logits_out (n * n_vocab floats, or
-// NULL) gets every token's logits, row i for tokens[i]. Checked like kr_session_eval.
+
+// --- Several sessions in one step (the server's batching of concurrent requests)
+//
+// kr_batch_eval appends items[k].tokens to items[k].session for every item, all in the same
+// forward steps: a scheduler gives one item per active sequence, 1 token for a sequence that is
+// generating and a chunk of its prompt for one that is prefilling, and the weights are read once
+// per step for all of them. Each session's logits are bitwise identical to what kr_session_eval /
+// kr_session_eval_all give it alone, whatever the other items, their number, positions and
+// lengths, the order of the items and the thread count (docs/architecture.md, "batched step").
+//
+// Steps: the tokens are laid out item after item, each item's in order, and run in steps of the
+// n_batch of the scratch the call borrows: that of the listed session with the longest context
+// (the first such), whose scratch can score every position of every session. With sessions of
+// one n_ctx and n_batch (a server's slots), a call of at most n_batch tokens in all is one step;
+// a longer one is cut into consecutive steps (an item may straddle two), with the same bits.
+//
+// Everything is checked before any work, so a failed call changes no session: model and items
+// not NULL, n_items >= 1, each session of this model and listed once, tokens in
+// [0, n_vocab) (KR_ERR_ARGUMENT), each item's tokens within its session's context
+// (KR_ERR_CONTEXT), logits_out present when asked for, the model not busy (KR_ERR_STATE). The
+// error message names the item. Qwen3.5's sessions follow their rule as ever: a session that
+// holds 0 tokens starts afresh (kr_session_truncate keeps the whole state or none).
+typedef enum {
+    KR_LOGITS_NONE = 0,          // prefill: no logits
+    KR_LOGITS_LAST = 1,          // the last token's: n_vocab floats (kr_session_eval's)
+    KR_LOGITS_ALL = 2,           // every token's: n_tokens * n_vocab floats, row i for tokens[i] (eval_all's)
+} kr_logits_mode;
+
+typedef struct {
+    kr_session *session;
+    const int32_t *tokens;       // (n_tokens,) appended at positions kr_session_n_tokens(session)..
+    int32_t n_tokens;            // at least 1
+    int32_t logits;              // kr_logits_mode
+    float *logits_out;           // where they go (unused with KR_LOGITS_NONE)
+} kr_batch_item;
+
+int kr_batch_eval(kr_model *model, const kr_batch_item *items, int32_t n_items, kr_error *err);
+
+// Tests of the step itself (model/model.h, kr_batch): one step of n tokens (at most sessions[0]'s
+// n_batch, whose scratch it uses), token i appended to sessions[which[i]] (all sessions of one
+// model), a session's tokens side by side or apart; logits_out (n * n_vocab floats, or NULL) gets
+// every token's logits, row i for tokens[i]. Checked like kr_session_eval.
 int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const int32_t *tokens, const int32_t *which,
                        int32_t n, float *logits_out, kr_error *err);
 // --- end Model and session

@@ -3,7 +3,8 @@
 //
 //   model.c      opens a .mlb, finds its architecture in the table below, binds the shared tensors
 //                (loader helpers), owns the thread pool;
-//   session.c    the public kr_session_*: one sequence + one step's scratch, eval in batches;
+//   session.c    the public kr_session_* and kr_batch_eval: one sequence + one step's scratch per
+//                session, eval in steps of one or several sessions;
 //   layers.c     the pieces every architecture's step is made of (norms, RoPE, the residual,
 //                matmul, attention and MLP jobs, the output head), over a batch of tokens that may
 //                belong to several sequences at different positions;

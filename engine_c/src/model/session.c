@@ -2,7 +2,9 @@
 // step's scratch (kr_scratch), evaluated n_batch tokens per step through the model's architecture.
 //
 // kr_seq_new and kr_scratch_new are separate so a step can serve several sequences at once
-// (kr_batch): a scratch is as wide as a step, a sequence as long as its context.
+// (kr_batch): a scratch is as wide as a step, a sequence as long as its context. kr_batch_eval
+// runs several sessions' tokens in the same steps on one borrowed scratch; kr_session_eval and
+// kr_session_eval_all are its one-item case.
 #include "kernels/kernels.h"
 #include "model/model.h"
 
@@ -19,9 +21,11 @@ struct kr_session {
     int32_t n_tokens;
     kr_seq seq;
     kr_scratch scratch;
-    int32_t *pos;          // (n_batch,) a step's positions,
-    kr_seq **seqs;         // its sequences (all this one),
-    float **logits;        // and where its logits go
+    // A step's tokens, positions, sequences and where its logits go, (n_batch,) each: this
+    // session's own steps, or any kr_batch_eval's that borrows its scratch.
+    int32_t *tokens, *pos;
+    kr_seq **seqs;
+    float **logits;
 };
 
 // Zeroed memory (calloc: pages of a large buffer are only touched when used, so a large context
@@ -157,6 +161,7 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
         return NULL;
     }
     bool failed = false;
+    s->tokens = kr_zalloc((size_t)n_batch, sizeof *s->tokens, &failed);
     s->pos = kr_zalloc((size_t)n_batch, sizeof *s->pos, &failed);
     s->seqs = kr_zalloc((size_t)n_batch, sizeof *s->seqs, &failed);
     s->logits = kr_zalloc((size_t)n_batch, sizeof *s->logits, &failed);
@@ -165,7 +170,6 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
         kr_session_free(s);
         return NULL;
     }
-    for (int32_t i = 0; i < n_batch; i++) s->seqs[i] = &s->seq;
     kr_ok(err);
     return s;
 }
@@ -174,7 +178,7 @@ void kr_session_free(kr_session *s) {
     if (!s) return;
     kr_seq_free(s->model, &s->seq);
     if (s->scratch.n_batch) kr_scratch_free(s->model, &s->scratch);
-    free(s->pos), free(s->seqs), free(s->logits);
+    free(s->tokens), free(s->pos), free(s->seqs), free(s->logits);
     free(s);
 }
 
@@ -196,47 +200,91 @@ int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
     return KR_OK;
 }
 
-// kr_session_eval and kr_session_eval_all: logits of the last token, or of every token (all).
-static int session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, bool all, kr_error *err) {
-    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval: session is NULL");
-    if (!tokens || n < 1) return kr_fail(err, KR_ERR_ARGUMENT, "no tokens to evaluate");
-    if (all && !logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
-    kr_model *m = s->model;
-    if (n > s->seq.kv.n_ctx - s->n_tokens)
-        return kr_fail(err, KR_ERR_CONTEXT, "%d tokens after %d do not fit in the context of %d", n, s->n_tokens,
-                       s->seq.kv.n_ctx);
-    for (int32_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= m->info.n_vocab)
-            return kr_fail(err, KR_ERR_ARGUMENT, "token id %d at index %d is outside [0, %d)", tokens[i], i,
-                           m->info.n_vocab);
+// --- Evaluation: one session (kr_session_eval*) or several in the same steps (kr_batch_eval)
+
+// Check one item before any work; `prefix` names it in the error ("" for kr_session_eval*).
+static int check_item(kr_model *m, const kr_batch_item *item, const char *prefix, kr_error *err) {
+    kr_session *s = item->session;
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "%ssession is NULL", prefix);
+    if (s->model != m) return kr_fail(err, KR_ERR_ARGUMENT, "%sthe session belongs to another model", prefix);
+    if (!item->tokens || item->n_tokens < 1) return kr_fail(err, KR_ERR_ARGUMENT, "%sno tokens to evaluate", prefix);
+    if (item->logits < KR_LOGITS_NONE || item->logits > KR_LOGITS_ALL)
+        return kr_fail(err, KR_ERR_ARGUMENT, "%slogits mode %d is not one of none (0), last (1), all (2)", prefix,
+                       item->logits);
+    if (item->logits != KR_LOGITS_NONE && !item->logits_out)
+        return kr_fail(err, KR_ERR_ARGUMENT, "%slogits_out is NULL", prefix);
+    if (item->n_tokens > s->seq.kv.n_ctx - s->n_tokens)
+        return kr_fail(err, KR_ERR_CONTEXT, "%s%d tokens after %d do not fit in the context of %d", prefix,
+                       item->n_tokens, s->n_tokens, s->seq.kv.n_ctx);
+    for (int32_t i = 0; i < item->n_tokens; i++)
+        if (item->tokens[i] < 0 || item->tokens[i] >= m->info.n_vocab)
+            return kr_fail(err, KR_ERR_ARGUMENT, "%stoken id %d at index %d is outside [0, %d)", prefix,
+                           item->tokens[i], i, m->info.n_vocab);
+    return KR_OK;
+}
+
+// Check every item (named when `named`), then run them item after item in steps of the scratch
+// of the session with the longest context (its attention scores fit every session's positions).
+static int evaluate(kr_model *m, const kr_batch_item *items, int32_t n_items, bool named, kr_error *err) {
+    kr_session *owner = NULL;
+    char prefix[32] = "";
+    for (int32_t k = 0; k < n_items; k++) {
+        if (named) snprintf(prefix, sizeof prefix, "item %d: ", k);
+        int status = check_item(m, &items[k], prefix, err);
+        if (status) return status;
+        for (int32_t other = 0; other < k; other++)
+            if (items[other].session == items[k].session)
+                return kr_fail(err, KR_ERR_ARGUMENT, "%sthe session of item %d is listed again", prefix, other);
+        if (!owner || items[k].session->seq.kv.n_ctx > owner->seq.kv.n_ctx) owner = items[k].session;
+    }
     int expected = 0;
     if (!atomic_compare_exchange_strong(&m->busy, &expected, 1))
         return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
-    int32_t n_batch = s->scratch.n_batch;
-    for (int32_t done = 0; done < n; done += n_batch) {
-        int32_t count = n - done < n_batch ? n - done : n_batch;
-        bool last = done + count == n;
-        for (int32_t i = 0; i < count; i++) {
-            s->pos[i] = s->n_tokens + i;
-            s->logits[i] = all ? logits + (size_t)(done + i) * (size_t)m->info.n_vocab : NULL;
+    int32_t n_batch = owner->scratch.n_batch, n = 0, n_vocab = m->info.n_vocab;
+    bool any_logits = false;
+    for (int32_t k = 0; k < n_items; k++) {
+        const kr_batch_item *item = &items[k];
+        kr_session *s = item->session;
+        for (int32_t i = 0; i < item->n_tokens; i++) {
+            float *row = NULL;
+            if (item->logits == KR_LOGITS_ALL) row = item->logits_out + (size_t)i * (size_t)n_vocab;
+            else if (item->logits == KR_LOGITS_LAST && i == item->n_tokens - 1) row = item->logits_out;
+            owner->tokens[n] = item->tokens[i];
+            owner->pos[n] = s->n_tokens + i;
+            owner->seqs[n] = &s->seq;
+            owner->logits[n] = row;
+            any_logits |= row != NULL;
+            if (++n < n_batch && !(k == n_items - 1 && i == item->n_tokens - 1)) continue;
+            kr_batch batch = {.n = n, .tokens = owner->tokens, .pos = owner->pos, .seq = owner->seqs,
+                              .logits = any_logits ? owner->logits : NULL};
+            m->arch->step(m, &owner->scratch, &batch);
+            n = 0, any_logits = false;
         }
-        if (last && !all) s->logits[count - 1] = logits;
-        kr_batch batch = {.n = count, .tokens = tokens + done, .pos = s->pos, .seq = s->seqs,
-                          .logits = (all || last) && logits ? s->logits : NULL};
-        m->arch->step(m, &s->scratch, &batch);
-        s->n_tokens += count;
     }
+    for (int32_t k = 0; k < n_items; k++) items[k].session->n_tokens += items[k].n_tokens;
     atomic_store(&m->busy, 0);
     kr_ok(err);
     return KR_OK;
 }
 
-int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
-    return session_eval(s, tokens, n, logits, false, err);
+int kr_batch_eval(kr_model *m, const kr_batch_item *items, int32_t n_items, kr_error *err) {
+    if (!m) return kr_fail(err, KR_ERR_ARGUMENT, "kr_batch_eval: model is NULL");
+    if (!items || n_items < 1) return kr_fail(err, KR_ERR_ARGUMENT, "kr_batch_eval: no items (%d)", n_items);
+    return evaluate(m, items, n_items, true, err);
 }
 
+int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval: session is NULL");
+    kr_batch_item item = {s, tokens, n, logits ? KR_LOGITS_LAST : KR_LOGITS_NONE, logits};
+    return evaluate(s->model, &item, 1, false, err);
+}
+
+// Every token's logits; each row the bits kr_session_eval gives for that position.
 int kr_session_eval_all(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
-    return session_eval(s, tokens, n, logits, true, err);
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: session is NULL");
+    if (!logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
+    kr_batch_item item = {s, tokens, n, KR_LOGITS_ALL, logits};
+    return evaluate(s->model, &item, 1, false, err);
 }
 
 int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const int32_t *tokens, const int32_t *which,
