@@ -19,6 +19,8 @@ class BuildWithEngine(build_py):
         native = os.path.join(self.build_lib, "krafla_twisted", "_native")
         os.makedirs(native, exist_ok=True)
         shutil.copy(out, os.path.join(native, "libkrafla.so"))
+        # krafla_twisted/header.py reads the constants of the C API from the header beside the library.
+        shutil.copy(os.path.join("engine_c", "include", "krafla.h"), os.path.join(native, "krafla.h"))
 
 
 setup(
@@ -43,6 +45,7 @@ setup(
             "openai>=1.50",
             "prometheus-client>=0.20",  # tests: parses /metrics as Prometheus would (owner: ecosystem)
             "regex>=2024.4",  # tests: runs llama.cpp's pre-tokenizer patterns as an oracle (owner: tokenizer)
+            "litellm>=1.50",  # tests: its own matcher recognises our context-length error (as aider relies on)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},

@@ -9,10 +9,14 @@ cache is rebuilt, never trusted. `status(model)` says what happened.
 import ctypes
 import os
 
-from krafla_twisted import clib
+from krafla_twisted import clib, header
 
-PACK_OFF, PACK_ON, PACK_CACHE = 0, 1, 2
-STATUS_NAMES = {0: "not packed", 1: "packed in memory", 2: "cache mapped", 3: "cache rebuilt"}
+PACK_OFF, PACK_ON, PACK_CACHE = header.KR_PACK_OFF, header.KR_PACK_ON, header.KR_PACK_CACHE
+# kr_pack_status
+NOT_PACKED, PACKED_IN_MEMORY = header.KR_PACK_STATUS_NONE, header.KR_PACK_STATUS_MEMORY
+CACHE_MAPPED, CACHE_BUILT = header.KR_PACK_STATUS_CACHE_MAPPED, header.KR_PACK_STATUS_CACHE_BUILT
+STATUS_NAMES = {NOT_PACKED: "not packed", PACKED_IN_MEMORY: "packed in memory", CACHE_MAPPED: "cache mapped",
+                CACHE_BUILT: "cache rebuilt"}
 
 
 @clib.prototypes

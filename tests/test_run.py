@@ -254,7 +254,7 @@ class RunTests:
         """A prompt longer than --ctx is refused before any work, with the sizes in the message."""
         result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--ctx", "4", "-p", "one two three four five six")
         assert result.returncode == 1
-        assert "context holds 4" in result.stderr
+        assert "maximum context length is 4 tokens. However, the prompt has 6 tokens" in result.stderr
 
 
 @pytest.fixture(autouse=True)
