@@ -241,6 +241,7 @@ class RunTests:
         (["MODEL", "-p", "x"], "-z TOKENIZER.mlt is required"),
         (["MODEL", "-z", "TOK", "-p", ""], "the prompt is empty"),
         (["MODEL", "-z", "TOK", "--no-pack", "--pack-cache", "-p", "x"], "--pack-cache"),  # speed: the engine packs now
+        (["MODEL", "-z", "TOK", "--eos", "999999", "-p", "x"], "--eos 999999 is not a token id of this model"),
     ])
     def test_errors_are_one_line(self, smollm, argv, fragment):
         """Bad files and arguments exit 1 with one `krafla run:` line naming the problem."""
