@@ -78,22 +78,34 @@ class Backend:
 
     def tokenize(self, content, *, add_special, parse_special, with_pieces):
         """/tokenize's answer. This must be called in the worker thread."""
-        ids = self.tokenizer.encode(content, add_bos=None if add_special else False, special=parse_special)
-        if with_pieces:
-            return {"tokens": [{"id": i, "piece": self._piece(i)} for i in ids]}
-        return {"tokens": ids}
+        return tokenize(self.tokenizer, content, add_special=add_special, parse_special=parse_special,
+                        with_pieces=with_pieces)
 
     def detokenize(self, tokens):
         """/detokenize's answer. This must be called in the worker thread."""
-        return {"content": self.tokenizer.decode(tokens).decode("utf-8", "replace")}
+        return detokenize(self.tokenizer, tokens)
 
-    def _piece(self, token_id):
-        # A piece that is not whole UTF-8 is a list of its byte values, as llama-server gives it.
-        raw = self.tokenizer.token_bytes(token_id)
+
+def tokenize(tokenizer, content, *, add_special, parse_special, with_pieces):
+    """{"tokens": ids} or, with_pieces, {"tokens": [{"id", "piece"}]}: a piece that is not whole UTF-8
+    is the list of its byte values, as llama-server gives it."""
+    ids = tokenizer.encode(content, add_bos=None if add_special else False, special=parse_special)
+    if not with_pieces:
+        return {"tokens": ids}
+    pieces = []
+    for token_id in ids:
+        raw = tokenizer.token_bytes(token_id)
         try:
-            return raw.decode("utf-8")
+            piece = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return list(raw)
+            piece = list(raw)
+        pieces.append({"id": token_id, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(tokenizer, tokens):
+    """{"content": the text of `tokens`} (bytes that are not UTF-8 become U+FFFD)."""
+    return {"content": tokenizer.decode(tokens).decode("utf-8", "replace")}
 
 
 def file_stem(path):
