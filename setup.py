@@ -19,6 +19,8 @@ class BuildWithEngine(build_py):
         native = os.path.join(self.build_lib, "krafla_twisted", "_native")
         os.makedirs(native, exist_ok=True)
         shutil.copy(out, os.path.join(native, "libkrafla.so"))
+        # krafla_twisted/header.py reads the constants of the C API from the header beside the library.
+        shutil.copy(os.path.join("engine_c", "include", "krafla.h"), os.path.join(native, "krafla.h"))
 
 
 setup(
@@ -48,6 +50,7 @@ setup(
             # tests: agent frameworks against a real server, replies checked against their schemas (owner: agents)
             "jsonschema>=4.20", "hypothesis-jsonschema>=0.23", "instructor>=1.7", "pydantic-ai-slim[openai]>=1.0",
             "langchain-openai>=0.3",
+            "litellm>=1.50",  # tests: its own matcher recognises our context-length error (as aider relies on)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},

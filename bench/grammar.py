@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from krafla_twisted import generate, grammar, models
+from krafla_twisted import generate, grammar, models, startup
 
 
 def main():
@@ -24,8 +24,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     pulled = models.pull(args.model)
-    runtime = generate.Runtime.from_options({"model": str(pulled.mlb), "tokenizer": str(pulled.mlt),
-                                             "chat": pulled.chat, "threads": args.threads})
+    runtime = startup.load_runtime({"model": str(pulled.mlb), "tokenizer": str(pulled.mlt),
+                                    "chat": pulled.chat, "threads": args.threads})
     generator = generate.Generator(runtime)
     prompt = runtime.template.render([{"role": "user", "content": "List many animals."}], runtime.tokenizer)
     schema = {"type": "array", "items": {"type": "string"}}

@@ -10,12 +10,14 @@ import os
 import threading
 import weakref
 
+from krafla_twisted import header
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOT = os.path.dirname(PACKAGE_DIR)
 
-KR_OK = 0
-KR_ERR_STATE = 7
-KR_ERROR_MESSAGE_SIZE = 512
+KR_OK = header.KR_OK
+KR_ERR_STATE = header.KR_ERR_STATE
+KR_ERROR_MESSAGE_SIZE = header.KR_ERROR_MESSAGE_SIZE
 
 
 class KraflaError(Exception):

@@ -14,14 +14,15 @@ import os
 
 import numpy as np
 
-from krafla_twisted import clib
+from krafla_twisted import clib, header
 
-MODEL_MAGIC = b"KRAFLAMB"
-TOKENIZER_MAGIC = b"KRAFLATK"
-MAX_DIMS = 4
+MODEL_MAGIC = header.KR_MODEL_MAGIC.encode("ascii")
+TOKENIZER_MAGIC = header.KR_TOKENIZER_MAGIC.encode("ascii")
+MAX_DIMS = header.KR_MAX_DIMS
 
 # kr_meta_kind
-META_INT, META_FLOAT, META_STR, META_INTS, META_FLOATS = 1, 2, 3, 4, 5
+META_INT, META_FLOAT, META_STR = header.KR_META_INT, header.KR_META_FLOAT, header.KR_META_STR
+META_INTS, META_FLOATS = header.KR_META_INTS, header.KR_META_FLOATS
 
 
 class kr_tensor_info(ctypes.Structure):

@@ -26,18 +26,16 @@ import weakref
 
 import numpy as np
 
-from krafla_twisted import clib
+from krafla_twisted import clib, formats, header
 from krafla_twisted.container import ContainerFile
 
 # kr_status codes this module maps to exception classes.
-KR_ERR_ARGUMENT = 4
-KR_ERR_CONTEXT = 6
-KR_ERR_STATE = 7
+KR_ERR_ARGUMENT = header.KR_ERR_ARGUMENT
+KR_ERR_CONTEXT = header.KR_ERR_CONTEXT
+KR_ERR_STATE = header.KR_ERR_STATE
 
-KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
-LOGITS_MODES = {"none": 0, "last": 1, "all": 2}  # kr_logits_mode
-TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8"}
-DEFAULT_MAX_CTX = 4096
+KV_TYPES = {name.lower(): code for name, code in header.members("KR_KV_").items()}
+LOGITS_MODES = {name.lower(): code for name, code in header.members("KR_LOGITS_").items()}  # kr_logits_mode
 
 
 class EngineError(clib.KraflaError):
@@ -115,6 +113,11 @@ def _engine(lib):
         declare(lib, name, ctypes.c_int32, _session_p)
 
 
+def library_isa():
+    """The ISA the loaded engine library was built for: "avx512", "avx2" or "generic"."""
+    return clib.load().kr_isa().decode("ascii")
+
+
 def _raise(error):
     """Raise the exception class for a failed kr_error."""
     message = error.message.decode("utf-8", "replace") or f"krafla error {error.status}"
@@ -152,7 +155,8 @@ class Model(clib.OwnedHandle):
         self.n_vocab = raw.n_vocab
         self.max_seq = raw.max_seq
         self.arch = raw.arch.decode()
-        self.weight_type = TYPE_NAMES.get(raw.weight_type, str(raw.weight_type))
+        known = formats.TENSOR_TYPES.get(raw.weight_type)
+        self.weight_type = known.name if known else str(raw.weight_type)
         self.n_params = raw.n_params
         self.n_bytes = raw.n_bytes
         with ContainerFile(self.path) as container:
@@ -168,14 +172,15 @@ class Model(clib.OwnedHandle):
         return self._check_open()
 
     def session(self, ctx=None, kv="f32", batch=32):
-        """A new Session: a KV cache of `ctx` positions (default max_seq, at most 4096) of type
-        `kv` (f32, f16), evaluating `batch` tokens per step."""
+        """A new Session: a KV cache of `ctx` positions (default: the engine's, the model's
+        max_seq at most KR_DEFAULT_MAX_CTX) of type `kv` (a KV_TYPES name), evaluating `batch`
+        tokens per step."""
         handle = self._check_open()
         if kv not in KV_TYPES:
             raise ValueError(f"KV cache type {kv!r} is not one of {', '.join(KV_TYPES)}")
         if ctx is None:
-            ctx = min(self.max_seq, DEFAULT_MAX_CTX)
-        if not isinstance(ctx, int) or ctx < 1:
+            ctx = 0  # the engine's default
+        elif not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
             raise ValueError(f"context must be a positive integer, not {ctx!r}")
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive integer, not {batch!r}")

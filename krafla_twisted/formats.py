@@ -15,8 +15,9 @@ Layout (little-endian; docs/formats.md has it byte by byte):
     padding   zeros up to data_offset (a multiple of ALIGNMENT)
     data      each tensor at data_offset + offset, offset a multiple of ALIGNMENT
 
-The engine_c loader (engine_c/src/format/file.c) reads the same layout; the constants below are
-mirrored in engine_c/include/krafla.h and a test checks they agree.
+The engine_c loader (engine_c/src/format/file.c) reads the same layout; the magics, limits, kinds
+and type codes below are read from engine_c/include/krafla.h (krafla_twisted/header.py), and the
+block sizes are checked against the C library's kr_type_size.
 """
 
 import math
@@ -27,21 +28,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODEL_MAGIC = b"KRAFLAMB"
-TOKENIZER_MAGIC = b"KRAFLATK"
-VERSION = 1
-ALIGNMENT = 64
+from krafla_twisted import header
+
+MODEL_MAGIC = header.KR_MODEL_MAGIC.encode("ascii")
+TOKENIZER_MAGIC = header.KR_TOKENIZER_MAGIC.encode("ascii")
+VERSION = header.KR_FILE_VERSION
+ALIGNMENT = header.KR_ALIGNMENT
 HEADER = struct.Struct("<8sIIIIQQ")
-MAX_DIMS = 4
-MAX_NAME = 1024  # bytes in a key or tensor name
-MAX_ENTRIES = 1 << 20  # metadata entries or tensors
+MAX_DIMS = header.KR_MAX_DIMS
+MAX_NAME = header.KR_MAX_NAME  # bytes in a key or tensor name
+MAX_ENTRIES = header.KR_MAX_ENTRIES  # metadata entries or tensors
 
 # Metadata value kinds.
-META_INT = 1  # i64
-META_FLOAT = 2  # f64
-META_STR = 3  # u32 length + UTF-8 bytes
-META_INTS = 4  # u32 count + i64[count]
-META_FLOATS = 5  # u32 count + f64[count]
+META_INT = header.KR_META_INT  # i64
+META_FLOAT = header.KR_META_FLOAT  # f64
+META_STR = header.KR_META_STR  # u32 length + UTF-8 bytes
+META_INTS = header.KR_META_INTS  # u32 count + i64[count]
+META_FLOATS = header.KR_META_FLOATS  # u32 count + f64[count]
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,13 @@ class TensorType:
 # Q8_0: 32 weights = f16 scale d + 32 x int8 q; w = d * q.
 # Q4_0: 32 weights = f16 scale d + 16 bytes; byte j holds weight j (low nibble) and weight
 #       j + 16 (high nibble); w = d * (nibble - 8). Both are GGUF's layouts.
-F32 = TensorType(0, "f32", 1, 4, "<f4")
-F16 = TensorType(1, "f16", 1, 2, "<f2")
-BF16 = TensorType(2, "bf16", 1, 2, None)
-Q8_0 = TensorType(3, "q8_0", 32, 34, None)
-Q4_0 = TensorType(4, "q4_0", 32, 18, None)
-I32 = TensorType(5, "i32", 1, 4, "<i4")
-U8 = TensorType(6, "u8", 1, 1, "u1")
+F32 = TensorType(header.KR_F32, "f32", 1, 4, "<f4")
+F16 = TensorType(header.KR_F16, "f16", 1, 2, "<f2")
+BF16 = TensorType(header.KR_BF16, "bf16", 1, 2, None)
+Q8_0 = TensorType(header.KR_Q8_0, "q8_0", 32, 34, None)
+Q4_0 = TensorType(header.KR_Q4_0, "q4_0", 32, 18, None)
+I32 = TensorType(header.KR_I32, "i32", 1, 4, "<i4")
+U8 = TensorType(header.KR_U8, "u8", 1, 1, "u1")
 # ggml's other block layouts, byte for byte as GGUF stores them (docs/formats.md):
 # Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; w = d * nibble + m.
 # Q5_0: f16 d, 4 bytes of fifth bits (bit j of weight j), 16 bytes of nibbles; w = d * (q - 16).
@@ -78,12 +81,12 @@ U8 = TensorType(6, "u8", 1, 1, "u1")
 # Q4_K, Q5_K: super-blocks of 256 = f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and
 #   mins (8 sub-blocks of 32), [Q5_K: 32 bytes of fifth bits], 128 bytes of nibbles.
 # Q6_K: 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales (sub-blocks of 16), f16 d.
-Q4_1 = TensorType(7, "q4_1", 32, 20, None)
-Q5_0 = TensorType(8, "q5_0", 32, 22, None)
-Q5_1 = TensorType(9, "q5_1", 32, 24, None)
-Q4_K = TensorType(10, "q4_K", 256, 144, None)
-Q5_K = TensorType(11, "q5_K", 256, 176, None)
-Q6_K = TensorType(12, "q6_K", 256, 210, None)
+Q4_1 = TensorType(header.KR_Q4_1, "q4_1", 32, 20, None)
+Q5_0 = TensorType(header.KR_Q5_0, "q5_0", 32, 22, None)
+Q5_1 = TensorType(header.KR_Q5_1, "q5_1", 32, 24, None)
+Q4_K = TensorType(header.KR_Q4_K, "q4_K", 256, 144, None)
+Q5_K = TensorType(header.KR_Q5_K, "q5_K", 256, 176, None)
+Q6_K = TensorType(header.KR_Q6_K, "q6_K", 256, 210, None)
 TENSOR_TYPES = {t.code: t for t in (F32, F16, BF16, Q8_0, Q4_0, I32, U8, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
 TENSOR_TYPES_BY_NAME = {t.name: t for t in TENSOR_TYPES.values()}
 

@@ -1,12 +1,14 @@
 """One generation, shared by `krafla run` and the server: prefix reuse, sampling, stop tokens and
 stop strings, UTF-8 pieces.
 
-    runtime = Runtime.from_options(options)          # model + session + tokenizer + template
-    generator = Generator(runtime)
-    result = generator.generate(prompt_ids, max_tokens=64, sampling=SamplingParams(),
-                                stop_strings=("\\n\\n",), on_text=print)
+    runtime = Runtime(model, tokenizer, template)    # or startup.load_runtime(options)
+    prompt = build_prompt(runtime, messages=[{"role": "user", "content": "Hi"}], stop=("\\n\\n",))
+    result = Generator(runtime).generate(prompt.tokens, max_tokens=64, sampling=SamplingParams(),
+                                         stop_strings=prompt.stop_strings, on_text=print)
 
 Everything here runs in one thread (the server's worker): the Runtime's session is not shared.
+This module knows neither command-line options nor downloads (krafla_twisted/startup.py turns
+those into a Runtime).
 
 KV prefix reuse: the Runtime remembers the tokens whose keys and values are in the session. A new
 prompt keeps their longest common prefix, truncates the rest and evaluates only the new tokens;
@@ -26,16 +28,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from krafla_twisted import chat, clib, options
+from krafla_twisted import chat, clib
 from krafla_twisted.sampler import Sampler
 
 
 class ContextLengthExceeded(ValueError):
-    """The prompt does not fit the context (with room for at least one reply token)."""
+    """The prompt does not fit the context (with room for at least one reply token).
+
+    The message begins as OpenAI's does ("This model's maximum context length is N tokens.
+    However, ..."): clients that recognise the error by its text (litellm, and aider through it)
+    then raise their context-window error instead of a generic one.
+    """
 
     def __init__(self, n_prompt, n_ctx):
-        super().__init__(f"the prompt has {n_prompt} tokens but the context holds {n_ctx} "
-                         f"(prompt and reply together; at most {n_ctx - 1} prompt tokens)")
+        super().__init__(f"This model's maximum context length is {n_ctx} tokens. However, the prompt has "
+                         f"{n_prompt} tokens (prompt and reply share the context, so a prompt may have at most "
+                         f"{n_ctx - 1}). Please shorten the prompt.")
         self.n_prompt = n_prompt
         self.n_ctx = n_ctx
 
@@ -193,7 +201,8 @@ class StopStringFilter:
 
 class Runtime:
     """A Model, one Session over it, the Tokenizer, the chat Template (or None) and the defaults
-    from the options. It owns the model and closes it in close()."""
+    a request falls back on (sampling, max_tokens, system prompt). It owns the model and closes
+    it in close()."""
 
     def __init__(self, model, tokenizer, template=None, *, ctx=None, kv="f32", batch=32, eos=None,
                  sampling=SamplingParams(), max_tokens=0, system=None, threads=None):
@@ -201,7 +210,7 @@ class Runtime:
             raise ValueError(f"the tokenizer has {tokenizer.n_vocab} tokens but the model {model.n_vocab}: "
                              "they do not belong together")
         if eos is not None and not 0 <= eos < model.n_vocab:
-            raise options.OptionError(f"--eos {eos} is not a token id of this model (0..{model.n_vocab - 1})")
+            raise ValueError(f"the end-of-reply token {eos} is not a token id of this model (0..{model.n_vocab - 1})")
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
@@ -221,52 +230,6 @@ class Runtime:
         self.stop_token_ids = frozenset(stops)
         self.cached = []            # token ids whose KV is in the session, in order
         self.cached_logits = None   # logits after the last of them, when known
-
-    @classmethod
-    def from_options(cls, opts, *, progress=False):
-        """Load what the options name: `model` (a .mlb; None pulls the default model and uses its
-        chat template unless --chat says otherwise) and the ENGINE_OPTIONS. Raises ValueError
-        (options.OptionError) for a bad value, clib.KraflaError for a bad file."""
-        from krafla_twisted.engine import Model
-        from krafla_twisted.tokenizer import Tokenizer
-
-        config = options.validate(options.values(opts))
-        model_path = opts.get("model") if hasattr(opts, "keys") else getattr(opts, "model", None)
-        chat_name = config["chat"]
-        if model_path is None:
-            from krafla_twisted import models
-
-            pulled = models.pull(models.DEFAULT_MODEL, progress=progress)
-            model_path, config["tokenizer"] = str(pulled.mlb), str(pulled.mlt)
-            chat_name = chat_name or pulled.chat
-        if config["tokenizer"] is None:
-            raise options.OptionError(f"-z TOKENIZER.mlt is required with the model {model_path}")
-        packing = _packing_arguments(Model, config)
-        threads = config["threads"] or options.default_threads()
-        template_from = "--chat" if config["chat"] else "the default model" if chat_name else None
-        if chat_name == "none":  # --chat none: plain-text prompts whatever the file says
-            chat_name = None
-        template = chat.get_template(chat_name) if chat_name else None
-        model = Model(model_path, threads=threads, **packing)
-        try:
-            tokenizer = Tokenizer(config["tokenizer"])
-            if not config["chat"] and template is None:  # the template the tokenizer file names
-                from krafla_twisted import chat_file
-
-                chat_name = chat_file.template_of(config["tokenizer"])
-                template = chat.get_template(chat_name) if chat_name else None
-                template_from = "the tokenizer file" if chat_name else None
-            sampling = SamplingParams(
-                temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
-                repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
-            runtime = cls(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], batch=config["batch"],
-                          eos=config["eos"], sampling=sampling, max_tokens=config["max_tokens"],
-                          system=config["system"], threads=threads)
-            runtime.template_from = template_from
-            return runtime
-        except BaseException:
-            model.close()
-            raise
 
     @property
     def n_ctx(self):
@@ -292,19 +255,42 @@ class Runtime:
         self.close()
 
 
-def _packing_arguments(model_class, config):
-    """Model keyword arguments for --no-pack / --pack-cache. An engine without weight repacking
-    already runs on the file's layout (what --no-pack asks for); --pack-cache is refused there
-    rather than silently ignored."""
-    import inspect
+# ---------------------------------------------------------------------------------------------
+# Prompt: what a request asks for, as the generator takes it
 
-    parameters = inspect.signature(model_class).parameters
-    if "pack" in parameters:
-        return {"pack": not config["no_pack"], "pack_cache": config["pack_cache"]}
-    if config["pack_cache"] and not config["no_pack"]:
-        raise options.OptionError("--pack-cache: this engine build does not repack weights, so there is "
-                                  "nothing to cache; leave the option out")
-    return {}
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: tuple               # the prompt's token ids
+    stop_strings: tuple         # the reply ends before the first of these
+
+
+def build_prompt(runtime, *, messages=None, text=None, tokens=None, stop=(), tools=None):
+    """The one place a request becomes its prompt tokens and stop strings, for `krafla run` and the
+    server alike. Exactly one of: `messages`, a chat rendered turn by turn by the runtime's template
+    (with its system prompt for chats that have none, and `tools`, OpenAI's tool definitions, in the
+    template's own way), whose stop strings join `stop`; `text`,
+    encoded as plain text (BOS as the tokenizer says); `tokens`, the ids as given.
+
+    Raises chat.ChatError when the template refuses the chat (or there is no template), ValueError
+    when the text encodes to no tokens.
+    """
+    if sum(x is not None for x in (messages, text, tokens)) != 1:
+        raise TypeError("build_prompt takes exactly one of messages, text and tokens")
+    if tools and messages is None:
+        raise TypeError("build_prompt takes tools only with messages")
+    stop = tuple(stop)
+    if messages is not None:
+        if runtime.template is None:
+            raise chat.ChatError("this model has no chat template: give --chat TEMPLATE, or send plain text")
+        ids = runtime.template.render(list(messages), runtime.tokenizer, system=runtime.system, tools=tools or None)
+        return Prompt(tuple(ids), stop + tuple(runtime.template.stop_strings))
+    if tokens is not None:
+        return Prompt(tuple(int(t) for t in tokens), stop)
+    ids = runtime.tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt is empty: it encodes to no tokens")
+    return Prompt(tuple(ids), stop)
 
 
 # ---------------------------------------------------------------------------------------------

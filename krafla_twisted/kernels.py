@@ -10,12 +10,14 @@ import ctypes
 
 import numpy as np
 
-from krafla_twisted import clib
+from krafla_twisted import clib, engine, formats, header
 
-IMPLEMENTATIONS = {"dispatch": 0, "reference": 1, "avx2": 2}
-WEIGHT_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 7, "q5_0": 8, "q5_1": 9}
-BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+IMPLEMENTATIONS = {name.lower(): code for name, code in header.members("KR_KERNEL_").items()}
+# The weight types the test entry points take (krafla.h, "Kernels (tests)").
+WEIGHT_TYPES = {name: formats.TENSOR_TYPES_BY_NAME[name].code
+                for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
+BLOCK = formats.Q8_0.block
+BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -69,9 +71,7 @@ def _declare(lib):
     clib.declare(lib, "kr_test_matmul_packed", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _p, _i64, _i64, _err)
 
 
-def isa():
-    """The ISA the loaded library was built for: "avx2", "avx512" or "generic"."""
-    return clib.load().kr_isa().decode()
+isa = engine.library_isa
 
 
 def has_avx2():
@@ -117,7 +117,7 @@ def row_bytes(type_name, cols):
         if cols % BLOCK:
             raise ValueError(f"{type_name} rows need a multiple of {BLOCK} columns, got {cols}")
         return cols // BLOCK * BLOCK_BYTES[type_name]
-    return cols * {"f32": 4, "f16": 2, "bf16": 2}[type_name]
+    return formats.TENSOR_TYPES_BY_NAME[type_name].nbytes((cols,))
 
 
 def f16_to_f32(bits, impl="dispatch"):

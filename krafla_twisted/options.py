@@ -13,10 +13,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from krafla_twisted import header
 from krafla_twisted.chat import TEMPLATE_NAMES
 
-KV_TYPES = ("f32", "f16", "q8_0")
-DEFAULT_MAX_CTX = 4096
+KV_TYPES = tuple(name.lower() for name in header.members("KR_KV_"))
 MAX_THREADS = 256
 
 
@@ -105,8 +105,8 @@ ENGINE_OPTIONS = (
     Option("system", "system", None, None, "System prompt for chats that have none.", metavar="TEXT"),
     Option("threads", "threads", "t", None, "Threads (default: the number of CPUs).", int, "N", low=1, high=MAX_THREADS),
     Option("ctx", "ctx", None, None,
-           f"Context length in tokens (default: the model's max_seq, at most {DEFAULT_MAX_CTX}).", int, "N", low=1),
-    Option("kv", "kv", None, "f32", "KV cache type: f32, f16 or q8_0.", choices=KV_TYPES, metavar="TYPE"),
+           f"Context length in tokens (default: the model's max_seq, at most {header.KR_DEFAULT_MAX_CTX}).", int, "N", low=1),
+    Option("kv", "kv", None, "f32", f"KV cache type: {', '.join(KV_TYPES)}.", choices=KV_TYPES, metavar="TYPE"),
     Option("batch", "batch", None, 32, "Prompt tokens per forward step.", int, "N", low=1, high=65536),
     Option("no_pack", "no-pack", None, False, "Run on the file's weight layout (no repacking).", flag=True),
     Option("pack_cache", "pack-cache", None, False,

@@ -10,13 +10,15 @@ log when a cache was asked for and could not be written (the model then runs pac
 import ctypes
 import os
 
-from krafla_twisted import clib
+from krafla_twisted import clib, header
 
-PACK_OFF, PACK_ON, PACK_CACHE = 0, 1, 2
-# kr_model_pack_status's codes (KR_PACKED_* in krafla.h)
-NOT_PACKED, PACKED_MEMORY, CACHE_MAPPED, CACHE_REBUILT, CACHE_FAILED = 0, 1, 2, 3, 4
-STATUS_NAMES = {NOT_PACKED: "not packed", PACKED_MEMORY: "packed in memory", CACHE_MAPPED: "cache mapped",
-                CACHE_REBUILT: "cache rebuilt", CACHE_FAILED: "cache not written, packed in memory"}
+PACK_OFF, PACK_ON, PACK_CACHE = header.KR_PACK_OFF, header.KR_PACK_ON, header.KR_PACK_CACHE
+# kr_pack_status
+NOT_PACKED, PACKED_IN_MEMORY = header.KR_PACK_STATUS_NONE, header.KR_PACK_STATUS_MEMORY
+CACHE_MAPPED, CACHE_BUILT = header.KR_PACK_STATUS_CACHE_MAPPED, header.KR_PACK_STATUS_CACHE_BUILT
+CACHE_FAILED = header.KR_PACK_STATUS_CACHE_FAILED
+STATUS_NAMES = {NOT_PACKED: "not packed", PACKED_IN_MEMORY: "packed in memory", CACHE_MAPPED: "cache mapped",
+                CACHE_BUILT: "cache rebuilt", CACHE_FAILED: "cache not written, packed in memory"}
 
 
 @clib.prototypes

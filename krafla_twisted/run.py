@@ -19,7 +19,7 @@ chat, rendered turn by turn so each turn only evaluates its new tokens.
 
 import sys
 
-from krafla_twisted import chat, clib, generate, options
+from krafla_twisted import chat, clib, generate, options, startup
 
 
 def add_arguments(parser):
@@ -114,7 +114,7 @@ def main(args, stdin=None, stdout=None, stderr=None):
             prompt = read_prompt(args, stdin)
             if not prompt:
                 raise ValueError("the prompt is empty (give -p PROMPT or text on stdin)")
-        runtime = generate.Runtime.from_options(args, progress=True)
+        runtime = startup.load_runtime(args, progress=True)
         if runtime.template is not None and runtime.template_from not in (None, "--chat"):
             print(f"krafla run: chat template {runtime.template.name} (from {runtime.template_from}; "
                   "--chat none for plain text)", file=stderr)
@@ -134,11 +134,10 @@ def main(args, stdin=None, stdout=None, stderr=None):
             if interactive:
                 return _chat_loop(runtime, args.prompt, stdin, output, stderr)
             if runtime.template is not None:
-                prompt_ids = runtime.template.render([{"role": "user", "content": prompt}], runtime.tokenizer,
-                                                     system=runtime.system)
+                request = generate.build_prompt(runtime, messages=[{"role": "user", "content": prompt}])
             else:
-                prompt_ids = runtime.tokenizer.encode(prompt)
-            result = _reply(runtime, prompt_ids, output)
+                request = generate.build_prompt(runtime, text=prompt)
+            result = _reply(runtime, request, output)
     except KeyboardInterrupt:
         status.clear()
         print("\nkrafla run: interrupted", file=stderr)
@@ -152,10 +151,9 @@ def main(args, stdin=None, stdout=None, stderr=None):
     return 0
 
 
-def _reply(runtime, prompt_ids, output):
-    stop_strings = runtime.template.stop_strings if runtime.template is not None else ()
+def _reply(runtime, prompt, output):
     return generate.Generator(runtime).generate(
-        prompt_ids, max_tokens=runtime.max_tokens, sampling=runtime.sampling, stop_strings=stop_strings,
+        prompt.tokens, max_tokens=runtime.max_tokens, sampling=runtime.sampling, stop_strings=prompt.stop_strings,
         on_text=output, on_prompt_progress=output.status)
 
 
@@ -182,8 +180,7 @@ def _chat_loop(runtime, first_message, stdin, output, stderr):
             if not message.strip():
                 continue
         conversation.append({"role": "user", "content": message})
-        prompt_ids = runtime.template.render(conversation, runtime.tokenizer, system=runtime.system)
-        result = _reply(runtime, prompt_ids, output)
+        result = _reply(runtime, generate.build_prompt(runtime, messages=conversation), output)
         conversation.append({"role": "assistant", "content": result.text})
         output.end_reply()
         print(stats_line(result), file=stderr)

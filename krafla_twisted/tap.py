@@ -9,7 +9,9 @@ Without a model argument the default model is used, pulled and converted on firs
 import getopt
 import ipaddress
 import os
+import re
 import sys
+from urllib.parse import urlsplit
 
 from twisted.application import service
 from twisted.internet import endpoints
@@ -17,12 +19,12 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from krafla_twisted import clib, options
+from krafla_twisted.api.resources import DEFAULT_MAX_QUEUE
 
 log = Logger(namespace="krafla")
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_MAX_QUEUE = 64
 SHUTDOWN_GRACE_SECONDS = 5  # at SIGTERM, how long replies ended with an error get to reach their clients
 
 
@@ -42,7 +44,8 @@ class Options(usage.Options):
         ["port", None, DEFAULT_PORT, "TCP port; 0 picks a free port, printed at start.", int],
         ["api-key", None, None, "Require 'Authorization: Bearer KEY' (default: $KRAFLA_API_KEY if set)."],
         ["alias", None, None, "Model id in responses and /v1/models (default: the file name without .mlb)."],
-        ["cors", None, None, "Let web pages from ORIGIN (* for any) call the server from a browser."],
+        ["cors", None, None, "Let web pages from these origins call the server from a browser: "
+         "scheme://host[:port] as the browser sends it, e.g. http://localhost:3000 (comma-separated; * for any)."],
         ["allow-host", None, None, "Without an API key, also answer requests addressed to these DNS names "
          "(comma-separated; * for any); by default only localhost and IP addresses, against DNS rebinding."],
         ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait behind the one being answered; more get 503 "
@@ -97,8 +100,7 @@ class Options(usage.Options):
             self["api-key"] = os.environ.get("KRAFLA_API_KEY") or None
         if self["api-key"] is not None and not self["api-key"].strip():
             raise usage.UsageError("--api-key must not be empty")
-        if self["cors"] is not None and not self["cors"].strip():
-            raise usage.UsageError("--cors takes an origin such as http://localhost:3000, or *")
+        self["cors"] = parse_cors(self["cors"]) if self["cors"] is not None else ()
         if self["max-queue"] < 0:
             raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
         clear_unusable_pidfile(getattr(self, "parent", None))
@@ -134,6 +136,44 @@ def clear_unusable_pidfile(twistd_options):
     except OSError as e:
         raise usage.UsageError(f"the pidfile {pidfile} holds no process id and cannot be removed: {e}") from None
     print(f"krafla: removed the pidfile {pidfile}, which held no process id", file=sys.stderr)
+
+
+def parse_cors(text):
+    """The origins of --cors (comma-separated): "*", or each exactly as a browser sends it in its
+    Origin header (scheme://host[:port], lower case, no path, no default port), because a request's
+    Origin is compared with them byte for byte: anything else would never match, so it is refused."""
+    origins = []
+    for value in (part.strip() for part in text.split(",")):
+        if value == "*":
+            origins.append(value)
+            continue
+        expected = _origin_form(value)
+        if expected != value:
+            hint = f"; did you mean {expected}?" if expected else ""
+            raise usage.UsageError(f"--cors takes origins such as http://localhost:3000 (scheme://host[:port], as a "
+                                   f"browser sends them in its Origin header) or *, not {value!r}{hint}")
+        origins.append(value)
+    return tuple(origins)
+
+
+def _origin_form(value):
+    """`value` serialized as a browser's Origin header, or None if it names no origin."""
+    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value):
+        return None
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname or parts.username is not None or parts.password is not None or parts.query or \
+            parts.fragment or parts.path not in ("", "/"):
+        return None
+    scheme, host = parts.scheme.lower(), parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    if port is not None and {"http": 80, "https": 443}.get(scheme) != port:
+        host = f"{host}:{port}"
+    return f"{scheme}://{host}"
 
 
 def parse_host(text):
@@ -174,39 +214,40 @@ class KraflaService(service.Service):
         self.site = None
 
     def startService(self):
+        from krafla_twisted import pack, startup
+        from krafla_twisted.api import listen, metrics
         from krafla_twisted.api.access import Access
-        from krafla_twisted.api.backend import load_backend
-        from krafla_twisted.api.resources import API, build_root
+        from krafla_twisted.api.backend import Backend
+        from krafla_twisted.api.resources import API
+        from krafla_twisted.api.routes import build_root
         from krafla_twisted.api.site import APISite
         from krafla_twisted.api.worker import EngineWorker
 
         super().startService()
         config = self.config
+        if config.get("model") is None:
+            from krafla_twisted import models
+
+            log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
         try:
-            backend = load_backend(config)
+            runtime = startup.load_runtime(config)
         except (clib.KraflaError, OSError, ValueError, RuntimeError) as e:  # also OptionError, ChatError, PullError
             self._fail(f"cannot load the model: {e}")
-        self.runtime = backend.runtime
+        self.runtime = runtime
+        backend = Backend.serving(runtime, alias=config.get("alias"))
         self.worker = EngineWorker(self.reactor, backend)
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
-        from krafla_twisted import pack  # a --pack-cache that could not be written says why (owner: engine)
-        pack_warning = pack.warning(backend.runtime.model)
+        pack_warning = pack.warning(backend.runtime.model)  # a --pack-cache that could not be written says why
         if pack_warning:
             log.warn("{warning}", warning=pack_warning)
-        cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
         hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
-        access = Access(config["api-key"], cors, allowed_hosts=hosts)
+        access = Access(config["api-key"], config["cors"], allowed_hosts=hosts)
         api = API(backend, self.worker, access, self.reactor, max_queue=config["max-queue"])
         self.api = api
-        root = build_root(api)
-        # /tokenize, /detokenize and --metrics (owner: ecosystem).
-        from krafla_twisted.api import listen, metrics
-
         counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0) if config.get("metrics") else None
-        site = APISite(root, self.reactor)
+        site = APISite(build_root(api, counters), self.reactor, metrics=counters)
         self.site = site
-        metrics.install(root, site, api, counters, self.reactor)
         host = config["host"]
         if config.get("listen"):
             wanted = [(listen.make_endpoint(self.reactor, text), text) for text in config["listen"]]

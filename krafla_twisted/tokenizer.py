@@ -15,10 +15,12 @@ import ctypes
 
 import numpy as np
 
-from krafla_twisted import clib
+from krafla_twisted import clib, header
 
-KIND_BPE, KIND_SPM = 1, 2
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+KIND_BPE, KIND_SPM = 1, 2  # kr_tokenizer_info.kind
+# kr_token_type
+NORMAL, UNKNOWN, CONTROL = header.KR_TOKEN_NORMAL, header.KR_TOKEN_UNKNOWN, header.KR_TOKEN_CONTROL
+USER_DEFINED, UNUSED, BYTE = header.KR_TOKEN_USER_DEFINED, header.KR_TOKEN_UNUSED, header.KR_TOKEN_BYTE
 
 
 class kr_tokenizer_info(ctypes.Structure):

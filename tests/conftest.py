@@ -1,19 +1,16 @@
 """Shared fixtures. Keep each fixture small; helpers with real logic live in tests/support/."""
 
-import os
 import pathlib
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+TESTDATA = REPO / "tests" / "data"
 
 
 def testdata_dir():
-    """../shared/testdata beside the repository, or $KRAFLA_TESTDATA."""
-    path = pathlib.Path(os.environ.get("KRAFLA_TESTDATA", REPO.parent / "shared" / "testdata"))
-    if not path.is_dir():
-        raise RuntimeError(f"test data not found at {path}; set KRAFLA_TESTDATA")
-    return path
+    """tests/data: the templates, vocabularies and tables the suite reads (tests/data/README.md)."""
+    return TESTDATA
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ max_tokens, chat stop strings, and the generator's and renderer's refusals turne
 
 import pytest
 
-from krafla_twisted import generate
+from krafla_twisted import startup
 from krafla_twisted.api.backend import Backend
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
 from krafla_twisted.api.schema import CompletionRequest, SamplingOverrides
@@ -16,7 +16,7 @@ from tests.support.real_models import real_model
 def backend_for(**options):
     model = real_model("smollm2-135m")
     config = dict({"model": str(model.mlb), "tokenizer": str(model.mlt), "threads": 2}, **options)
-    return Backend(generate.Runtime.from_options(config), model_id="test")
+    return Backend(startup.load_runtime(config), model_id="test")
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,9 @@ class BackendTests:
             template, tokenizer = backend.template, backend.tokenizer
             user = {"role": "user", "content": "Hi"}
             without = CompletionRequest(kind="chat", messages=(user,))
-            assert backend.prompt_tokens(without) == template.render([user], tokenizer, system="Answer in one word.")
-            assert backend.prompt_tokens(without) != template.render([user], tokenizer)
+            assert list(backend.prompt(without).tokens) == template.render([user], tokenizer, system="Answer in one word.")
+            assert list(backend.prompt(without).tokens) != template.render([user], tokenizer)
             own = CompletionRequest(kind="chat", messages=({"role": "system", "content": "Be long."}, user))
-            assert backend.prompt_tokens(own) == template.render([{"role": "system", "content": "Be long."}, user], tokenizer)
+            assert list(backend.prompt(own).tokens) == template.render([{"role": "system", "content": "Be long."}, user], tokenizer)
         finally:
             backend.runtime.close()

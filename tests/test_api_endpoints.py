@@ -388,3 +388,35 @@ class InternalErrorTests(unittest.TestCase):
         self.assertEqual(error_of(body)["type"], "server_error")
         self.assertEqual(len(failures), 1)
         failures[0]["log_failure"].trap(KeyError)
+
+
+class RoutesTests(unittest.TestCase):
+    """krafla_twisted/api/routes.py: one table, every path with and without /v1."""
+
+    def test_every_route_with_and_without_v1(self):
+        """Each endpoint answers under both prefixes; /metrics only when the server counts."""
+        harness = APIHarness()
+        for path in ("/health", "/models", "/models/fake-model"):
+            for prefix in ("", "/v1"):
+                self.assertEqual(harness.fetch("GET", prefix + path)[0].code, 200, prefix + path)
+        for prefix in ("", "/v1"):
+            response, body = harness.fetch("POST", prefix + "/tokenize", {"content": "ok"})
+            self.assertEqual(json.loads(body), {"tokens": [111, 107]})
+            response, body = harness.fetch("POST", prefix + "/detokenize", {"tokens": [111, 107]})
+            self.assertEqual(json.loads(body), {"content": "ok"})
+            self.assertEqual(harness.fetch("GET", prefix + "/metrics")[0].code, 404)
+
+    def test_metrics_count_requests_of_the_site(self):
+        """With a Metrics, /metrics is served and every request the Site answered is counted."""
+        from krafla_twisted.api.metrics import Metrics
+
+        counters = Metrics()
+        harness = APIHarness(metrics=counters)
+        harness.fetch("GET", "/health")
+        harness.fetch("POST", "/v1/completions", {"prompt": "x"})
+        response, body = harness.fetch("GET", "/v1/metrics")
+        self.assertEqual(response.code, 200)
+        text = body.decode()
+        self.assertIn('krafla_requests_total{endpoint="health",status="200"} 1', text)
+        self.assertIn('krafla_requests_total{endpoint="completions",status="200"} 1', text)
+        self.assertIn("krafla_completions_total 1", text)

@@ -74,3 +74,43 @@ class OptionsTests:
         for args in (["--chat", "nope"], ["--temperature", "-1"], ["--kv", "q3"], ["-t", "0"]):
             with pytest.raises(usage.UsageError):
                 parse([model, "-z", tokenizer, *args], monkeypatch)
+
+
+class CorsOptionTests:
+    """--cors takes origins exactly as a browser sends them in Origin, because they are compared byte for byte."""
+
+    @pytest.mark.parametrize("value, origins", [
+        ("*", ("*",)),
+        ("http://localhost:3000", ("http://localhost:3000",)),
+        ("https://app.example, http://[::1]:8000", ("https://app.example", "http://[::1]:8000")),
+        ("chrome-extension://abcdef", ("chrome-extension://abcdef",)),
+    ])
+    def test_origins_accepted(self, value, origins, monkeypatch):
+        """A wildcard, origins with and without a port, IPv6, another scheme; a list is split on commas."""
+        assert parse(["--cors", value], monkeypatch)["cors"] == origins
+
+    @pytest.mark.parametrize("value, hint", [
+        ("localhost", None),
+        ("localhost:3000", None),
+        ("http://localhost:3000/", "http://localhost:3000"),
+        ("http://LocalHost:3000", "http://localhost:3000"),
+        ("https://app.example:443", "https://app.example"),
+        ("http://app.example/path", None),
+        ("http://user@app.example", None),
+        ("http://app.example:99999", None),
+        ("", None),
+        ("http://a.example,,http://b.example", None),
+    ])
+    def test_not_an_origin_is_refused_at_start(self, value, hint, monkeypatch):
+        """A value no browser would send as its Origin is a usage error naming it (and the origin it
+        probably means), instead of a server that never grants CORS."""
+        with pytest.raises(usage.UsageError, match="--cors takes origins") as caught:
+            parse(["--cors", value], monkeypatch)
+        part = value.split(",")[0] if value.count(",") < 2 else ""
+        assert repr(part) in str(caught.value)
+        if hint:
+            assert f"did you mean {hint}?" in str(caught.value)
+
+    def test_without_cors_no_origins(self, monkeypatch):
+        """Without --cors no origin is allowed."""
+        assert parse([], monkeypatch)["cors"] == ()

@@ -28,6 +28,11 @@ class RecordingBackend:
         return completion
 
 
+def job(value):
+    """A job that hands `value` to the backend as its completion."""
+    return Job(lambda backend, cancelled: backend.complete(value, None, cancelled))
+
+
 class EngineWorkerTests(unittest.TestCase):
     def test_one_thread_in_order(self):
         """Twenty jobs run one at a time, in submission order, all on one thread that is not the caller's."""
@@ -39,9 +44,9 @@ class EngineWorkerTests(unittest.TestCase):
         results = []
         try:
             for index in range(20):
-                d = worker.submit(Job(index))
+                d = worker.submit(job(index))
                 d.addCallback(results.append)
-            worker.submit(Job("last")).addCallback(lambda _: done.set())
+            worker.submit(job("last")).addCallback(lambda _: done.set())
             self.assertTrue(done.wait(30))
         finally:
             worker.stop()
@@ -67,8 +72,8 @@ class EngineWorkerTests(unittest.TestCase):
         outcome = threading.Event()
         results = []
         try:
-            worker.submit(Job("first"))
-            skipped = Job("skipped")
+            worker.submit(job("first"))
+            skipped = job("skipped")
             worker.submit(skipped).addCallback(lambda result: (results.append(result), outcome.set()))
             skipped.cancel()
             gate.set()

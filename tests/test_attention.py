@@ -24,11 +24,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from hypothesis import given, settings, strategies as st
 
-from krafla_twisted import clib, kernels
+from krafla_twisted import clib, formats, kernels
 from tests.test_kernels import avx2_or_skip, float32_sum_tolerance, same_bits
 
-TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
-IMPLEMENTATIONS = {"dispatch": 0, "reference": 1, "avx2": 2}
+TYPES = {name: formats.TENSOR_TYPES_BY_NAME[name].code for name in ("f32", "f16", "q8_0")}
 
 
 def softmax_tolerance(n, softcap):
@@ -74,7 +73,7 @@ def attend_values(type_name, rows, n, weights, begin, end, impl="dispatch"):
     begin = np.ascontiguousarray(begin, np.int32)
     end = np.ascontiguousarray(end, np.int32)
     out = np.full((len(begin), n), np.nan, np.float32)
-    _call(clib.load().kr_test_attend_values, IMPLEMENTATIONS[impl], TYPES[type_name], rows.ctypes.data, rows.strides[0],
+    _call(clib.load().kr_test_attend_values, kernels.IMPLEMENTATIONS[impl], TYPES[type_name], rows.ctypes.data, rows.strides[0],
           rows.shape[0], n, weights.ctypes.data, len(begin), begin.ctypes.data, end.ctypes.data, out.ctypes.data)
     return out
 
@@ -86,14 +85,14 @@ def attend_scores(type_name, keys, queries, end, impl="dispatch"):
     queries = np.ascontiguousarray(queries, np.float32)
     end = np.ascontiguousarray(end, np.int32)
     out = np.full((queries.shape[0], keys.shape[0]), np.nan, np.float32)
-    _call(clib.load().kr_test_attend_scores, IMPLEMENTATIONS[impl], TYPES[type_name], keys.ctypes.data, keys.strides[0],
+    _call(clib.load().kr_test_attend_scores, kernels.IMPLEMENTATIONS[impl], TYPES[type_name], keys.ctypes.data, keys.strides[0],
           keys.shape[0], queries.shape[1], queries.ctypes.data, queries.shape[0], end.ctypes.data, out.ctypes.data)
     return out
 
 
 def attention_softmax(x, scale, softcap=0.0, impl="dispatch"):
     x = np.array(x, np.float32, copy=True)
-    _call(clib.load().kr_test_attention_softmax, IMPLEMENTATIONS[impl], x.ctypes.data, x.size, ctypes.c_float(scale),
+    _call(clib.load().kr_test_attention_softmax, kernels.IMPLEMENTATIONS[impl], x.ctypes.data, x.size, ctypes.c_float(scale),
           ctypes.c_float(softcap))
     return x
 

@@ -134,7 +134,7 @@ class BrowserTests:
         report = open_page(other, page(other, server), tmp_path / "profile")
         assert report.get("blocked") is True, report
         assert "text" not in report
-        time.sleep(0.5)  # the server's log line for the preflight
+        server.wait_for(lambda line: "OPTIONS /v1/chat/completions" in line, start=start)
         lines = server.lines[start:]
         assert any("OPTIONS /v1/chat/completions 204" in line for line in lines), lines
         assert not any("POST /v1/chat/completions" in line for line in lines), lines

@@ -40,7 +40,7 @@ def jinja_environment():
     return env
 
 
-# Published formats without an official file in testdata, written from their model cards.
+# Published formats without an official file in tests/data/templates, written from their model cards.
 ZEPHYR_JINJA = (  # TinyLlama-1.1B-Chat-v1.0
     "{% for message in messages %}\n"
     "{% if message['role'] == 'user' %}\n"

@@ -214,3 +214,30 @@ class MetricsTests:
             time.sleep(0.05)
         assert value(metrics(server), "krafla_requests_queued") == 0
         assert value(metrics(server), "krafla_requests_client_gone_total", endpoint="completions") >= 1
+
+
+class LiteLLMTests:
+    """litellm (and aider, which calls models through it) maps a too-long prompt to its own
+    ContextWindowExceededError, on which aider tells the user to shorten the chat."""
+
+    def test_context_window_error_by_message(self):
+        """litellm's matcher recognises the message alone (as it does with a provider that sends no
+        error code): it begins "This model's maximum context length is N tokens. However, ..." as OpenAI's."""
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price table
+        from litellm.litellm_core_utils.exception_mapping_utils import ExceptionCheckers
+
+        from krafla_twisted.generate import ContextLengthExceeded
+
+        message = str(ContextLengthExceeded(5000, 4096))
+        assert message.startswith("This model's maximum context length is 4096 tokens. However, ")
+        assert ExceptionCheckers.is_error_str_context_window_exceeded(message)
+
+    def test_context_window_error_from_the_server(self, server):
+        """litellm.completion against the server with a prompt over the context raises
+        litellm.ContextWindowExceededError."""
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import litellm
+
+        with pytest.raises(litellm.ContextWindowExceededError):
+            litellm.completion(model="openai/local", api_base=server.base_url, api_key=KEY, num_retries=0,
+                               messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4)

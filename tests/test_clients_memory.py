@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from krafla_twisted.api import metrics as metrics_module
+from krafla_twisted.api import backend as backend_module
 from krafla_twisted.api.metrics import Metrics, endpoint_label
 from krafla_twisted.tokenizer import Tokenizer
-from tests.support.fake_backend import APIHarness, FakeResult
+from tests.support.fake_backend import APIHarness, FakeBackend, FakeResult
 from tests.support.real_models import real_model
 
 _TOKENIZER = None
@@ -30,12 +30,26 @@ def tokenizer():
     return _TOKENIZER
 
 
+class TokenizerBackend(FakeBackend):
+    """Scripted completions; /tokenize and /detokenize answered as the real backend answers them, with
+    the real tokenizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_vocab = tokenizer().n_vocab
+
+    def tokenize(self, content, **flags):
+        return backend_module.tokenize(tokenizer(), content, **flags)
+
+    def detokenize(self, tokens):
+        return backend_module.detokenize(tokenizer(), tokens)
+
+
 def harness(with_metrics=True, api_key=None):
-    h = APIHarness(api_key=api_key)
-    h.backend.tokenizer = tokenizer()
-    h.backend.n_vocab = tokenizer().n_vocab
-    counters = Metrics(pending=h.worker.pending) if with_metrics else None
-    metrics_module.install(h.root, h.stub._agent._serverFactory, h.api, counters, h.reactor, pool=h.pool)
+    counters = Metrics() if with_metrics else None
+    h = APIHarness(TokenizerBackend(), api_key=api_key, metrics=counters)
+    if counters is not None:
+        counters.pending = h.worker.pending
     h.metrics = counters
     return h
 

@@ -19,15 +19,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from krafla_twisted import clib, container, formats
+from krafla_twisted import clib, container, formats, header
 from krafla_twisted.container import ContainerFile
 from tests import strategies
 from tests.support.corpus import (build, corpus, corruptions, meta_entry, meta_floats, valid_file, valid_parts,
                                   write_corpus)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-HEADER_H = REPO / "engine_c" / "include" / "krafla.h"
-KR_ERR_IO, KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = 1, 2, 3
+KR_ERR_IO, KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = header.KR_ERR_IO, header.KR_ERR_FORMAT, header.KR_ERR_UNSUPPORTED
 
 
 # ------------------------------------------------------------------------------------------
@@ -83,35 +82,6 @@ def write_bytes(tmp_path, name, data):
 
 
 class ConstantsTests:
-    def header_defines(self):
-        text = HEADER_H.read_text()
-        defines = dict(re.findall(r"^#define\s+(KR_\w+)\s+(.+?)\s*(?://.*)?$", text, re.M))
-        enums = {name: int(value) for name, value in re.findall(r"\b(KR_[A-Z0-9_]+)\s*=\s*(\d+)", text)}
-        return defines, enums
-
-    def test_header_constants_match_formats(self):
-        """krafla.h's magics, version, alignment and limits equal formats.py's (parsed from the header)."""
-        defines, _ = self.header_defines()
-        assert defines["KR_MODEL_MAGIC"] == json.dumps(formats.MODEL_MAGIC.decode())
-        assert defines["KR_TOKENIZER_MAGIC"] == json.dumps(formats.TOKENIZER_MAGIC.decode())
-        assert int(defines["KR_FILE_VERSION"]) == formats.VERSION
-        assert int(defines["KR_ALIGNMENT"]) == formats.ALIGNMENT
-        assert int(defines["KR_MAX_DIMS"]) == formats.MAX_DIMS
-        assert int(defines["KR_MAX_NAME"]) == formats.MAX_NAME
-        assert defines["KR_MAX_ENTRIES"] == "(1u << 20)" and formats.MAX_ENTRIES == 1 << 20
-        assert formats.HEADER.size == 40
-
-    def test_header_enums_match_formats(self):
-        """The metadata kinds and tensor type codes in krafla.h equal formats.py's."""
-        _, enums = self.header_defines()
-        kinds = {"KR_META_INT": formats.META_INT, "KR_META_FLOAT": formats.META_FLOAT, "KR_META_STR": formats.META_STR,
-                 "KR_META_INTS": formats.META_INTS, "KR_META_FLOATS": formats.META_FLOATS}
-        for name, value in kinds.items():
-            assert enums[name] == value, name
-        for tensor_type in formats.TENSOR_TYPES.values():
-            assert enums["KR_" + tensor_type.name.upper()] == tensor_type.code, tensor_type.name
-        assert enums["KR_TYPE_COUNT"] == len(formats.TENSOR_TYPES)
-
     def test_type_sizes_match_formats(self):
         """The C library's name, block and block size of every type equal formats.py's."""
         for tensor_type in formats.TENSOR_TYPES.values():

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import cli, clib, formats
+from krafla_twisted import cli, clib, formats, header
 from krafla_twisted.engine import ClosedError, ContextFullError, EngineError, InvalidTokenError, Model
 from tests import strategies
 from tests.support.real_models import real_model
@@ -22,7 +22,7 @@ from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import ARCHS, QUANTIZED, tiny_model_container, write_tiny_model
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
-KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = 2, 3
+KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = header.KR_ERR_FORMAT, header.KR_ERR_UNSUPPORTED
 
 
 def cosine(a, b):

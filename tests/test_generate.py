@@ -12,7 +12,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from krafla_twisted import chat
@@ -212,10 +212,10 @@ class ReplyTests:
         assert runtime.session.evals == [ids(b"x", b"x")] * 2
 
     def test_runtime_refuses_mismatched_files(self):
-        """A tokenizer of another vocabulary size, or an --eos outside the vocabulary, is refused."""
+        """A tokenizer of another vocabulary size, or an end token outside the vocabulary, is refused."""
         with pytest.raises(ValueError, match="do not belong together"):
             Runtime(FakeModel(len(VOCAB) + 1), FakeTokenizer(VOCAB))
-        with pytest.raises(ValueError, match="--eos 9999"):
+        with pytest.raises(ValueError, match="token 9999 is not a token id"):
             Runtime(FakeModel(len(VOCAB)), FakeTokenizer(VOCAB), eos=9999)
 
     def test_template_stop_token_and_eos_override(self):
@@ -261,8 +261,18 @@ class StopStringTests:
         result, _ = run(make_runtime([b"o", b"k", b"<|", b"end|>", b"z"]), stop_strings=["<|end|>"])
         assert (result.text, result.finish_reason) == ("ok", "stop")
 
+    def test_held_back_tail_of_len_stop_minus_one(self):
+        """"STO" (len("STOP") - 1 characters) is held back until "P" completes the stop string: neither
+        the reply nor any streamed piece holds it."""
+        result, pieces = run(make_runtime([b"x", b"S", b"T", b"O", b"P", b"y"]), stop_strings=["STOP"])
+        assert (result.text, result.finish_reason) == ("x", "stop")
+        assert pieces == ["x"]
+        result, pieces = run(make_runtime([b"x", b"S", b"T", b"O", b"y"]), stop_strings=["STOP"])
+        assert (result.text, pieces) == ("xSTOy", ["x", "STOy"])
+
     @given(text=st.text(alphabet="abc", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=8),
            stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3))
+    @example(text="aabc", cuts=[3], stops=["abc"])  # "ab", len(stop) - 1, must be held back at the cut
     def test_filter_against_str_find(self, text, cuts, stops):
         """StopStringFilter over any split of a text emits exactly text[:first stop] (str.find),
         and each emitted prefix is one no stop string could still extend into."""
@@ -336,6 +346,43 @@ class PrefixReuseTests:
         assert runtime.session.truncations[-1] == 1
         assert runtime.session.evals[0] == ids(b"!", b"?")
         assert (result.text, result.cached_tokens) == ("c", 1)
+
+    def test_prompt_differing_at_the_last_cached_token(self):
+        """The cache holds P + [a]; the new prompt is P + [b], the same length and different only in
+        its last token: it is truncated to P, evaluates b, and replies what a cold cache replies."""
+        sampling = SamplingParams(temperature=1.0, seed=7)
+        first = PROMPT + (tid(b"a"),)
+        second = PROMPT + (tid(b"b"),)
+        warm = make_runtime(noisy=True, scripts={})
+        run(warm, prompt=first, sampling=sampling, max_tokens=1)
+        assert warm.cached == list(first)  # the sampled token was not evaluated
+        warm.session.evals.clear()
+        warm_result, _ = run(warm, prompt=second, sampling=sampling, max_tokens=4)
+        cold_result, _ = run(make_runtime(noisy=True, scripts={}), prompt=second, sampling=sampling, max_tokens=4)
+        assert warm_result.tokens == cold_result.tokens
+        assert warm.session.truncations == [len(PROMPT)]
+        assert warm.session.evals[0] == [tid(b"b")]
+        assert warm_result.cached_tokens == len(PROMPT)
+
+    def test_repeat_history_reaches_exactly_repeat_last_n_back(self, monkeypatch):
+        """The sampler is handed the last repeat_last_n tokens of the context: the one exactly
+        repeat_last_n back included, none before it."""
+        from krafla_twisted import generate
+
+        handed = []
+
+        class Recording(generate.Sampler):
+            def sample(self, logits, history=()):
+                handed.append((list(history), list(runtime.cached)))
+                return super().sample(logits, history)
+
+        monkeypatch.setattr(generate, "Sampler", Recording)
+        runtime = make_runtime(noisy=True, scripts={})
+        prompt = PROMPT + tuple(ids(b"a", b"b", b"c", b"d", b"e"))
+        run(runtime, prompt=prompt, sampling=SamplingParams(repeat_penalty=1.3, repeat_last_n=4), max_tokens=3)
+        assert len(handed) == 3
+        for history, context in handed:
+            assert history == context[-4:] and len(history) == 4
 
     def test_same_prompt_twice(self):
         """The same prompt again reuses everything but re-runs its last token for the logits,

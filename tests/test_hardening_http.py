@@ -397,6 +397,24 @@ class MaxQueueTests(unittest.TestCase):
         self.assertEqual((fired(first).code, fired(second).code), (200, 200))
         self.assertEqual(harness.fetch("POST", "/v1/completions", {"prompt": "four"})[0].code, 200)
 
+    def test_tokenize_waits_in_the_queue(self):
+        """/tokenize and /detokenize are jobs on the engine worker: they wait behind a completion, count
+        against --max-queue, and run in order."""
+        harness = APIHarness()
+        harness.api.max_queue = 1
+        first = harness.send("POST", "/v1/completions", {"prompt": "one"}, run=False)
+        tokenize = harness.send("POST", "/tokenize", {"content": "hi"}, run=False)
+        self.assertEqual(len(harness.pool.pending), 2)
+        self.assertEqual(harness.backend.calls, [])
+        response, body = harness.fetch("POST", "/detokenize", {"tokens": [104, 105]})
+        self.assertEqual((response.code, error_of(self, body)["code"]), (503, "server_overloaded"))
+        harness.pool.run_all()
+        harness.stub.flush()
+        self.assertEqual(fired(first).code, 200)
+        self.assertEqual(json.loads(fired(harness.stub.content(fired(tokenize)))), {"tokens": [104, 105]})
+        self.assertEqual([call if isinstance(call, tuple) else call.prompt_text for call in harness.backend.calls],
+                         ["one", ("tokenize", "hi")])
+
     def test_invalid_request_is_400_even_when_full(self):
         """A full queue does not hide a bad request's 400."""
         harness = APIHarness()
@@ -450,7 +468,33 @@ class ShutdownTests(unittest.TestCase):
             self.assertEqual(headers["content-type"], "application/json")
             self.assertEqual(error_of(self, body)["code"], "server_shutting_down")
         self.assertEqual(len(harness.backend.calls), 1, "queued jobs ran after shutdown")
-        self.assertEqual(harness.fetch("POST", "/v1/completions", {"prompt": "z"})[0].code, 503)
+
+    def test_new_requests_after_shutdown_get_503_before_any_work(self):
+        """Once API.shutdown ran, a new completion, stream, /tokenize or /detokenize is answered 503
+        server_shutting_down by the shutdown check itself: no job is queued, the backend is never called."""
+        harness = APIHarness()
+        harness.api.shutdown()
+        for path, body in (("/v1/completions", {"prompt": "z"}), ("/v1/chat/completions", dict(CHAT, stream=True)),
+                           ("/tokenize", {"content": "z"}), ("/detokenize", {"tokens": [1]})):
+            response = harness.send("POST", path, body, run=False)
+            self.assertEqual(harness.pool.pending, [], path)
+            response = fired(response)
+            self.assertEqual(response.code, 503, path)
+            self.assertEqual(error_of(self, fired(harness.stub.content(response)))["code"], "server_shutting_down")
+        self.assertEqual(harness.backend.calls, [])
+
+    def test_queued_tokenize_gets_503_at_shutdown(self):
+        """/tokenize waiting behind a completion when the server stops gets 503; the tokenizer is not used."""
+        harness = APIHarness()
+        harness.send("POST", "/v1/completions", {"prompt": "x"}, run=False)
+        queued = RawConnection(harness)
+        queued.post("/tokenize", {"content": "abc"})
+        harness.api.shutdown()
+        harness.worker.stop()
+        harness.pool.run_all()
+        status, _, body = split_response(queued.output())
+        self.assertEqual((status, error_of(self, body)["code"]), (503, "server_shutting_down"))
+        self.assertNotIn(("tokenize", "abc"), harness.backend.calls)
 
     def test_close_connections_waits_for_replies(self):
         """The Site's shutdown closes idle connections at once and fires when the last connection is gone."""

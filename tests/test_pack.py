@@ -111,7 +111,7 @@ class PackedModelTests:
         """Packing moves bytes only: the same logits, bit for bit, at batch 1, 5 and the whole prompt."""
         path = tiny_models[arch, weight_type]
         with Model(path, threads=2, pack=False) as plain, Model(path, threads=2, pack=True) as packed:
-            assert pack.status(plain)[0] == 0 and pack.status(packed)[0] == 1
+            assert pack.status(plain)[0] == pack.NOT_PACKED and pack.status(packed)[0] == pack.PACKED_IN_MEMORY
             for batch in (1, 5, len(TOKENS)):
                 assert same_bits(logits(plain, TOKENS, batch), logits(packed, TOKENS, batch))
 
@@ -175,11 +175,11 @@ class PackCacheTests:
         """The first load writes MODEL.mlb.pack; the next one maps it; both give the unpacked bits."""
         path, want = cached_model
         code, note, got = load_cached(path)
-        assert code == 3 and "no cache yet" in note
+        assert code == pack.CACHE_BUILT and "no cache yet" in note
         assert os.path.isfile(pack.cache_path(path))
         assert same_bits(got, want)
         code, note, got = load_cached(path)
-        assert code == 2, note
+        assert code == pack.CACHE_MAPPED, note
         assert same_bits(got, want)
 
     @pytest.mark.parametrize("damage, reason", [
@@ -211,9 +211,9 @@ class PackCacheTests:
         else:
             rewrite(cache, 0, b"GARBAGE!")
         code, note, got = load_cached(path)
-        assert code == 3 and reason in note, note
+        assert code == pack.CACHE_BUILT and reason in note, note
         assert same_bits(got, want)
-        assert load_cached(path)[0] == 2  # the rebuilt cache is good
+        assert load_cached(path)[0] == pack.CACHE_MAPPED  # the rebuilt cache is good
 
     def test_cache_of_another_model_is_not_trusted(self, cached_model, tiny_models):
         """Replacing the model file (same name, other weights) makes its old cache stale: rebuilt."""
@@ -223,11 +223,11 @@ class PackCacheTests:
         with Model(path, pack=False) as plain:
             want = logits(plain, TOKENS, 4)
         code, note, got = load_cached(path)
-        assert code == 3 and "another model" in note, note
+        assert code == pack.CACHE_BUILT and "another model" in note, note
         assert same_bits(got, want)
         shutil.copy(tiny_models["qwen2", "q8_0"], path)  # another weight type: another payload size too
         code, note, _ = load_cached(path)
-        assert code == 3 and "size" in note, note
+        assert code == pack.CACHE_BUILT and "size" in note, note
 
     def test_unwritable_cache_falls_back_to_memory(self, cached_model):
         """When the cache cannot be written the model still runs packed, and the note says why."""
@@ -245,5 +245,5 @@ class PackCacheTests:
         path, _ = cached_model
         for pack_cache in (True, True, False):
             with Model(path, threads=1, pack=True, pack_cache=pack_cache) as model:
-                assert pack.status(model)[0] in (pack.CACHE_REBUILT, pack.CACHE_MAPPED, pack.PACKED_MEMORY)
+                assert pack.status(model)[0] in (pack.CACHE_BUILT, pack.CACHE_MAPPED, pack.PACKED_IN_MEMORY)
                 assert pack.warning(model) is None

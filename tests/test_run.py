@@ -255,6 +255,7 @@ class RunTests:
         (["MODEL", "-p", "x"], "-z TOKENIZER.mlt is required"),
         (["MODEL", "-z", "TOK", "-p", ""], "the prompt is empty"),
         (["MODEL", "-z", "TOK", "--no-pack", "--pack-cache", "-p", "x"], "--pack-cache"),  # speed: the engine packs now
+        (["MODEL", "-z", "TOK", "--eos", "999999", "-p", "x"], "--eos 999999 is not a token id of this model"),
     ])
     def test_errors_are_one_line(self, smollm, argv, fragment):
         """Bad files and arguments exit 1 with one `krafla run:` line naming the problem."""
@@ -266,9 +267,10 @@ class RunTests:
 
     def test_context_too_small(self, smollm):
         """A prompt longer than --ctx is refused before any work, with the sizes in the message."""
-        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--ctx", "4", "-p", "one two three four five six")
+        result = krafla_run(str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "none", "--ctx", "4",
+                            "-p", "one two three four five six")  # plain text: the six words are six tokens
         assert result.returncode == 1
-        assert "context holds 4" in result.stderr
+        assert "maximum context length is 4 tokens. However, the prompt has 6 tokens" in result.stderr
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from krafla_twisted import clib
@@ -71,6 +71,7 @@ class GreedyTests:
 
     @given(logits=logit_rows, history=st.lists(st.integers(0, 1), max_size=10),
            penalty=st.floats(0.5, 3.0, width=32), last_n=st.integers(-1, 12))
+    @example(logits=np.array([3.0, 2.0, 0.0], dtype=np.float32), history=[1, 0, 2, 2], penalty=2.0, last_n=3)
     def test_repeat_penalty_matches_llama_cpp_rule(self, logits, history, penalty, last_n):
         """Greedy after the penalty equals argmax of the numpy-penalised logits: positive logits
         divided, negative multiplied, each distinct id of the last N tokens once."""
@@ -78,6 +79,15 @@ class GreedyTests:
         expected = int(np.argmax(penalised(logits, history, penalty, last_n)))
         params = Params(repeat_penalty=penalty, repeat_last_n=last_n)
         assert draws(params, logits, 1, history) == [expected]
+
+    @pytest.mark.parametrize("last_n", [1, 3, 8])
+    def test_window_edge(self, last_n):
+        """The token exactly repeat_last_n back is inside the window (penalised); one further back is not."""
+        logits = np.array([3.0, 2.5, 0.0], dtype=np.float32)
+        params = Params(repeat_penalty=1.5, repeat_last_n=last_n)
+        filler = [2] * (last_n - 1)
+        assert draws(params, logits, 1, [2, 0] + filler) == [1]
+        assert draws(params, logits, 1, [0, 2] + filler) == [0]
 
     def test_penalty_below_one_cannot_overflow(self):
         """A penalty below 1 on a huge logit saturates instead of making +inf (and NaN weights)."""

@@ -21,7 +21,7 @@ import treq
 from twisted.internet import defer
 
 from tests.support.real_models import real_model
-from tests.support.server import REPO, ServerProcess, in_reactor, treq_call
+from tests.support.server import REPO, ServerProcess, in_reactor, treq_call, wait_for_pending
 
 MODEL = "smollm2-135m"
 ORIGIN = "http://app.example"
@@ -35,7 +35,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--cors", ORIGIN])
+    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--cors", ORIGIN,
+                             "--metrics"])
     process.start()
     yield process
     # twistd ends by re-raising SIGTERM on itself once shut down, so the status is -SIGTERM.
@@ -281,13 +282,15 @@ class QueueTests:
     """One request at a time, in order; clients that leave."""
 
     def test_two_concurrent_requests_answered_in_order(self, server):
-        """Two requests sent together: the first sent is answered first, the second waits for it."""
+        """A second request sent while the first is being generated waits for it: the first is answered first."""
         # Counting goes on: neither reply ends before max_tokens.
         start = len(server.lines)
-        first = raw_request(server, {"prompt": "1, 2, 3, 4,", "max_tokens": 24})
-        time.sleep(0.3)
+        first = raw_request(server, {"prompt": "1, 2, 3, 4,", "max_tokens": 24, "stream": True})
+        first_reply = b""
+        while b"data: " not in first_reply:  # the first is being generated before the second is sent
+            first_reply += first.recv(65536)
         second = raw_request(server, {"prompt": "10, 11, 12,", "max_tokens": 4})
-        first_reply = read_all(first)
+        first_reply += read_all(first)
         first_done = time.monotonic()
         second_reply = read_all(second)
         second_done = time.monotonic()
@@ -306,7 +309,7 @@ class QueueTests:
         while b"data: " not in received:
             received += running.recv(4096)
         queued = raw_request(server, {"prompt": "queued and gone", "max_tokens": 8})
-        time.sleep(0.3)
+        wait_for_pending(server.port, 2)  # queued behind the running one before it leaves
         queued.close()
         running.close()
         after = post(server, "/completions", {"prompt": "Hello", "max_tokens": 2})

@@ -1,5 +1,5 @@
 """A real `twistd -n krafla` process serving a tiny random Qwen3.5 model (arch qwen35) with the
-real Qwen3.5 vocabulary (../shared/testdata/vocab/ggml-vocab-qwen35.gguf), driven with treq.
+real Qwen3.5 vocabulary (tests/data/vocab/ggml-vocab-qwen35.gguf), driven with treq.
 
 A qwen35 session's recurrent state can only be kept whole or dropped, so the server reuses it
 only when a request's prompt continues all of the previous one (prompt + reply), and otherwise

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from krafla_twisted import generate, grammar
+from krafla_twisted import grammar, startup
 from krafla_twisted.api.backend import Backend
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request
 from tests.strategies import json_schemas
@@ -56,8 +56,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def backend(model):
-    runtime = generate.Runtime.from_options({"model": str(model.mlb), "tokenizer": str(model.mlt), "chat": "qwen",
-                                             "threads": 2})
+    runtime = startup.load_runtime({"model": str(model.mlb), "tokenizer": str(model.mlt), "chat": "qwen",
+                                    "threads": 2})
     yield Backend(runtime, model_id="smollm2")
     runtime.close()
 
@@ -213,7 +213,7 @@ class LogprobTests:
                                       "logit_bias": {"1": 5}, "response_format": {"type": "json_object"}, "seed": 1,
                                       "temperature": 0.8})
         result = backend.complete(request, on_text=None, cancelled=lambda: False)
-        prompt = backend.prompt_tokens(request)
+        prompt = list(backend.prompt(request).tokens)
         backend.runtime.reset()
         session = backend.runtime.session
         logits = session.eval(prompt)

@@ -210,8 +210,14 @@ int kr_model_get_info(const kr_model *model, kr_model_info *info, kr_error *err)
 // The container the model was read from (metadata access through kr_file_*); owned by the model.
 const kr_file *kr_model_file(const kr_model *model);
 
-// n_ctx: positions in the KV cache (0 = the model's max_seq, at most 4096); kv_type KR_F32 or
-// KR_F16; n_batch: tokens per forward step (1..65536, clamped to n_ctx).
+// The context a session gets when kr_session_new is asked for n_ctx = 0 (or the model's max_seq
+// if that is shorter).
+#define KR_DEFAULT_MAX_CTX 4096
+// The KV cache types kr_session_new accepts (q8_0: head_dim a multiple of 32, not qwen35).
+typedef enum { KR_KV_F32 = KR_F32, KR_KV_F16 = KR_F16, KR_KV_Q8_0 = KR_Q8_0 } kr_kv_type;
+
+// n_ctx: positions in the KV cache (0 = the model's max_seq, at most KR_DEFAULT_MAX_CTX); kv_type
+// a kr_kv_type; n_batch: tokens per forward step (1..65536, clamped to n_ctx).
 kr_session *kr_session_new(kr_model *model, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
 void kr_session_free(kr_session *session);
 // Run tokens[0..n) at positions n_tokens.. in steps of n_batch; write the last token's logits
@@ -376,13 +382,15 @@ int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int
 #define KR_PACK_ON 1
 #define KR_PACK_CACHE 2
 int kr_model_pack(kr_model *model, int32_t mode, const char *cache_path, kr_error *err);
-// What the last kr_model_pack did (one of these); `note` (if not NULL, size bytes) gets a one-line
-// reason (why a cache was rebuilt, or why it could not be written: the caller should log that one).
-#define KR_PACKED_NONE 0            // not packed
-#define KR_PACKED_MEMORY 1          // packed in memory (KR_PACK_ON)
-#define KR_PACKED_CACHE_MAPPED 2    // a valid cache mapped
-#define KR_PACKED_CACHE_REBUILT 3   // the cache (re)built and mapped
-#define KR_PACKED_CACHE_FAILED 4    // KR_PACK_CACHE, but the cache could not be written: packed in memory
+// What the last kr_model_pack did (a kr_pack_status); `note` (if not NULL, size bytes) gets a
+// one-line reason (why a cache was rebuilt, or why it could not be written: the caller should log that one).
+typedef enum {
+    KR_PACK_STATUS_NONE = 0,          // not packed: the file's layout
+    KR_PACK_STATUS_MEMORY = 1,        // packed in memory (KR_PACK_ON)
+    KR_PACK_STATUS_CACHE_MAPPED = 2,  // a valid cache mapped
+    KR_PACK_STATUS_CACHE_BUILT = 3,   // the cache (re)built and mapped
+    KR_PACK_STATUS_CACHE_FAILED = 4,  // KR_PACK_CACHE, but the cache could not be written: packed in memory
+} kr_pack_status;
 int32_t kr_model_pack_status(const kr_model *model, char *note, size_t size);
 // --- end Weight packing
 

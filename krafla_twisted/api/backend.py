@@ -2,21 +2,19 @@
 
 The rendering of chats (krafla_twisted.chat), tokenizing, KV-cache reuse, sampling, stop strings and
 UTF-8 pieces all live in generate/chat; this module only maps a validated request onto them and
-their errors onto OpenAI's.
+their errors onto OpenAI's. It is the API's one way to the engine: nothing else under api/ imports
+the engine, the tokenizer or the C library.
 
-`complete` runs in the worker thread only, like everything that touches the Runtime. The plain
-attributes (model_id, n_vocab, n_ctx, has_chat) are fixed at load and read by the I/O thread.
+`complete`, `tokenize` and `detokenize` run in the worker thread only, like everything that touches
+the Runtime. The plain attributes (model_id, n_vocab, n_ctx, has_chat) are fixed at load and read by
+the I/O thread.
 """
 
 import dataclasses
 import os
 
-from twisted.logger import Logger
-
-from krafla_twisted import __version__, chat, clib, generate, grammar, models, tools
+from krafla_twisted import __version__, chat, engine, generate, grammar, tools
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
-
-log = Logger(namespace="krafla")
 
 
 class Backend:
@@ -32,35 +30,32 @@ class Backend:
         tool_format = getattr(self.template, "tool_format", None)
         self.tool_format = tools.FORMATS[tool_format] if tool_format else None
 
+    @classmethod
+    def serving(cls, runtime, alias=None):
+        """The Backend of a loaded Runtime; its model id is `alias`, or the model file's name without .mlb."""
+        return cls(runtime, model_id=alias or file_stem(runtime.model.path))
+
     def banner(self):
         """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`; T is
         followed by where it came from when --chat did not name it (`smollm (from the tokenizer file)`)."""
-        isa = clib.load().kr_isa().decode("ascii")
         model = self.runtime.model
         template = self.template.name if self.template is not None else "none"
         source = getattr(self.runtime, "template_from", None)
         if source and source != "--chat":
             template += f" (from {source})"
         return (
-            f"# krafla {__version__}, isa {isa}: model {file_stem(model.path)}, context {self.n_ctx} of "
-            f"{model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}"
+            f"# krafla {__version__}, isa {engine.library_isa()}: model {file_stem(model.path)}, context {self.n_ctx} "
+            f"of {model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}"
         )
 
-    def prompt_tokens(self, completion):
-        """The prompt's token ids: the chat rendered turn by turn, the text encoded, or the ids as given."""
+    def prompt(self, completion):
+        """The request's generate.Prompt (token ids and stop strings), built as `krafla run` builds its own."""
         if completion.kind == "chat":
-            try:
-                return self.template.render(list(completion.messages), self.tokenizer, system=self.runtime.system,
-                                            tools=completion.tools or None)
-            except chat.ChatError as e:
-                no_format = completion.tools and self.tool_format is None
-                raise InvalidRequest(str(e), param="tools" if no_format else "messages") from None
+            return generate.build_prompt(self.runtime, messages=completion.messages, stop=completion.stop,
+                                         tools=completion.tools or None)
         if completion.prompt_tokens is not None:
-            return list(completion.prompt_tokens)
-        tokens = self.tokenizer.encode(completion.prompt_text)
-        if not tokens:
-            raise InvalidRequest("'prompt' is empty: it encodes to no tokens", param="prompt")
-        return tokens
+            return generate.build_prompt(self.runtime, tokens=completion.prompt_tokens, stop=completion.stop)
+        return generate.build_prompt(self.runtime, text=completion.prompt_text, stop=completion.stop)
 
     def sampling(self, overrides):
         """The server's default SamplingParams (its -T, -p, ... options) with the request's fields over them."""
@@ -107,20 +102,23 @@ class Backend:
         if bad is not None:
             raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {self.n_vocab - 1})",
                                  param="logit_bias")
-        prompt = self.prompt_tokens(completion)
+        try:
+            prompt = self.prompt(completion)
+        except chat.ChatError as e:
+            no_format = completion.kind == "chat" and completion.tools and self.tool_format is None
+            raise InvalidRequest(str(e), param="tools" if no_format else param) from None
+        except ValueError as e:  # an empty prompt, a token id the engine refuses
+            raise InvalidRequest(str(e), param=param) from None
         constraint = self.constraint(completion)
         if on_logprobs is not None:
             streamed, on_logprobs = on_logprobs, lambda entries: streamed(self.logprob_pieces(entries))
-        stop = tuple(completion.stop)
-        if completion.kind == "chat":
-            stop += tuple(self.template.stop_strings)
         max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
         try:
             result = self.generator.generate(
-                prompt,
+                prompt.tokens,
                 max_tokens=max_tokens,
                 sampling=self.sampling(completion.sampling),
-                stop_strings=stop,
+                stop_strings=prompt.stop_strings,
                 on_text=on_text,
                 cancelled=cancelled,
                 constraint=constraint,
@@ -137,17 +135,41 @@ class Backend:
             param = "tools" if completion.tools and completion.tool_choice not in ("auto", "none") else "response_format"
             raise InvalidRequest(f"the reply's grammar failed: {e}", param=param) from None
         except ValueError as e:
-            # The request was validated; what the engine still refuses (a token id, an empty prompt) is the request's.
+            # The request was validated; what the renderer or the engine still refuses (a chat the template
+            # cannot render, a token id, an empty prompt) is the request's.
             raise InvalidRequest(str(e), param=param) from None
+
+    def tokenize(self, content, *, add_special, parse_special, with_pieces):
+        """/tokenize's answer. This must be called in the worker thread."""
+        return tokenize(self.tokenizer, content, add_special=add_special, parse_special=parse_special,
+                        with_pieces=with_pieces)
+
+    def detokenize(self, tokens):
+        """/detokenize's answer. This must be called in the worker thread."""
+        return detokenize(self.tokenizer, tokens)
+
+
+def tokenize(tokenizer, content, *, add_special, parse_special, with_pieces):
+    """{"tokens": ids} or, with_pieces, {"tokens": [{"id", "piece"}]}: a piece that is not whole UTF-8
+    is the list of its byte values, as llama-server gives it."""
+    ids = tokenizer.encode(content, add_bos=None if add_special else False, special=parse_special)
+    if not with_pieces:
+        return {"tokens": ids}
+    pieces = []
+    for token_id in ids:
+        raw = tokenizer.token_bytes(token_id)
+        try:
+            piece = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": token_id, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(tokenizer, tokens):
+    """{"content": the text of `tokens`} (bytes that are not UTF-8 become U+FFFD)."""
+    return {"content": tokenizer.decode(tokens).decode("utf-8", "replace")}
 
 
 def file_stem(path):
     return os.path.splitext(os.path.basename(os.fspath(path)))[0]
-
-
-def load_backend(config):
-    """Load the model the twistd options name (with none, the default model, pulled on first use)."""
-    if config.get("model") is None:
-        log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
-    runtime = generate.Runtime.from_options(config)
-    return Backend(runtime, model_id=config.get("alias") or file_stem(runtime.model.path))

@@ -3,13 +3,13 @@
 Every finished request is counted by endpoint and status; completions add their token counts and
 the seconds spent on the prompt and on the reply, so tokens/s over any window is a `rate()` of two
 counters. The gauges give the average speeds since start, the requests waiting for the engine, and
-the KV-cache reuse. Everything here runs in the I/O thread.
+the KV-cache reuse. Everything here runs in the I/O thread. The APISite given a Metrics counts
+each request when its log line is written; krafla_twisted/api/routes.py serves MetricsResource.
 """
 
 import collections
 
 from krafla_twisted.api.resources import Endpoint
-from krafla_twisted.api.site import APIRequest
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -91,8 +91,8 @@ class Metrics:
         metric("generation_tokens_per_second", "gauge", "Tokens generated per second, on average since start.",
                [((), self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0)])
         pending = self.pending()
-        metric("requests_pending", "gauge", "Completions queued or running (the engine runs one at a time).", [((), pending)])
-        metric("requests_queued", "gauge", "Completions waiting behind the one being answered.", [((), max(pending - 1, 0))])
+        metric("requests_pending", "gauge", "Requests queued or running on the engine (completions, /tokenize, /detokenize; one at a time).", [((), pending)])
+        metric("requests_queued", "gauge", "Requests waiting behind the one being answered.", [((), max(pending - 1, 0))])
         return ("\n".join(out) + "\n").encode("utf-8")
 
 
@@ -100,23 +100,6 @@ def _number(value):
     if isinstance(value, float):
         return repr(value)
     return str(value)
-
-
-class CountedRequest(APIRequest):
-    """An APIRequest that is counted in its site's `metrics` when its log line is written."""
-
-    def _count(self, gone):
-        metrics = getattr(getattr(self, "site", None), "metrics", None)
-        if metrics is not None:
-            metrics.observe(self.path, None if gone else self.code, self.completion_stats, gone=gone)
-
-    def _log_finished(self, result):
-        self._count(gone=False)
-        return super()._log_finished(result)
-
-    def _log_gone(self):
-        self._count(gone=True)
-        return super()._log_gone()
 
 
 class MetricsResource(Endpoint):
@@ -131,20 +114,3 @@ class MetricsResource(Endpoint):
     def render_GET(self, request):
         request.setHeader(b"content-type", CONTENT_TYPE)
         return self.metrics.render()
-
-
-def install(root, site, api, metrics=None, reactor=None, pool=None):
-    """Add /tokenize, /detokenize (and /metrics when `metrics` is given, counting `site`'s requests)
-    beside the other endpoints, under /v1 and without it. `pool` runs the tokenizer (default: the
-    reactor's thread pool)."""
-    from krafla_twisted.api.tokenize import Detokenize, Tokenize
-
-    if metrics is not None:
-        site.metrics = metrics
-        site.requestFactory = CountedRequest
-
-    for node in (root, root.children[b"v1"]):
-        node.putChild(b"tokenize", Tokenize(api, reactor, pool))
-        node.putChild(b"detokenize", Detokenize(api, reactor, pool))
-        if metrics is not None:
-            node.putChild(b"metrics", MetricsResource(api, metrics))

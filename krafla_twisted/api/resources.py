@@ -1,5 +1,7 @@
-"""The Resource tree: /v1/chat/completions, /v1/completions, /v1/models[/ID], /health, and the
-same paths without /v1.
+"""The resources of /v1/chat/completions, /v1/completions, /v1/models[/ID] and /health, and what
+every endpoint shares: the API object, the base resource (CORS, API key, method dispatch), and
+QueuedReply, a request answered by a job on the worker. krafla_twisted/api/routes.py puts them in
+one tree.
 
 Every resource here runs in the I/O thread. The engine is reached only through the EngineWorker.
 """
@@ -26,7 +28,7 @@ from krafla_twisted.api.worker import Job
 log = Logger(namespace="krafla.api")
 
 
-DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_QUEUE = 64  # --max-queue's default
 
 
 class API:
@@ -44,6 +46,15 @@ class API:
         self.max_queue = max_queue
         self.replies = set()  # completions not yet answered in full
         self.stopping = False
+
+    def admit(self):
+        """Refuse new work: 503 when the server stops, 503 with Retry-After when more than
+        `max_queue` requests wait already. This must be called in the I/O thread."""
+        if self.stopping:
+            raise ShuttingDown()
+        pending = self.worker.pending()
+        if pending > self.max_queue:
+            raise Overloaded(pending)
 
     def shutdown(self):
         """The server stops: no new work; every reply in flight ends now, with an error a client can read."""
@@ -194,11 +205,7 @@ class Completions(Endpoint):
             completion = parse_chat_request(body)
         else:
             completion = parse_completion_request(body, backend.n_vocab)
-        if self.api.stopping:
-            raise ShuttingDown()
-        pending = self.api.worker.pending()
-        if pending > self.api.max_queue:
-            raise Overloaded(pending)
+        self.api.admit()
         Reply(self.api, request, completion).start()
         return NOT_DONE_YET
 
@@ -209,48 +216,24 @@ class Group(APIResource):
     dispatch = NotFoundResource.dispatch
 
 
-def build_root(api):
-    """The Resource tree for `api`: /v1/... and the same paths without /v1."""
+class QueuedReply:
+    """A request answered by one job on the worker, with one JSON body. I/O thread, except where noted.
 
-    def fill(node):
-        chat = Group(api)
-        chat.putChild(b"completions", Completions(api, "chat"))
-        node.putChild(b"chat", chat)
-        node.putChild(b"completions", Completions(api, "text"))
-        node.putChild(b"models", Models(api))
-        node.putChild(b"health", Health(api))
-        return node
+    `work(backend, cancelled)` runs in the worker thread; `answer(result)` turns its result into the
+    JSON payload. At shutdown (or if the job fails) the client gets the error instead.
+    """
 
-    root = fill(Group(api))
-    root.putChild(b"v1", fill(Group(api)))
-    return root
+    failing = "the request"  # "... failed: <the error>" in a 500's message
 
-
-class Reply:
-    """One completion request in flight, from queueing to the last byte. I/O thread, except where noted."""
-
-    def __init__(self, api, request, completion):
+    def __init__(self, api, request, work):
         self.api = api
         self.request = request
-        self.completion = completion
-        self.chat = completion.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(api.clock.seconds())
         self.gone = False
-        self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
-        streamed_logprobs = completion.stream and completion.logprobs is not None
-        self.job = Job(completion, on_text=self._text_from_worker if completion.stream else None,
-                       on_logprobs=self._logprobs_from_worker if streamed_logprobs else None)
-        self.pending_logprobs = []   # streamed: entries of tokens whose text is not sent yet
-        self.text_offset = 0         # completions' logprobs.text_offset of the next token
-        tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
-        self.tool_format = tool_format if completion.tools and completion.tool_choice != "none" else None
-        self.tool_stream = ToolStream(self.tool_format) if self.tool_format and completion.stream else None
+        self.job = Job(work)
 
     def start(self):
         self.api.replies.add(self)
         self.request.notifyFinish().addBoth(self._request_over)
-        self.request.work_pending = True
         self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
 
     def _request_over(self, result):
@@ -262,6 +245,66 @@ class Reply:
     def _client_gone(self, _=None):
         self.gone = True
         self.job.cancel()
+
+    def shut_down(self):
+        """SIGTERM: stop the job and answer 503 now; the worker's later result is ignored."""
+        if self.gone:
+            return
+        self._client_gone()
+        self._write_whole(error_response(self.request, ShuttingDown()))
+
+    def answer(self, result):
+        return result
+
+    def _finished(self, result):
+        if self.gone or result is None:
+            return
+        self._write_whole(json_response(self.request, self.answer(result)))
+
+    def _failed(self, failure):
+        if self.gone:
+            return
+        self._write_whole(error_response(self.request, self._api_error(failure)))
+
+    def _api_error(self, failure):
+        error = failure.value
+        if not isinstance(error, APIError):
+            log.failure("{path} failed", failure, path=_path(self.request))
+            error = ServerError(f"{self.failing} failed: {error}")
+        return error
+
+    def _write_whole(self, body):
+        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
+        self.request.write(body)
+        self.request.finish()
+
+
+class Reply(QueuedReply):
+    """One completion request in flight, from queueing to the last byte. I/O thread, except where noted."""
+
+    failing = "generation"
+
+    def __init__(self, api, request, completion):
+        on_text = self._text_from_worker if completion.stream else None
+        # Streamed logprobs travel beside the text; otherwise they come back in the result.
+        streamed_logprobs = completion.stream and completion.logprobs is not None
+        extra = {"on_logprobs": self._logprobs_from_worker} if streamed_logprobs else {}
+        super().__init__(api, request,
+                         lambda backend, cancelled: backend.complete(completion, on_text, cancelled, **extra))
+        self.completion = completion
+        self.chat = completion.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(api.clock.seconds())
+        self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
+        self.pending_logprobs = []   # streamed: entries of tokens whose text is not sent yet
+        self.text_offset = 0         # completions' logprobs.text_offset of the next token
+        tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
+        self.tool_format = tool_format if completion.tools and completion.tool_choice != "none" else None
+        self.tool_stream = ToolStream(self.tool_format) if self.tool_format and completion.stream else None
+
+    def start(self):
+        self.request.work_pending = True
+        super().start()
 
     def shut_down(self):
         """SIGTERM: stop the job and end the response now. A started stream ends with an error event
@@ -410,18 +453,10 @@ class Reply:
         self.request.work_done()
         if self.gone:
             return
-        error = failure.value
-        if not isinstance(error, APIError):
-            log.failure("generation failed for {path}", failure, path=_path(self.request))
-            error = ServerError(f"generation failed: {error}")
+        error = self._api_error(failure)
         if self.stream is not None and self.stream.started:
             # The head is sent: the error can only travel as an event, then the stream ends.
             self.stream.send(error.body())
             self.stream.end()
             return
         self._write_whole(error_response(self.request, error))
-
-    def _write_whole(self, body):
-        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
-        self.request.write(body)
-        self.request.finish()

@@ -44,7 +44,8 @@ class _DiscardedBody(io.BytesIO):
 
 
 class APIRequest(server.Request):
-    """A request that refuses over-large or chunked bodies and logs one line when it ends.
+    """A request that refuses over-large or chunked bodies and logs one line (and counts itself in
+    its site's metrics, if any) when it ends.
 
     `body_error` is set (to an APIError) when the body was refused; the Resource tree answers with
     it. `completion_stats` (a GenerationResult) is set by completion resources for the log line.
@@ -89,7 +90,13 @@ class APIRequest(server.Request):
         path = self.uri.decode("ascii", "replace")
         return f"{host} {method} {path}"
 
+    def _count(self, gone):
+        metrics = getattr(getattr(self, "site", None), "metrics", None)
+        if metrics is not None:
+            metrics.observe(self.path, None if gone else self.code, self.completion_stats, gone=gone)
+
     def _log_finished(self, _):
+        self._count(gone=False)
         line = f"{self._describe()} {self.code}"
         if self.completion_stats is not None:
             line += " " + format_stats(self.completion_stats)
@@ -112,6 +119,7 @@ class APIRequest(server.Request):
             self._log_gone()
 
     def _log_gone(self):
+        self._count(gone=True)
         line = f"{self._describe()} client gone"
         if self.completion_stats is not None:
             line += " " + format_stats(self.completion_stats)
@@ -277,13 +285,15 @@ class APIChannel(http.HTTPChannel):
 
 
 class APISite(server.Site):
-    """The Site for the API: our Request and Channel, the idle timeout on the given reactor."""
+    """The Site for the API: our Request and Channel, the idle timeout on the given reactor; with
+    `metrics` (an api.metrics.Metrics), every request is counted when its log line is written."""
 
     requestFactory = APIRequest
     protocol = APIChannel
 
-    def __init__(self, resource, reactor):
+    def __init__(self, resource, reactor, metrics=None):
         super().__init__(resource, timeout=IDLE_TIMEOUT_SECONDS, reactor=reactor)
+        self.metrics = metrics
         self.displayTracebacks = False
         self.noisy = False
         self.channels = set()  # open connections, for a shutdown that lets replies reach their clients

@@ -5,17 +5,17 @@
     POST /detokenize {"tokens": [19556]} -> {"content": "Hello"}
 
 A piece that is not whole UTF-8 (one byte of a multi-byte character) is given as a list of byte
-values, as llama-server does. The tokenizer is safe to share between threads, so the work runs in
-the reactor's thread pool, beside (not behind) a generation in progress.
+values, as llama-server does. The tokenizer belongs to the engine, so the work is a job on the
+engine worker like a completion: it waits its turn inside --max-queue, and a request that comes
+while the server stops gets 503 instead of a tokenizer that is being closed.
 """
 
 import json
 
-from twisted.internet import threads
 from twisted.web.server import NOT_DONE_YET
 
-from krafla_twisted.api.errors import APIError, InvalidRequest, ServerError
-from krafla_twisted.api.resources import Endpoint, error_response, json_response, log
+from krafla_twisted.api.errors import InvalidRequest
+from krafla_twisted.api.resources import Endpoint, QueuedReply
 from krafla_twisted.api.schema import parse_json_body
 
 
@@ -53,71 +53,23 @@ def parse_detokenize(body, n_vocab):
     return tokens
 
 
-def piece(tokenizer, token_id):
-    raw = tokenizer.token_bytes(token_id)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return list(raw)
-
-
-class _Threaded(Endpoint):
-    """An endpoint whose answer is computed in the reactor's thread pool."""
-
+class Tokenize(Endpoint):
     methods = ("POST",)
 
-    def __init__(self, api, reactor, pool=None):
-        super().__init__(api)
-        self.reactor = reactor
-        self.pool = pool  # None: the reactor's thread pool
-
     def render_POST(self, request):
-        # I/O thread: parse and check the body here; the tokenizer runs in the pool.
-        body = parse_json_body(request.content.read())
-        work = self.parse(body)
-        finished = []
-        request.notifyFinish().addBoth(finished.append)
-        pool = self.pool if self.pool is not None else self.reactor.getThreadPool()
-        d = threads.deferToThreadPool(self.reactor, pool, self.compute, work)
-
-        def answer(payload):
-            if not finished:
-                request.write(json_response(request, payload))
-                request.finish()
-
-        def failed(failure):
-            if finished:
-                return
-            error = failure.value
-            if not isinstance(error, APIError):
-                log.failure("{path} failed", failure, path=request.path.decode("ascii", "replace"))
-                error = ServerError("internal server error")
-            request.write(error_response(request, error))
-            request.finish()
-
-        d.addCallback(answer).addErrback(failed)
+        # I/O thread: parse and check the body here; the tokenizer runs in the worker thread.
+        content, add_special, parse_special, with_pieces = parse_tokenize(parse_json_body(request.content.read()))
+        self.api.admit()
+        QueuedReply(self.api, request, lambda backend, cancelled: backend.tokenize(
+            content, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces)).start()
         return NOT_DONE_YET
 
 
-class Tokenize(_Threaded):
-    def parse(self, body):
-        return parse_tokenize(body)
+class Detokenize(Endpoint):
+    methods = ("POST",)
 
-    def compute(self, work):
-        # This runs in a thread of the pool, never in the I/O thread.
-        content, add_special, parse_special, with_pieces = work
-        tokenizer = self.api.backend.tokenizer
-        ids = tokenizer.encode(content, add_bos=None if add_special else False, special=parse_special)
-        if with_pieces:
-            return {"tokens": [{"id": i, "piece": piece(tokenizer, i)} for i in ids]}
-        return {"tokens": ids}
-
-
-class Detokenize(_Threaded):
-    def parse(self, body):
-        return parse_detokenize(body, self.api.backend.n_vocab)
-
-    def compute(self, tokens):
-        # This runs in a thread of the pool, never in the I/O thread.
-        text = self.api.backend.tokenizer.decode(tokens)
-        return {"content": text.decode("utf-8", "replace")}
+    def render_POST(self, request):
+        tokens = parse_detokenize(parse_json_body(request.content.read()), self.api.backend.n_vocab)
+        self.api.admit()
+        QueuedReply(self.api, request, lambda backend, cancelled: backend.detokenize(tokens)).start()
+        return NOT_DONE_YET

@@ -1,8 +1,9 @@
 """The single engine worker: one thread, requests in arrival order, cancellable jobs.
 
-A ThreadPool of exactly one thread runs every job, so the engine is only ever touched from that
-thread and jobs run first come, first served (the pool's queue is FIFO). A job whose client left
-while it waited is skipped when its turn comes; one whose client leaves while it runs sees
+A ThreadPool of exactly one thread runs every job, so the engine (model, session and tokenizer)
+is only ever touched from that thread and jobs run first come, first served (the pool's queue is
+FIFO): completions, /tokenize and /detokenize alike, all inside --max-queue. A job whose client
+left while it waited is skipped when its turn comes; one whose client leaves while it runs sees
 `cancelled` become true and the generator stops at the next token.
 """
 
@@ -11,12 +12,12 @@ from twisted.python.threadpool import ThreadPool
 
 
 class Job:
-    """One request's work. `cancelled` is written in the I/O thread and read in the worker thread."""
+    """One request's work: `work(backend, cancelled)` runs in the worker thread and returns the
+    result; `cancelled()` says whether the client left. `cancelled` is written in the I/O thread and
+    read in the worker thread."""
 
-    def __init__(self, completion, on_text=None, on_logprobs=None):
-        self.completion = completion
-        self.on_text = on_text
-        self.on_logprobs = on_logprobs
+    def __init__(self, work):
+        self.work = work
         self.cancelled = False
 
     def cancel(self):
@@ -41,7 +42,7 @@ class EngineWorker:
         self.pool.stop()
 
     def submit(self, job):
-        """Queue `job`; the Deferred fires with its GenerationResult, or None if it was skipped.
+        """Queue `job`; the Deferred fires with its result, or None if it was skipped.
 
         This must be called in the I/O thread.
         """
@@ -70,5 +71,4 @@ class EngineWorker:
         # Runs in the worker thread.
         if job.cancelled:
             return None
-        extra = {"on_logprobs": job.on_logprobs} if job.on_logprobs is not None else {}
-        return self.backend.complete(job.completion, on_text=job.on_text, cancelled=lambda: job.cancelled, **extra)
+        return job.work(self.backend, lambda: job.cancelled)

@@ -15,7 +15,8 @@ from twisted.python.failure import Failure
 
 from krafla_twisted.api.access import Access
 from krafla_twisted.api.errors import ContextTooLong
-from krafla_twisted.api.resources import API, build_root
+from krafla_twisted.api.resources import API
+from krafla_twisted.api.routes import build_root
 from krafla_twisted.api.site import APISite
 from krafla_twisted.api.worker import EngineWorker
 
@@ -84,6 +85,18 @@ class FakeBackend:
         self.results.append(result)
         return result
 
+    def tokenize(self, content, *, add_special, parse_special, with_pieces):
+        """Each character is its code point; the call is recorded with the completions."""
+        self.calls.append(("tokenize", content))
+        if self.error is not None:
+            raise self.error
+        ids = [ord(c) for c in content]
+        return {"tokens": [{"id": i, "piece": chr(i)} for i in ids] if with_pieces else ids}
+
+    def detokenize(self, tokens):
+        self.calls.append(("detokenize", tuple(tokens)))
+        return {"content": "".join(chr(i) for i in tokens)}
+
 
 class SynchronousPool:
     """A ThreadPool stand-in: work waits in a FIFO until the test calls run_next() or run_all()."""
@@ -130,16 +143,16 @@ class APIHarness:
     meet the same Request class (body limits, Connection: close, log line) as real ones.
     """
 
-    def __init__(self, backend=None, *, api_key=None, cors_origins=(), allowed_hosts=()):
+    def __init__(self, backend=None, *, api_key=None, cors_origins=(), allowed_hosts=(), metrics=None):
         self.backend = backend if backend is not None else FakeBackend()
         self.reactor = ThreadlessReactor()
         self.pool = SynchronousPool()
         self.worker = EngineWorker(self.reactor, self.backend, self.pool)
         self.api = API(self.backend, self.worker, Access(api_key, cors_origins, allowed_hosts), self.reactor)
-        self.root = build_root(self.api)
+        self.root = build_root(self.api, metrics)
         self.stub = StubTreq(self.root)
         agent = self.stub._agent
-        agent._serverFactory = APISite(self.root, reactor=agent._memoryReactor)
+        agent._serverFactory = APISite(self.root, reactor=agent._memoryReactor, metrics=metrics)
 
     def send(self, method, path, body=None, headers=None, run=True):
         """Start a request; returns its Deferred (the response), with the worker run unless run=False."""

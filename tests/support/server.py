@@ -83,6 +83,30 @@ def wait_for_listening(logfile, timeout=300):
     return match
 
 
+def pending_requests(port, key=None):
+    """krafla_requests_pending from GET /metrics of a server started with --metrics."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        response = connection.getresponse()
+        text = response.read().decode()
+    finally:
+        connection.close()
+    assert response.status == 200, text
+    return int(float(re.search(r"^krafla_requests_pending (\S+)$", text, re.M).group(1)))
+
+
+def wait_for_pending(port, count, key=None, timeout=60):
+    """Poll /metrics until `count` requests are queued or running on the engine (the server needs
+    --metrics): the event a test waits for before acting on a request it sent from another socket."""
+    deadline = time.monotonic() + timeout
+    while pending_requests(port, key) != count:
+        assert time.monotonic() < deadline, f"{count} requests never were pending"
+        time.sleep(0.05)
+
+
 def wait_until_removed(path, timeout=60):
     """Poll until `path` is gone (a daemon removes its pidfile on exit); fails after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -49,7 +49,7 @@ typedef struct {
 
 // What a packed model keeps: the memory or the mapping the packed matrices live in.
 typedef struct {
-    int32_t status;      // KR_PACKED_*
+    int32_t status;      // a kr_pack_status
     char note[256];
     void *memory;        // packed in memory (free)
     void *map;           // cache file mapping (munmap)
@@ -288,7 +288,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         state->map = map_valid_cache(path, &want, &state->map_bytes, why, sizeof why);
         if (state->map) {
             repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
-            state->status = KR_PACKED_CACHE_MAPPED;
+            state->status = KR_PACK_STATUS_CACHE_MAPPED;
             snprintf(state->note, sizeof state->note, "packed weights mapped from the cache");
             release_sources(list, sources, n);
             goto done;
@@ -306,12 +306,12 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
             (state->map = map_valid_cache(path, &want, &state->map_bytes, write_why, sizeof write_why))) {
             free(payload);
             repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
-            state->status = KR_PACKED_CACHE_REBUILT;
+            state->status = KR_PACK_STATUS_CACHE_BUILT;
             snprintf(state->note, sizeof state->note, "pack cache rebuilt: %.200s", why);
         } else {
             state->memory = payload;  // keep running packed in memory
             repoint(list, n, payload);
-            state->status = KR_PACKED_CACHE_FAILED;
+            state->status = KR_PACK_STATUS_CACHE_FAILED;
             snprintf(state->note, sizeof state->note, "pack cache not written, packed in memory: %.200s", write_why);
         }
         release_sources(list, sources, n);
@@ -324,7 +324,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     }
     pack_into(list, n, state->memory);
     repoint(list, n, state->memory);
-    state->status = KR_PACKED_MEMORY;
+    state->status = KR_PACK_STATUS_MEMORY;
     snprintf(state->note, sizeof state->note, "packed in memory (%zu bytes)", payload_bytes);
     release_sources(list, sources, n);
 done:
@@ -336,5 +336,5 @@ done:
 int32_t kr_model_pack_status(const kr_model *m, char *note, size_t size) {
     const pack_state *p = m ? m->pack : NULL;
     if (note && size) snprintf(note, size, "%s", p ? p->note : "not packed");
-    return p ? p->status : 0;
+    return p ? p->status : KR_PACK_STATUS_NONE;
 }

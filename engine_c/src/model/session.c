@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DEFAULT_MAX_CTX 4096
 #define MAX_CTX (1 << 24)
 #define MAX_BATCH 65536
 
@@ -140,7 +139,7 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
         return NULL;
     }
     const kr_model_info *h = &m->info;
-    if (n_ctx == 0) n_ctx = h->max_seq < DEFAULT_MAX_CTX ? h->max_seq : DEFAULT_MAX_CTX;
+    if (n_ctx == 0) n_ctx = h->max_seq < KR_DEFAULT_MAX_CTX ? h->max_seq : KR_DEFAULT_MAX_CTX;
     if (n_ctx < 1 || n_ctx > MAX_CTX) {
         kr_fail(err, KR_ERR_ARGUMENT, "context %d is out of range (1 to %d)", n_ctx, MAX_CTX);
         return NULL;

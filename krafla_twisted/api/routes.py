@@ -1,0 +1,37 @@
+"""The route table: every endpoint of the server, in one place.
+
+    /v1/chat/completions  /v1/completions  /v1/models[/ID]  /health
+    /v1/tokenize  /v1/detokenize  /v1/metrics (with --metrics)
+
+and the same paths without /v1. Everything else is a 404 in the API's shape.
+"""
+
+from krafla_twisted.api.metrics import MetricsResource
+from krafla_twisted.api.resources import Completions, Group, Health, Models
+from krafla_twisted.api.tokenize import Detokenize, Tokenize
+
+
+def build_root(api, metrics=None):
+    """The Resource tree for `api`; /metrics is served when `metrics` (a metrics.Metrics) is given."""
+    routes = {
+        (b"chat", b"completions"): lambda: Completions(api, "chat"),
+        (b"completions",): lambda: Completions(api, "text"),
+        (b"models",): lambda: Models(api),
+        (b"health",): lambda: Health(api),
+        (b"tokenize",): lambda: Tokenize(api),
+        (b"detokenize",): lambda: Detokenize(api),
+    }
+    if metrics is not None:
+        routes[(b"metrics",)] = lambda: MetricsResource(api, metrics)
+
+    root = Group(api)
+    root.putChild(b"v1", Group(api))
+    for base in (root, root.children[b"v1"]):
+        for path, make in routes.items():
+            node = base
+            for segment in path[:-1]:
+                if segment not in node.children:
+                    node.putChild(segment, Group(api))
+                node = node.children[segment]
+            node.putChild(path[-1], make())
+    return root

@@ -1,0 +1,75 @@
+"""Start-up configuration: the options of `krafla run` or `twistd krafla` turned into a loaded
+generate.Runtime.
+
+    runtime = startup.load_runtime(options)    # an argparse Namespace or the usage.Options mapping
+
+This is where the option table (krafla_twisted/options.py) and the model downloader
+(krafla_twisted/models.py) meet the engine: the values are checked, a missing model is the default
+one (pulled and converted on first use, with its own chat template unless --chat says otherwise),
+a model given without --chat gets the template its tokenizer file names (chat_file.py),
+and --no-pack / --pack-cache become the Model's arguments. generate.py knows none of this.
+"""
+
+import inspect
+
+from krafla_twisted import chat, chat_file, generate, options
+
+
+def load_runtime(opts, *, progress=False):
+    """Load what the options name: `model` (a .mlb, or None for the default model) and the
+    ENGINE_OPTIONS. Raises ValueError (options.OptionError) for a bad value, clib.KraflaError for a
+    bad file, models.PullError when the default model cannot be pulled."""
+    from krafla_twisted.engine import Model
+    from krafla_twisted.tokenizer import Tokenizer
+
+    config = options.validate(options.values(opts))
+    model_path = opts.get("model") if hasattr(opts, "keys") else getattr(opts, "model", None)
+    chat_name = config["chat"]
+    if model_path is None:
+        from krafla_twisted import models
+
+        pulled = models.pull(models.DEFAULT_MODEL, progress=progress)
+        model_path, config["tokenizer"] = str(pulled.mlb), str(pulled.mlt)
+        chat_name = chat_name or pulled.chat
+    if config["tokenizer"] is None:
+        raise options.OptionError(f"-z TOKENIZER.mlt is required with the model {model_path}")
+    packing = packing_arguments(Model, config)
+    threads = config["threads"] or options.default_threads()
+    template_from = "--chat" if config["chat"] else "the default model" if chat_name else None
+    if chat_name == "none":  # --chat none: plain-text prompts whatever the file says
+        chat_name = None
+    template = chat.get_template(chat_name) if chat_name else None
+    model = Model(model_path, threads=threads, **packing)
+    try:
+        eos = config["eos"]
+        if eos is not None and not 0 <= eos < model.n_vocab:
+            raise options.OptionError(f"--eos {eos} is not a token id of this model (0..{model.n_vocab - 1})")
+        tokenizer = Tokenizer(config["tokenizer"])
+        if not config["chat"] and template is None:  # the template the tokenizer file names
+            chat_name = chat_file.template_of(config["tokenizer"])
+            template = chat.get_template(chat_name) if chat_name else None
+            template_from = "the tokenizer file" if chat_name else None
+        sampling = generate.SamplingParams(
+            temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
+            repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
+        runtime = generate.Runtime(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"],
+                                   batch=config["batch"], eos=eos, sampling=sampling, max_tokens=config["max_tokens"],
+                                   system=config["system"], threads=threads)
+        runtime.template_from = template_from
+        return runtime
+    except BaseException:
+        model.close()
+        raise
+
+
+def packing_arguments(model_class, config):
+    """Model keyword arguments for --no-pack / --pack-cache. An engine without weight repacking
+    already runs on the file's layout (what --no-pack asks for); --pack-cache is refused there
+    rather than silently ignored."""
+    parameters = inspect.signature(model_class).parameters
+    if "pack" in parameters:
+        return {"pack": not config["no_pack"], "pack_cache": config["pack_cache"]}
+    if config["pack_cache"] and not config["no_pack"]:
+        raise options.OptionError("--pack-cache: this engine build does not repack weights, so there is "
+                                  "nothing to cache; leave the option out")
+    return {}
