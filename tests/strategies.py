@@ -219,3 +219,20 @@ def weight_rows(draw, max_rows=4, max_blocks=4):
     values = draw(hnp.arrays(np.float32, shape, elements=elements))
     scale = draw(st.sampled_from([1e-30, 1e-6, 1.0, 127.0, 1e3, 1e7, 1e30]))
     return values * np.float32(scale)
+
+
+# ------------------------------------------------------------------------------------------
+# k-quant matmuls (tests/test_kquant.py)
+
+
+@st.composite
+def kquant_problems(draw):
+    """(type, rows, cols, n_tokens, row_begin, row_end, seed, encoded): odd row counts around the
+    groups of 8, 1 to 4 super-blocks per row, 1 to 11 tokens (several tiles), any row range;
+    `encoded` picks weights encoded from floats instead of random blocks."""
+    type_name = draw(st.sampled_from(("q4_K", "q5_K", "q6_K")))
+    rows = draw(st.integers(1, 27))
+    row_begin = draw(st.integers(0, rows - 1))
+    row_end = draw(st.integers(row_begin + 1, rows))
+    return (type_name, rows, 256 * draw(st.integers(1, 4)), draw(st.integers(1, 11)), row_begin, row_end,
+            draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))

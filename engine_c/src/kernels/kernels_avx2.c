@@ -491,6 +491,10 @@ static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
+        kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
     const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_rows = tile_rows(weight_type, n_tokens), max_tokens = tile_tokens(weight_type);
@@ -561,6 +565,10 @@ static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t
 
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
+        kr_matmul_packed_kquant_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
     const int64_t grouped = rows - rows % KR_PACK_ROWS;
     if (!kr_packable(weight_type) || row_begin >= grouped) {  // the rows past the last group are in file layout
         kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);

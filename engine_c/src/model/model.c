@@ -3,6 +3,7 @@
 // Every metadata key of docs/formats.md is read here and checked for a sane value; every tensor
 // the forward pass reads is looked up by name and checked for type and shape, so forward.c can
 // trust the model completely. Anything unsupported is refused with a message naming it.
+#include "kernels/kernels.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -179,16 +180,14 @@ static const char *format_shape(const kr_tensor_info *t, char *out, size_t size)
     return out;
 }
 
-static bool is_matrix_type(int32_t type) {
-    return type == KR_F32 || type == KR_F16 || type == KR_BF16 || type == KR_Q8_0 || type == KR_Q4_0;
-}
+static bool is_matrix_type(int32_t type) { return kr_kernel_type_supported(type); }
 
 static int bind_matrix(reader *r, const char *name, int64_t rows, int64_t cols, kr_matrix *out) {
     kr_tensor_info t;
     int status = kr_file_find_tensor(r->file, name, &t, r->err);
     if (status) return status;
     if (!is_matrix_type(t.type))
-        return kr_fail(r->err, KR_ERR_UNSUPPORTED, "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0 or q4_0",
+        return kr_fail(r->err, KR_ERR_UNSUPPORTED, "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K",
                        r->path, name, kr_type_name(t.type));
     if (t.n_dims != 2 || t.dims[0] != (uint64_t)rows || t.dims[1] != (uint64_t)cols) {
         char shape[128];

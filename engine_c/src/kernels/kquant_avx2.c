@@ -1,0 +1,378 @@
+// kquant_avx2.c: the k-quant kernels (kernels.h, "k-quants") with AVX2 intrinsics, and with AVX-512
+// VNNI ones in the ISA=avx512 build (which compiles this file with KR_HAVE_AVX512, as kernels_avx2.c).
+//
+// Each computes what kquant_ref.c computes, in its order of float operations: per output and
+// super-block the exact integer sums isum (and msum), then the same fused multiply-adds. The
+// matmul works on the packed layout (kquant_ref.c describes it): the 8 lanes of a vector are 8 rows
+// of a group, each step multiplies 32 bytes of quants (8 rows x 4 weights) by 4 activation bytes
+// broadcast to every lane, and each super-block ends with one or two fused multiply-adds for 8
+// outputs. The file layout is multiplied by packing 8 rows at a time into a buffer first, so both
+// layouts run the same tile and give the same bits.
+#include "kernels/kernels.h"
+#include "krafla.h"
+
+#if defined(KR_HAVE_AVX2)
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KR_INLINE static inline __attribute__((always_inline))
+
+// ---------------------------------------------------------------------------------------------
+// q8_K quantization: kr_quantize_row_q8_K_ref's operations, 8 values at a time
+
+void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < n / KR_QK_K; b++) {
+        const float *xb = x + b * KR_QK_K;
+        // max_ps(a, b) returns b when a is NaN: with the running maximum as b, NaNs are skipped
+        __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < KR_QK_K; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xb + i);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign_mask, v), m);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const int has_nan = _mm256_movemask_ps(nan) != 0;
+        if (amax == 0.0f && !has_nan) {
+            memset(&y[b], 0, sizeof y[b]);
+            continue;
+        }
+        float max = 0.0f;  // the first element of the largest magnitude, with its sign
+        for (int j = 0; j < KR_QK_K; j++)
+            if (fabsf(xb[j]) == amax) {
+                max = xb[j];
+                break;
+            }
+        const float iscale = amax == 0.0f ? 0.0f : -127.0f / max;
+        const __m256 scale = _mm256_set1_ps(iscale);
+        for (int i = 0; i < KR_QK_K; i += 32) {
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 v = _mm256_mul_ps(scale, _mm256_loadu_ps(xb + i + 8 * k));
+                const __m256 ordered = _mm256_cmp_ps(v, v, _CMP_ORD_Q);  // NaN -> 0, as the reference
+                const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+                const __m256 rounded = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[k] = _mm256_cvtps_epi32(_mm256_and_ps(ordered, rounded));
+            }
+            // packs work within 128-bit halves; the permute puts the 4-byte groups back in order
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(y[b].q + i), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+        // bsums: byte pairs, then 4s, then 8s, then 16s within each 128-bit half (one sub-block of 16)
+        for (int i = 0; i < KR_QK_K; i += 32) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(y[b].q + i));
+            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qv), _mm256_set1_epi16(1));
+            s = _mm256_hadd_epi32(s, s);
+            s = _mm256_hadd_epi32(s, s);
+            y[b].bsums[i / 16] = (int16_t)_mm256_extract_epi32(s, 0);
+            y[b].bsums[i / 16 + 1] = (int16_t)_mm256_extract_epi32(s, 4);
+        }
+        y[b].d = has_nan ? NAN : 1.0f / iscale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer sums of one sub-block for 8 rows: `part` collects the products of unsigned weight bytes u
+// and signed activation bytes s, `flush` multiplies it by the sub-block scales and adds it to isum.
+// VNNI (ISA=avx512) accumulates in int32 and multiplies by the int32 scales. AVX2 adds the maddubs
+// pairs in int16 and multiplies by the scales with madd (each 32-bit lane holds the scale twice),
+// so a part holds at most 32767: 2 * 15 * 127 = 3810 a step for q4_K (8 steps), 2 * 31 * 127 = 7874
+// for q5_K (4 steps), 2 * 63 * 127 = 16002 for q6_K (2 steps) before a flush.
+#if defined(KR_HAVE_AVX512)
+KR_INLINE __m256i part_add(__m256i part, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(part, u, s); }
+KR_INLINE __m256i part_flush(__m256i isum, __m256i part, __m256i scale) { return _mm256_add_epi32(isum, _mm256_mullo_epi32(part, scale)); }
+KR_INLINE __m256i scale_vector(__m256i scale32) { return scale32; }
+#define Q5_FLUSH 8
+#define Q6_FLUSH 4
+#else
+KR_INLINE __m256i part_add(__m256i part, __m256i u, __m256i s) { return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s)); }
+KR_INLINE __m256i part_flush(__m256i isum, __m256i part, __m256i scale) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, scale)); }
+KR_INLINE __m256i scale_vector(__m256i scale32) {
+    return _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale32, 16));
+}
+#define Q5_FLUSH 4
+#define Q6_FLUSH 2
+#endif
+
+// 4 activation bytes (elements at..at+3) in every int32 lane.
+KR_INLINE __m256i broadcast4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Bits of every byte moved left (shift > 0) or right; the caller masks the bits it wants.
+KR_INLINE __m256i shift_bits(__m256i v, const int shift) {
+    return shift >= 0 ? _mm256_slli_epi16(v, shift) : _mm256_srli_epi16(v, -shift);
+}
+
+// Two int16 values per lane, one from each half of 16 bytes: lane r = (bytes[r], bytes[8 + r]).
+KR_INLINE __m256i pairs_u8(const char *bytes) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)bytes);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(h, _mm_srli_si128(h, 8)));
+}
+KR_INLINE __m256i pairs_i8(const char *bytes) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)bytes);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(h, _mm_srli_si128(h, 8)));
+}
+
+KR_INLINE void prefetch_group(const char *next, size_t bytes) {
+    if (next)
+        for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+}
+
+#define Q4_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q4_K))  // 1152 bytes
+#define Q5_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q5_K))  // 1408
+#define Q6_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q6_K))  // 1680
+
+// One group super-block of q4_K (is_q5 0) or q5_K (1) for T tokens: acc[t] += the 8 rows' terms.
+KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group, const kr_block_q8_K *const a[4],
+                                __m256 acc[4], const char *next) {
+    // the scales and mins of the 8 rows, 6 bits each (kquant_ref.c's packed layout)
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i sb0 = _mm256_loadu_si256((const __m256i *)(group + 32)), sb1 = _mm256_loadu_si256((const __m256i *)(group + 64));
+    const __m256i nibbles = _mm256_loadu_si256((const __m256i *)(group + 96));
+    _Alignas(32) char scales[64], mins[64];
+    _mm256_store_si256((__m256i *)scales, _mm256_and_si256(sb0, _mm256_set1_epi8(63)));
+    _mm256_store_si256((__m256i *)(scales + 32), _mm256_and_si256(sb1, _mm256_set1_epi8(63)));
+    _mm256_store_si256((__m256i *)mins, _mm256_or_si256(_mm256_and_si256(nibbles, low4), _mm256_and_si256(_mm256_srli_epi16(sb0, 2), top2)));
+    _mm256_store_si256((__m256i *)(mins + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low4),
+                                                                _mm256_and_si256(_mm256_srli_epi16(sb1, 2), top2)));
+    prefetch_group(next, is_q5 ? Q5_K_GROUP : Q4_K_GROUP);
+    __m256i isum[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) isum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m256i scale_low = scale_vector(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * c))));
+        const __m256i scale_high = scale_vector(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * c + 8))));
+        __m256i part_low[4], part_high[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) part_low[t] = part_high[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group + 128 + 256 * c + 32 * i));
+            __m256i low = _mm256_and_si256(chunk, low4), high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
+            if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(group + 1152 + 32 * i));
+                const __m256i five = _mm256_set1_epi8(0x10);
+                low = _mm256_or_si256(low, _mm256_and_si256(shift_bits(bits, 4 - 2 * c), five));
+                high = _mm256_or_si256(high, _mm256_and_si256(shift_bits(bits, 3 - 2 * c), five));
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 64 * c + 4 * i));
+                part_high[t] = part_add(part_high[t], high, broadcast4(a[t]->q + 64 * c + 32 + 4 * i));
+            }
+            if (i % (is_q5 ? Q5_FLUSH : 8) == (is_q5 ? Q5_FLUSH : 8) - 1)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), part_high[t], scale_high);
+                    part_low[t] = part_high[t] = _mm256_setzero_si256();
+                }
+        }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16)));
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        // msum: the mins times the activation sums of each sub-block of 32, two sub-blocks per madd
+        const __m256i sums32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a[t]->bsums), _mm256_set1_epi16(1));
+        const __m128i sums16 = _mm_packs_epi32(_mm256_castsi256_si128(sums32), _mm256_extracti128_si256(sums32, 1));
+        __m256i msum = _mm256_madd_epi16(pairs_u8(mins), _mm256_set1_epi32(_mm_extract_epi32(sums16, 0)));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 16), _mm256_set1_epi32(_mm_extract_epi32(sums16, 1))));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 32), _mm256_set1_epi32(_mm_extract_epi32(sums16, 2))));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 48), _mm256_set1_epi32(_mm_extract_epi32(sums16, 3))));
+        const __m256 da = _mm256_set1_ps(a[t]->d);
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+        acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum), acc[t]);
+    }
+}
+
+// One group super-block of q6_K for T tokens.
+KR_INLINE void superblock_q6_K(const int T, const char *group, const kr_block_q8_K *const a[4], __m256 acc[4], const char *next) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    prefetch_group(next, Q6_K_GROUP);
+    __m256i isum[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        // the weights' offset of 32: isum starts at -32 * sum_j scales[j] * bsums[j], two sub-blocks per madd
+        __m256i offset = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            int32_t sums;
+            memcpy(&sums, a[t]->bsums + 2 * k, 4);
+            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs_i8(group + 16 + 16 * k), _mm256_set1_epi32(sums)));
+        }
+        isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; q++)
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int sub_low = 8 * h + 2 * q + half, sub_high = sub_low + 4;
+                const __m256i scale_low = scale_vector(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + 16 + 8 * sub_low))));
+                const __m256i scale_high = scale_vector(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + 16 + 8 * sub_high))));
+                __m256i part_low[4], part_high[4];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) part_low[t] = part_high[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int step = 0; step < 4; step++) {
+                    const int i = 4 * half + step;
+                    const __m256i ql = _mm256_loadu_si256((const __m256i *)(group + 144 + 32 * (16 * h + 8 * q + i)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(group + 1168 + 32 * (8 * h + i)));
+                    // bits 2q..2q+1 of qh are the top of the low nibble's weight, bits 4+2q..5+2q the high one's
+                    const __m256i low = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(shift_bits(qh, 4 - 2 * q), top2));
+                    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4),
+                                                         _mm256_and_si256(shift_bits(qh, -2 * q), top2));
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) {
+                        part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 128 * h + 32 * q + 4 * i));
+                        part_high[t] = part_add(part_high[t], high, broadcast4(a[t]->q + 128 * h + 64 + 32 * q + 4 * i));
+                    }
+                    if (step % Q6_FLUSH == Q6_FLUSH - 1)
+#pragma GCC unroll 4
+                        for (int t = 0; t < T; t++) {
+                            isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), part_high[t], scale_high);
+                            part_low[t] = part_high[t] = _mm256_setzero_si256();
+                        }
+                }
+            }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t]->d)), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+}
+
+// One group of 8 packed rows (its super-blocks one after the other) for T tokens; stores the rows of
+// [keep_begin, keep_end) of the group. `next`: the group after it (prefetched alongside), or NULL.
+KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *group, int64_t n_blocks, const char *a,
+                          size_t a_stride, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+    const size_t group_block = KR_PACK_ROWS * kr_kquant_block_bytes(weight_type);
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const kr_block_q8_K *tokens[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) tokens[t] = (const kr_block_q8_K *)(a + (size_t)t * a_stride) + b;
+        const char *block = group + (size_t)b * group_block, *fetch = next ? next + (size_t)b * group_block : NULL;
+        if (weight_type == KR_Q4_K) superblock_q45_K(0, T, block, tokens, acc, fetch);
+        else if (weight_type == KR_Q5_K) superblock_q45_K(1, T, block, tokens, acc, fetch);
+        else superblock_q6_K(T, block, tokens, acc, fetch);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        float *row = out + t * out_stride;
+        if (keep_begin == 0 && keep_end == KR_PACK_ROWS) {
+            _mm256_storeu_ps(row, acc[t]);
+        } else {
+            float lanes[KR_PACK_ROWS];
+            _mm256_storeu_ps(lanes, acc[t]);
+            for (int r = keep_begin; r < keep_end; r++) row[r] = lanes[r];
+        }
+    }
+}
+
+// Tokens per tile: AVX-512VL gives 32 vector registers, AVX2 16.
+#ifndef KR_KQUANT_TOKENS
+#if defined(KR_HAVE_AVX512)
+#define KR_KQUANT_TOKENS 4
+#else
+#define KR_KQUANT_TOKENS 2
+#endif
+#endif
+
+static void tile(int32_t weight_type, int T, const char *group, int64_t n_blocks, const char *a, size_t a_stride, float *out,
+                 int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+#define KQ_TILE(type, t) group_tile(type, t, group, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next)
+#define KQ_TOKENS(type) \
+    switch (T) { \
+    case 1: KQ_TILE(type, 1); break; \
+    case 2: KQ_TILE(type, 2); break; \
+    case 3: KQ_TILE(type, 3); break; \
+    default: KQ_TILE(type, 4); break; \
+    }
+    switch (weight_type) {
+    case KR_Q4_K: KQ_TOKENS(KR_Q4_K) break;
+    case KR_Q5_K: KQ_TOKENS(KR_Q5_K) break;
+    default: KQ_TOKENS(KR_Q6_K) break;
+    }
+}
+
+// Tokens are taken in blocks whose prepared activations fit in L2, so each group finds them there.
+#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
+
+// Groups [group_begin, group_end) of a packed matrix (group g at w + g * group_stride), rows of
+// [row_begin, row_end) stored (relative to the matrix's first row).
+static void packed_groups(int32_t weight_type, const char *w, size_t group_stride, int64_t cols, const void *prepared,
+                          int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const int64_t n_blocks = cols / KR_QK_K;
+    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
+    const int max_tokens = n_tokens == 1 ? 1 : KR_KQUANT_TOKENS;
+    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
+    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
+    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
+        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
+        for (int64_t g = group_begin; g < group_end; g++) {
+            const int64_t first = g * KR_PACK_ROWS;
+            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
+            const int keep_end = (int)(row_end - first < KR_PACK_ROWS ? row_end - first : KR_PACK_ROWS);
+            const char *group = w + (size_t)g * group_stride, *next = g + 1 < group_end ? group + group_stride : NULL;
+            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
+                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
+                tile(weight_type, T, group, n_blocks, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
+                     out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
+            }
+        }
+    }
+}
+
+// File layout: 8 rows at a time packed into a buffer (rows past the matrix's end as zero blocks, whose
+// outputs are not stored), then the packed tiles over it.
+void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                           float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = KR_PACK_ROWS * row_bytes;
+    char *rows = malloc(group_bytes ? 2 * group_bytes : 1);
+    if (!rows) {  // no memory for a buffer: the reference computes the same bits
+        for (int64_t t = 0; t < n_tokens; t++)
+            for (int64_t r = row_begin; r < row_end; r++)
+                out[t * out_stride + r] = kr_dot_kquant_ref(weight_type, (const char *)w + (size_t)r * row_bytes,
+                                                            (const kr_block_q8_K *)((const char *)prepared + (size_t)t * kr_activation_row_bytes(weight_type, cols)), cols);
+        return;
+    }
+    char *packed = rows + group_bytes;
+    for (int64_t first = row_begin; first < row_end; first += KR_PACK_ROWS) {
+        const int64_t count = row_end - first < KR_PACK_ROWS ? row_end - first : KR_PACK_ROWS;
+        memcpy(rows, (const char *)w + (size_t)first * row_bytes, (size_t)count * row_bytes);
+        memset(rows + (size_t)count * row_bytes, 0, (size_t)(KR_PACK_ROWS - count) * row_bytes);
+        kr_pack_rows_kquant(weight_type, rows, packed, KR_PACK_ROWS, cols);
+        packed_groups(weight_type, packed, group_bytes, cols, prepared, n_tokens, out + first, out_stride, 0, count);
+    }
+    free(rows);
+}
+
+void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    const int64_t grouped = rows - rows % KR_PACK_ROWS;
+    if (row_end > grouped) {  // the rows past the last group are in file layout
+        const int64_t begin = row_begin > grouped ? row_begin : grouped;
+        kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, begin, row_end);
+        row_end = grouped;
+    }
+    if (row_begin >= row_end) return;
+    packed_groups(weight_type, w, KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols), cols, prepared, n_tokens, out,
+                  out_stride, row_begin, row_end);
+}
+
+#else
+typedef int kr_kquant_avx2_not_built;  // ISA=generic: this file is empty
+#endif
