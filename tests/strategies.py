@@ -13,11 +13,18 @@ from tests.support import tiny_models
 @st.composite
 def tiny_model_shapes(draw, weight_type="f32", max_dim=128):
     """Keyword arguments for write_tiny_model's shape: GQA ratios 1..4, even head widths,
-    odd and even vocab sizes; every matrix input a multiple of 32 for quantized types."""
+    odd and even vocab sizes; every matrix input a multiple of 32 for quantized types, of 256 for
+    k-quants."""
     quantized = weight_type in tiny_models.QUANTIZED
     n_kv_heads = draw(st.integers(1, 3))
     n_heads = n_kv_heads * draw(st.integers(1, 4))
-    if quantized:
+    if weight_type in tiny_models.KQUANTS:
+        # every matrix input a multiple of 256: head_dim a multiple of 256 / gcd(256, n_heads)
+        step = 256 // np.gcd(256, n_heads)
+        head_dim = step * draw(st.integers(1, max(1, 128 // step)))
+        dim = 256 * draw(st.integers(1, 2))
+        ffn_dim = 256 * draw(st.integers(1, 2))
+    elif quantized:
         # n_heads * head_dim must be a multiple of 32: head_dim a multiple of 32 / gcd.
         step = 32 // np.gcd(32, n_heads)
         head_dim = step * draw(st.integers(1, 64 // step))  # step is 4, 8, 16 or 32: even

@@ -169,3 +169,28 @@ def packed(type_name, data, rows, cols):
                 out.append(chunks(g[:, 16:48]))
     out.append(blocks[grouped:].reshape(-1))
     return np.concatenate(out).astype(np.uint8)
+
+
+def dequantize(data, type_name):
+    """Blocks (any shape, whole blocks) -> float32 values, ggml's dequantize_row_q*_K: the scale and
+    min products in float32 first, then d * sc * q - dmin * m (q6_K: d * sc * (q - 32))."""
+    blocks = np.asarray(data, np.uint8).reshape(-1, BLOCK_BYTES[type_name])
+    n = blocks.shape[0]
+    if type_name == "q6_K":
+        ql, qh = blocks[:, 0:128].reshape(n, 2, 2, 32), blocks[:, 128:192].reshape(n, 2, 32)
+        scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        d = blocks[:, 208:210].copy().view("<f2").astype(np.float32)
+        parts = [ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4]  # weight 128h + 32p + l
+        q = np.stack([parts[p] | (((qh >> (2 * p)) & 3) << 4) for p in range(4)], axis=2).reshape(n, 16, 16)
+        return ((d * scales)[..., None] * (q.astype(np.float32) - 32)).reshape(-1)
+    d = blocks[:, 0:2].copy().view("<f2").astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view("<f2").astype(np.float32)
+    s = blocks[:, 4:16]
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1).astype(np.float32)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1).astype(np.float32)
+    qs = (blocks[:, 48:176] if type_name == "q5_K" else blocks[:, 16:144]).reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)  # sub-block 2c: low nibbles, 2c + 1: high
+    if type_name == "q5_K":
+        qh = blocks[:, 16:48]
+        q = q | np.stack([((qh >> s) & 1) << 4 for s in range(8)], axis=1)
+    return ((d * sc)[..., None] * q.astype(np.float32) - (dmin * m)[..., None]).reshape(-1)

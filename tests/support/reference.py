@@ -5,8 +5,8 @@ Face modeling code, read, not copied), sharing nothing with engine_c but the con
 (krafla_twisted.formats). tests/reference/test_transformers.py checks it against Hugging Face
 transformers on the three real models.
 
-Precision: weights are dequantized exactly into float32 (every f16/bf16/q8_0/q4_0 weight is a
-float32 number), and everything is computed in float64: the residual stream, norms, RoPE,
+Precision: weights are dequantized into float32 (exactly: every f16/bf16/q8_0/q4_0 weight is a
+float32 number; k-quants as ggml computes them), and everything is computed in float64: the residual stream, norms, RoPE,
 attention, softmax, and the matrix products (each weight matrix is widened to float64 in row
 chunks as it is used, so memory stays at one float32 copy of the model). Logits come back as
 float32.
@@ -33,6 +33,7 @@ import numpy as np
 
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from tests.support import kquants
 
 ROPE_STYLES = ("norm", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -63,6 +64,8 @@ def dequantize(tensor):
         packed = blocks[:, 2:]
         nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
         values = (nibbles - 8) * scale
+    elif name in kquants.BLOCK_BYTES:  # ggml's arithmetic, in float32 (test_reference_tiny checks it against gguf-py)
+        values = kquants.dequantize(raw, name)
     else:
         raise ValueError(f"tensor {tensor.name}: the reference cannot dequantize type {name}")
     return values.reshape(tensor.shape)
@@ -274,7 +277,11 @@ class ReferenceModel:
 
     def _linear(self, x, name, bias=None):
         """x @ weight `name`.T (+ bias), with x rounded to q8_0 first where q8_activations says."""
-        if self.q8_activations and self.container.tensors[name].type.name in ("q8_0", "q4_0"):
+        type_name = self.container.tensors[name].type.name
+        if self.q8_activations and type_name in kquants.BLOCK_BYTES:  # k-quants: q8_K, ggml's quantizer
+            d, q, _ = kquants.quantize_q8_K(x.astype(np.float32))
+            x = (d.astype(np.float64)[:, None] * q).reshape(x.shape)
+        if self.q8_activations and type_name in ("q8_0", "q4_0"):
             rows = quantize.quantize_q8_0(x.astype(np.float32))
             x = quantize.dequantize("Q8_0", rows, x.shape[1]).reshape(x.shape).astype(np.float64)
         return linear(x, self.weight(name), bias)
