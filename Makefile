@@ -92,3 +92,6 @@ test-isa: lib venv
 
 # --- test-isa (attn): the attention kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_attention.py
+
+# --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
+ISA_TESTS += tests/test_kquant.py
