@@ -3,10 +3,10 @@
 //
 // Each computes what kquant_ref.c computes, in its order of float operations: per output and
 // super-block the exact integer sums isum (and msum), then the same fused multiply-adds. The
-// matmul works on the packed layout (kquant_ref.c describes it): the 8 lanes of a vector are 8 rows
-// of a group, each step multiplies 32 bytes of quants (8 rows x 4 weights) by 4 activation bytes
-// broadcast to every lane, and each super-block ends with one or two fused multiply-adds for 8
-// outputs. The file layout is multiplied by packing 8 rows at a time into a buffer first, so both
+// matmul works on the packed layout (kquant_ref.c describes it): the lanes of a vector are the 8
+// rows of a group (16 rows of two groups in the avx512 build), each step multiplies 32 bytes of
+// quants per group (8 rows x 4 weights) by 4 activation bytes broadcast to every lane, and each
+// super-block ends with one or two fused multiply-adds for all the rows. The file layout is multiplied by packing 8 rows at a time into a buffer first, so both
 // layouts run the same tile and give the same bits.
 #include "kernels/kernels.h"
 #include "krafla.h"
@@ -77,92 +77,166 @@ void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer sums of one sub-block for 8 rows: `part` collects the products of unsigned weight bytes u
-// and signed activation bytes s, `flush` multiplies it by the sub-block scales and adds it to isum.
-// VNNI (ISA=avx512) accumulates in int32 and multiplies by the int32 scales. AVX2 adds the maddubs
-// pairs in int16 and multiplies by the scales with madd (each 32-bit lane holds the scale twice),
-// so a part holds at most 32767: 2 * 15 * 127 = 3810 a step for q4_K (8 steps), 2 * 31 * 127 = 7874
-// for q5_K (4 steps), 2 * 63 * 127 = 16002 for q6_K (2 steps) before a flush.
+// The vectors of a tile: ROWS rows in the lanes. AVX2: one group of 8 rows in 256 bits. ISA=avx512:
+// two groups in 512 bits (the first group's 8 rows in the low half, the second's in the high half;
+// `stride` is the distance between them, 0 to run one group in both halves), so each instruction
+// does the work of two; every lane still computes its row's integer sums and float steps, so the
+// bits are the same.
+//
+// Integer sums of one sub-block: `part` collects the products of unsigned weight bytes u and signed
+// activation bytes s, `flush` multiplies it by the sub-block scales and adds it to isum. VNNI
+// accumulates in int32 and multiplies by the int32 scales. AVX2 adds the maddubs pairs in int16 and
+// multiplies by the scales with madd (each 32-bit lane holds the scale twice), so a part holds at
+// most 32767: 2 * 15 * 127 = 3810 a step for q4_K (8 steps), 2 * 31 * 127 = 7874 for q5_K (4
+// steps), 2 * 63 * 127 = 16002 for q6_K (2 steps) before a flush.
 #if defined(KR_HAVE_AVX512)
-KR_INLINE __m256i part_add(__m256i part, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(part, u, s); }
-KR_INLINE __m256i part_flush(__m256i isum, __m256i part, __m256i scale) { return _mm256_add_epi32(isum, _mm256_mullo_epi32(part, scale)); }
-KR_INLINE __m256i scale_vector(__m256i scale32) { return scale32; }
+#define ROWS 16
+typedef __m512i vec;
+typedef __m512 vecf;
+KR_INLINE vec v_load(const char *p, size_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + stride)), 1);
+}
+KR_INLINE vec v_join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+KR_INLINE vec v_and(vec a, vec b) { return _mm512_and_si512(a, b); }
+KR_INLINE vec v_or(vec a, vec b) { return _mm512_or_si512(a, b); }
+KR_INLINE vec v_add(vec a, vec b) { return _mm512_add_epi32(a, b); }
+KR_INLINE vec v_sub(vec a, vec b) { return _mm512_sub_epi32(a, b); }
+KR_INLINE vec v_bytes(char b) { return _mm512_set1_epi8(b); }
+KR_INLINE vec v_words(int32_t w) { return _mm512_set1_epi32(w); }
+KR_INLINE vec v_zero(void) { return _mm512_setzero_si512(); }
+KR_INLINE vec v_srli16(vec v, const int n) { return _mm512_srli_epi16(v, n); }
+KR_INLINE vec v_slli16(vec v, const int n) { return _mm512_slli_epi16(v, n); }
+KR_INLINE vec v_slli32(vec v, const int n) { return _mm512_slli_epi32(v, n); }
+KR_INLINE vec v_madd16(vec a, vec b) { return _mm512_madd_epi16(a, b); }
+KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm512_dpbusd_epi32(part, u, s); }
+KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm512_add_epi32(isum, _mm512_mullo_epi32(part, scale)); }
+// The scales of one sub-block: 8 bytes at `low` (first group) and at `high` (second), as int32 lanes.
+KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signed) {
+    const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)low), _mm_loadl_epi64((const __m128i *)high));
+    return is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+}
+KR_INLINE vecf vf_half(const char *p, size_t stride) {  // 8 f16 of each group
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                   _mm_loadu_si128((const __m128i *)(p + stride)), 1));
+}
+KR_INLINE vecf vf_zero(void) { return _mm512_setzero_ps(); }
+KR_INLINE vecf vf_set1(float f) { return _mm512_set1_ps(f); }
+KR_INLINE vecf vf_mul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+KR_INLINE vecf vf_fmadd(vecf a, vec b, vecf c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
+KR_INLINE vecf vf_fnmadd(vecf a, vec b, vecf c) { return _mm512_fnmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
+KR_INLINE void vf_store(float *p, vecf v) { _mm512_storeu_ps(p, v); }
 #define Q5_FLUSH 8
 #define Q6_FLUSH 4
 #else
-KR_INLINE __m256i part_add(__m256i part, __m256i u, __m256i s) { return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s)); }
-KR_INLINE __m256i part_flush(__m256i isum, __m256i part, __m256i scale) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, scale)); }
-KR_INLINE __m256i scale_vector(__m256i scale32) {
-    return _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale32, 16));
+#define ROWS 8
+typedef __m256i vec;
+typedef __m256 vecf;
+KR_INLINE vec v_load(const char *p, size_t stride) { return _mm256_loadu_si256((const __m256i *)p); }
+KR_INLINE vec v_join(__m256i low, __m256i high) { return low; }
+KR_INLINE vec v_and(vec a, vec b) { return _mm256_and_si256(a, b); }
+KR_INLINE vec v_or(vec a, vec b) { return _mm256_or_si256(a, b); }
+KR_INLINE vec v_add(vec a, vec b) { return _mm256_add_epi32(a, b); }
+KR_INLINE vec v_sub(vec a, vec b) { return _mm256_sub_epi32(a, b); }
+KR_INLINE vec v_bytes(char b) { return _mm256_set1_epi8(b); }
+KR_INLINE vec v_words(int32_t w) { return _mm256_set1_epi32(w); }
+KR_INLINE vec v_zero(void) { return _mm256_setzero_si256(); }
+KR_INLINE vec v_srli16(vec v, const int n) { return _mm256_srli_epi16(v, n); }
+KR_INLINE vec v_slli16(vec v, const int n) { return _mm256_slli_epi16(v, n); }
+KR_INLINE vec v_slli32(vec v, const int n) { return _mm256_slli_epi32(v, n); }
+KR_INLINE vec v_madd16(vec a, vec b) { return _mm256_madd_epi16(a, b); }
+KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s)); }
+KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, scale)); }
+KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signed) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)low);
+    const __m256i scale = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    return _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale, 16));
 }
+KR_INLINE vecf vf_half(const char *p, size_t stride) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+KR_INLINE vecf vf_zero(void) { return _mm256_setzero_ps(); }
+KR_INLINE vecf vf_set1(float f) { return _mm256_set1_ps(f); }
+KR_INLINE vecf vf_mul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+KR_INLINE vecf vf_fmadd(vecf a, vec b, vecf c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
+KR_INLINE vecf vf_fnmadd(vecf a, vec b, vecf c) { return _mm256_fnmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
+KR_INLINE void vf_store(float *p, vecf v) { _mm256_storeu_ps(p, v); }
 #define Q5_FLUSH 4
 #define Q6_FLUSH 2
 #endif
+#define GROUPS (ROWS / KR_PACK_ROWS)  // groups of 8 rows per tile
 
 // 4 activation bytes (elements at..at+3) in every int32 lane.
-KR_INLINE __m256i broadcast4(const int8_t *q) {
+KR_INLINE vec broadcast4(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
+    return v_words(v);
 }
 
 // Bits of every byte moved left (shift > 0) or right; the caller masks the bits it wants.
-KR_INLINE __m256i shift_bits(__m256i v, const int shift) {
-    return shift >= 0 ? _mm256_slli_epi16(v, shift) : _mm256_srli_epi16(v, -shift);
+KR_INLINE vec shift_bits(vec v, const int shift) { return shift >= 0 ? v_slli16(v, shift) : v_srli16(v, -shift); }
+
+// Two int16 values per lane, one from each half of 16 bytes: lane r = (bytes[r], bytes[8 + r]),
+// for the first group at `low` and the second at `high`.
+KR_INLINE __m256i pairs8(const char *bytes, const int is_signed) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)bytes);
+    const __m128i interleaved = _mm_unpacklo_epi8(h, _mm_srli_si128(h, 8));
+    return is_signed ? _mm256_cvtepi8_epi16(interleaved) : _mm256_cvtepu8_epi16(interleaved);
+}
+KR_INLINE vec pairs(const char *low, const char *high, const int is_signed) {
+    return v_join(pairs8(low, is_signed), pairs8(high, is_signed));
 }
 
-// Two int16 values per lane, one from each half of 16 bytes: lane r = (bytes[r], bytes[8 + r]).
-KR_INLINE __m256i pairs_u8(const char *bytes) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)bytes);
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(h, _mm_srli_si128(h, 8)));
-}
-KR_INLINE __m256i pairs_i8(const char *bytes) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)bytes);
-    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(h, _mm_srli_si128(h, 8)));
-}
-
-KR_INLINE void prefetch_group(const char *next, size_t bytes) {
-    if (next)
-        for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+KR_INLINE void prefetch_group(const char *next, size_t stride, size_t bytes) {
+    if (!next) return;
+    for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    if (GROUPS == 2 && stride)
+        for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + stride + line, _MM_HINT_T0);
 }
 
 #define Q4_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q4_K))  // 1152 bytes
 #define Q5_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q5_K))  // 1408
 #define Q6_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q6_K))  // 1680
 
-// One group super-block of q4_K (is_q5 0) or q5_K (1) for T tokens: acc[t] += the 8 rows' terms.
-KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group, const kr_block_q8_K *const a[4],
-                                __m256 acc[4], const char *next) {
-    // the scales and mins of the 8 rows, 6 bits each (kquant_ref.c's packed layout)
-    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+// A group super-block's 8 scales and 8 mins of 8 rows, 6 bits each (kquant_ref.c's packed
+// layout), as bytes: scales[8j + r], mins[8j + r].
+KR_INLINE void unpack_scales_mins(const char *group, char scales[64], char mins[64]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30), six = _mm256_set1_epi8(63);
     const __m256i sb0 = _mm256_loadu_si256((const __m256i *)(group + 32)), sb1 = _mm256_loadu_si256((const __m256i *)(group + 64));
     const __m256i nibbles = _mm256_loadu_si256((const __m256i *)(group + 96));
-    _Alignas(32) char scales[64], mins[64];
-    _mm256_store_si256((__m256i *)scales, _mm256_and_si256(sb0, _mm256_set1_epi8(63)));
-    _mm256_store_si256((__m256i *)(scales + 32), _mm256_and_si256(sb1, _mm256_set1_epi8(63)));
+    _mm256_store_si256((__m256i *)scales, _mm256_and_si256(sb0, six));
+    _mm256_store_si256((__m256i *)(scales + 32), _mm256_and_si256(sb1, six));
     _mm256_store_si256((__m256i *)mins, _mm256_or_si256(_mm256_and_si256(nibbles, low4), _mm256_and_si256(_mm256_srli_epi16(sb0, 2), top2)));
     _mm256_store_si256((__m256i *)(mins + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low4),
                                                                 _mm256_and_si256(_mm256_srli_epi16(sb1, 2), top2)));
-    prefetch_group(next, is_q5 ? Q5_K_GROUP : Q4_K_GROUP);
-    __m256i isum[4];
+}
+
+// One group super-block (GROUPS groups, `stride` apart) of q4_K (is_q5 0) or q5_K (1) for T tokens:
+// acc[t] += the rows' terms.
+KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group, size_t stride, const kr_block_q8_K *const a[4],
+                                vecf acc[4], const char *next) {
+    _Alignas(32) char scales[2][64], mins[2][64];
+    unpack_scales_mins(group, scales[0], mins[0]);
+    if (GROUPS == 2) unpack_scales_mins(group + stride, scales[1], mins[1]);
+    const int second = GROUPS - 1;
+    prefetch_group(next, stride, is_q5 ? Q5_K_GROUP : Q4_K_GROUP);
+    const vec low4 = v_bytes(0x0f);
+    vec isum[4];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++) isum[t] = _mm256_setzero_si256();
+    for (int t = 0; t < T; t++) isum[t] = v_zero();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        const __m256i scale_low = scale_vector(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * c))));
-        const __m256i scale_high = scale_vector(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * c + 8))));
-        __m256i part_low[4], part_high[4];
+        const vec scale_low = scale_vector(scales[0] + 16 * c, scales[second] + 16 * c, 0);
+        const vec scale_high = scale_vector(scales[0] + 16 * c + 8, scales[second] + 16 * c + 8, 0);
+        vec part_low[4], part_high[4];
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) part_low[t] = part_high[t] = _mm256_setzero_si256();
+        for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
-            const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group + 128 + 256 * c + 32 * i));
-            __m256i low = _mm256_and_si256(chunk, low4), high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
+            const vec chunk = v_load(group + 128 + 256 * c + 32 * i, stride);
+            vec low = v_and(chunk, low4), high = v_and(v_srli16(chunk, 4), low4);
             if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
-                const __m256i bits = _mm256_loadu_si256((const __m256i *)(group + 1152 + 32 * i));
-                const __m256i five = _mm256_set1_epi8(0x10);
-                low = _mm256_or_si256(low, _mm256_and_si256(shift_bits(bits, 4 - 2 * c), five));
-                high = _mm256_or_si256(high, _mm256_and_si256(shift_bits(bits, 3 - 2 * c), five));
+                const vec bits = v_load(group + 1152 + 32 * i, stride), five = v_bytes(0x10);
+                low = v_or(low, v_and(shift_bits(bits, 4 - 2 * c), five));
+                high = v_or(high, v_and(shift_bits(bits, 3 - 2 * c), five));
             }
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
@@ -173,43 +247,44 @@ KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group,
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
                     isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), part_high[t], scale_high);
-                    part_low[t] = part_high[t] = _mm256_setzero_si256();
+                    part_low[t] = part_high[t] = v_zero();
                 }
         }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16)));
+    const vecf d = vf_half(group, stride), dmin = vf_half(group + 16, stride);
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         // msum: the mins times the activation sums of each sub-block of 32, two sub-blocks per madd
         const __m256i sums32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a[t]->bsums), _mm256_set1_epi16(1));
         const __m128i sums16 = _mm_packs_epi32(_mm256_castsi256_si128(sums32), _mm256_extracti128_si256(sums32, 1));
-        __m256i msum = _mm256_madd_epi16(pairs_u8(mins), _mm256_set1_epi32(_mm_extract_epi32(sums16, 0)));
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 16), _mm256_set1_epi32(_mm_extract_epi32(sums16, 1))));
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 32), _mm256_set1_epi32(_mm_extract_epi32(sums16, 2))));
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs_u8(mins + 48), _mm256_set1_epi32(_mm_extract_epi32(sums16, 3))));
-        const __m256 da = _mm256_set1_ps(a[t]->d);
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
-        acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum), acc[t]);
+        vec msum = v_madd16(pairs(mins[0], mins[second], 0), v_words(_mm_extract_epi32(sums16, 0)));
+        msum = v_add(msum, v_madd16(pairs(mins[0] + 16, mins[second] + 16, 0), v_words(_mm_extract_epi32(sums16, 1))));
+        msum = v_add(msum, v_madd16(pairs(mins[0] + 32, mins[second] + 32, 0), v_words(_mm_extract_epi32(sums16, 2))));
+        msum = v_add(msum, v_madd16(pairs(mins[0] + 48, mins[second] + 48, 0), v_words(_mm_extract_epi32(sums16, 3))));
+        const vecf da = vf_set1(a[t]->d);
+        acc[t] = vf_fmadd(vf_mul(d, da), isum[t], acc[t]);
+        acc[t] = vf_fnmadd(vf_mul(dmin, da), msum, acc[t]);
     }
 }
 
 // One group super-block of q6_K for T tokens.
-KR_INLINE void superblock_q6_K(const int T, const char *group, const kr_block_q8_K *const a[4], __m256 acc[4], const char *next) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
-    prefetch_group(next, Q6_K_GROUP);
-    __m256i isum[4];
+KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, const kr_block_q8_K *const a[4], vecf acc[4],
+                               const char *next) {
+    const char *scales = group + 16, *scales2 = group + (GROUPS == 2 ? stride : 0) + 16;
+    prefetch_group(next, stride, Q6_K_GROUP);
+    const vec low4 = v_bytes(0x0f), top2 = v_bytes(0x30);
+    vec isum[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         // the weights' offset of 32: isum starts at -32 * sum_j scales[j] * bsums[j], two sub-blocks per madd
-        __m256i offset = _mm256_setzero_si256();
+        vec offset = v_zero();
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
             int32_t sums;
             memcpy(&sums, a[t]->bsums + 2 * k, 4);
-            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs_i8(group + 16 + 16 * k), _mm256_set1_epi32(sums)));
+            offset = v_add(offset, v_madd16(pairs(scales + 16 * k, scales2 + 16 * k, 1), v_words(sums)));
         }
-        isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+        isum[t] = v_sub(v_zero(), v_slli32(offset, 5));
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++)
@@ -218,20 +293,19 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, const kr_block_q8
 #pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
                 const int sub_low = 8 * h + 2 * q + half, sub_high = sub_low + 4;
-                const __m256i scale_low = scale_vector(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + 16 + 8 * sub_low))));
-                const __m256i scale_high = scale_vector(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + 16 + 8 * sub_high))));
-                __m256i part_low[4], part_high[4];
+                const vec scale_low = scale_vector(scales + 8 * sub_low, scales2 + 8 * sub_low, 1);
+                const vec scale_high = scale_vector(scales + 8 * sub_high, scales2 + 8 * sub_high, 1);
+                vec part_low[4], part_high[4];
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) part_low[t] = part_high[t] = _mm256_setzero_si256();
+                for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
 #pragma GCC unroll 4
                 for (int step = 0; step < 4; step++) {
                     const int i = 4 * half + step;
-                    const __m256i ql = _mm256_loadu_si256((const __m256i *)(group + 144 + 32 * (16 * h + 8 * q + i)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(group + 1168 + 32 * (8 * h + i)));
+                    const vec ql = v_load(group + 144 + 32 * (16 * h + 8 * q + i), stride);
+                    const vec qh = v_load(group + 1168 + 32 * (8 * h + i), stride);
                     // bits 2q..2q+1 of qh are the top of the low nibble's weight, bits 4+2q..5+2q the high one's
-                    const __m256i low = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(shift_bits(qh, 4 - 2 * q), top2));
-                    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4),
-                                                         _mm256_and_si256(shift_bits(qh, -2 * q), top2));
+                    const vec low = v_or(v_and(ql, low4), v_and(shift_bits(qh, 4 - 2 * q), top2));
+                    const vec high = v_or(v_and(v_srli16(ql, 4), low4), v_and(shift_bits(qh, -2 * q), top2));
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) {
                         part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 128 * h + 32 * q + 4 * i));
@@ -241,47 +315,48 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, const kr_block_q8
 #pragma GCC unroll 4
                         for (int t = 0; t < T; t++) {
                             isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), part_high[t], scale_high);
-                            part_low[t] = part_high[t] = _mm256_setzero_si256();
+                            part_low[t] = part_high[t] = v_zero();
                         }
                 }
             }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
+    const vecf d = vf_half(group, stride);
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++)
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t]->d)), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+    for (int t = 0; t < T; t++) acc[t] = vf_fmadd(vf_mul(d, vf_set1(a[t]->d)), isum[t], acc[t]);
 }
 
-// One group of 8 packed rows (its super-blocks one after the other) for T tokens; stores the rows of
-// [keep_begin, keep_end) of the group. `next`: the group after it (prefetched alongside), or NULL.
-KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *group, int64_t n_blocks, const char *a,
-                          size_t a_stride, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+// One tile: GROUPS groups of 8 packed rows (`stride` apart; 0 runs one group twice), their
+// super-blocks one after the other, for T tokens; stores the rows of [keep_begin, keep_end) of the
+// tile. `next`: the tile after it (prefetched alongside), or NULL.
+KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *group, size_t stride, int64_t n_blocks,
+                          const char *a, size_t a_stride, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                          const char *next) {
     const size_t group_block = KR_PACK_ROWS * kr_kquant_block_bytes(weight_type);
-    __m256 acc[4];
+    vecf acc[4];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) acc[t] = vf_zero();
     for (int64_t b = 0; b < n_blocks; b++) {
         const kr_block_q8_K *tokens[4];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) tokens[t] = (const kr_block_q8_K *)(a + (size_t)t * a_stride) + b;
         const char *block = group + (size_t)b * group_block, *fetch = next ? next + (size_t)b * group_block : NULL;
-        if (weight_type == KR_Q4_K) superblock_q45_K(0, T, block, tokens, acc, fetch);
-        else if (weight_type == KR_Q5_K) superblock_q45_K(1, T, block, tokens, acc, fetch);
-        else superblock_q6_K(T, block, tokens, acc, fetch);
+        if (weight_type == KR_Q4_K) superblock_q45_K(0, T, block, stride, tokens, acc, fetch);
+        else if (weight_type == KR_Q5_K) superblock_q45_K(1, T, block, stride, tokens, acc, fetch);
+        else superblock_q6_K(T, block, stride, tokens, acc, fetch);
     }
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         float *row = out + t * out_stride;
-        if (keep_begin == 0 && keep_end == KR_PACK_ROWS) {
-            _mm256_storeu_ps(row, acc[t]);
+        if (keep_begin == 0 && keep_end == ROWS) {
+            vf_store(row, acc[t]);
         } else {
-            float lanes[KR_PACK_ROWS];
-            _mm256_storeu_ps(lanes, acc[t]);
+            float lanes[ROWS];
+            vf_store(lanes, acc[t]);
             for (int r = keep_begin; r < keep_end; r++) row[r] = lanes[r];
         }
     }
 }
 
-// Tokens per tile: AVX-512VL gives 32 vector registers, AVX2 16.
+// Tokens per tile: AVX-512 gives 32 vector registers, AVX2 16.
 #ifndef KR_KQUANT_TOKENS
 #if defined(KR_HAVE_AVX512)
 #define KR_KQUANT_TOKENS 4
@@ -290,9 +365,9 @@ KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *gr
 #endif
 #endif
 
-static void tile(int32_t weight_type, int T, const char *group, int64_t n_blocks, const char *a, size_t a_stride, float *out,
-                 int64_t out_stride, int keep_begin, int keep_end, const char *next) {
-#define KQ_TILE(type, t) group_tile(type, t, group, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next)
+static void tile(int32_t weight_type, int T, const char *group, size_t stride, int64_t n_blocks, const char *a, size_t a_stride,
+                 float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+#define KQ_TILE(type, t) group_tile(type, t, group, stride, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next)
 #define KQ_TOKENS(type) \
     switch (T) { \
     case 1: KQ_TILE(type, 1); break; \
@@ -322,25 +397,28 @@ static void packed_groups(int32_t weight_type, const char *w, size_t group_strid
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t g = group_begin; g < group_end; g++) {
+        for (int64_t g = group_begin; g < group_end; g += GROUPS) {
+            const int groups = (int)(group_end - g < GROUPS ? group_end - g : GROUPS);
             const int64_t first = g * KR_PACK_ROWS;
             const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < KR_PACK_ROWS ? row_end - first : KR_PACK_ROWS);
-            const char *group = w + (size_t)g * group_stride, *next = g + 1 < group_end ? group + group_stride : NULL;
+            const int keep_end = (int)(row_end - first < groups * KR_PACK_ROWS ? row_end - first : groups * KR_PACK_ROWS);
+            const char *group = w + (size_t)g * group_stride;
+            const char *next = g + groups < group_end ? group + (size_t)groups * group_stride : NULL;
+            const size_t stride = groups == 2 ? group_stride : 0;  // one group left: it runs in both halves
             for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
                 const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                tile(weight_type, T, group, n_blocks, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
+                tile(weight_type, T, group, stride, n_blocks, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
                      out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
             }
         }
     }
 }
 
-// File layout: 8 rows at a time packed into a buffer (rows past the matrix's end as zero blocks, whose
+// File layout: ROWS rows at a time packed into a buffer (rows past the matrix's end as zero blocks, whose
 // outputs are not stored), then the packed tiles over it.
 void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                            float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = KR_PACK_ROWS * row_bytes;
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = ROWS * row_bytes;
     char *rows = malloc(group_bytes ? 2 * group_bytes : 1);
     if (!rows) {  // no memory for a buffer: the reference computes the same bits
         for (int64_t t = 0; t < n_tokens; t++)
@@ -350,12 +428,12 @@ void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, con
         return;
     }
     char *packed = rows + group_bytes;
-    for (int64_t first = row_begin; first < row_end; first += KR_PACK_ROWS) {
-        const int64_t count = row_end - first < KR_PACK_ROWS ? row_end - first : KR_PACK_ROWS;
+    for (int64_t first = row_begin; first < row_end; first += ROWS) {
+        const int64_t count = row_end - first < ROWS ? row_end - first : ROWS;
         memcpy(rows, (const char *)w + (size_t)first * row_bytes, (size_t)count * row_bytes);
-        memset(rows + (size_t)count * row_bytes, 0, (size_t)(KR_PACK_ROWS - count) * row_bytes);
-        kr_pack_rows_kquant(weight_type, rows, packed, KR_PACK_ROWS, cols);
-        packed_groups(weight_type, packed, group_bytes, cols, prepared, n_tokens, out + first, out_stride, 0, count);
+        memset(rows + (size_t)count * row_bytes, 0, (size_t)(ROWS - count) * row_bytes);
+        kr_pack_rows_kquant(weight_type, rows, packed, ROWS, cols);
+        packed_groups(weight_type, packed, KR_PACK_ROWS * row_bytes, cols, prepared, n_tokens, out + first, out_stride, 0, count);
     }
     free(rows);
 }
