@@ -9,6 +9,7 @@ arrays to C without copies.
     with Model("SmolLM2-135M-Instruct-Q4_0.mlb", threads=2) as model:
         session = model.session(ctx=2048, kv="f16", batch=32)
         logits = session.eval(prompt_ids)      # np.float32 (n_vocab,), of the last token
+        rows = session.eval_all(more_ids)      # np.float32 (len(more_ids), n_vocab), of every token
         session.truncate(10)                   # keep the first 10 positions of the cache
 
 One eval at a time per model: the thread pool belongs to the model, so sessions of one model
@@ -88,6 +89,8 @@ def _engine(lib):
     declare(lib, "kr_session_free", None, _session_p)
     # int kr_session_eval(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
     declare(lib, "kr_session_eval", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
+    # int kr_session_eval_all(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
+    declare(lib, "kr_session_eval_all", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
     # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
     declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
     # int32_t kr_session_n_tokens(const kr_session *session);  (and n_ctx, n_batch, kv_type)
@@ -215,9 +218,35 @@ class Session(clib.OwnedHandle):
                     and out.flags.c_contiguous and out.flags.writeable):
                 raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({self.model.n_vocab},)")
             logits = True
+        tokens = self._token_array(token_ids, "eval")
+        if logits and out is None:
+            out = np.empty(self.model.n_vocab, dtype=np.float32)
+        error = clib.kr_error()
+        status = self._lib.kr_session_eval(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
+                                           out.ctypes.data_as(_float_p) if logits else None, ctypes.byref(error))
+        if status:
+            _raise(error)
+        return out
+
+    def eval_all(self, token_ids):
+        """Run token_ids after the cached ones and return every token's logits as np.float32
+        (len(token_ids), n_vocab): row i is what eval gives when token_ids[i] is its last token,
+        bit for bit (perplexity and scoring)."""
+        handle = self._check_open()
+        tokens = self._token_array(token_ids, "eval_all")
+        out = np.empty((tokens.size, self.model.n_vocab), dtype=np.float32)
+        error = clib.kr_error()
+        status = self._lib.kr_session_eval_all(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
+                                               out.ctypes.data_as(_float_p), ctypes.byref(error))
+        if status:
+            _raise(error)
+        return out
+
+    def _token_array(self, token_ids, method):
+        """token_ids as a C-contiguous int32 array, or InvalidTokenError naming the bad value."""
         tokens = np.asarray(token_ids)
         if tokens.ndim != 1 or tokens.size == 0:
-            raise InvalidTokenError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}",
+            raise InvalidTokenError(f"{method} needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}",
                                     KR_ERR_ARGUMENT)
         if tokens.dtype.kind not in "iu":
             raise InvalidTokenError(f"token ids must be integers, not {tokens.dtype}", KR_ERR_ARGUMENT)
@@ -228,15 +257,7 @@ class Session(clib.OwnedHandle):
                 raise InvalidTokenError(f"token id {int(tokens[index])} at index {index} is outside "
                                         f"[0, {self.model.n_vocab})", KR_ERR_ARGUMENT)
             tokens = tokens.astype(np.int32)
-        tokens = np.ascontiguousarray(tokens)
-        if logits and out is None:
-            out = np.empty(self.model.n_vocab, dtype=np.float32)
-        error = clib.kr_error()
-        status = self._lib.kr_session_eval(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
-                                           out.ctypes.data_as(_float_p) if logits else None, ctypes.byref(error))
-        if status:
-            _raise(error)
-        return out
+        return np.ascontiguousarray(tokens)
 
     def truncate(self, n_tokens):
         """Forget every position from n_tokens on (0 <= n_tokens <= self.n_tokens)."""

@@ -218,6 +218,10 @@ void kr_session_free(kr_session *session);
 // KR_ERR_ARGUMENT and tokens past n_ctx are KR_ERR_CONTEXT, both checked before any work, so a
 // failed call leaves the session unchanged.
 int kr_session_eval(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
+// As kr_session_eval, but logits_out (required) receives the logits of every token: n * n_vocab
+// floats, row i for tokens[i], each row the bits kr_session_eval gives when tokens[i] is its last
+// token (perplexity, scoring). The one-logit path does not pay for it.
+int kr_session_eval_all(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
 // Forget every position from n_tokens on (0 <= n_tokens <= kr_session_n_tokens).
 int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
 int32_t kr_session_n_tokens(const kr_session *session);

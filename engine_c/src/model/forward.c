@@ -447,7 +447,8 @@ static void final_norm(kr_session *s, int32_t n, const float *add, const float *
     kr_prepare_activations(m->output.type, s->xb, dim, s->prepared[m->output.type], 0, 1);
 }
 
-// Logits of one token from prepared row 0: out = xb W_out^T, soft-capped. Split by rows.
+// Logits of j->n tokens from prepared rows 0..n: out (n, n_vocab) = xb W_out^T, soft-capped.
+// Split by rows.
 static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     step *j = arg;
     kr_session *s = j->s;
@@ -456,10 +457,11 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     int64_t begin, end;
     kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
     if (begin >= end) return;
-    kr_matrix_matmul(w, s->prepared[w->type], 1, j->logits, begin, end);
+    kr_matrix_matmul(w, s->prepared[w->type], j->n, j->logits, begin, end);
     float cap = m->info.final_softcap;
     if (cap > 0)
-        for (int64_t r = begin; r < end; r++) j->logits[r] = cap * tanhf(j->logits[r] / cap);
+        for (int64_t t = 0; t < j->n; t++)
+            for (int64_t r = begin; r < end; r++) j->logits[t * w->rows + r] = cap * tanhf(j->logits[t * w->rows + r] / cap);
 }
 
 // --- One step of up to n_batch tokens
@@ -484,7 +486,8 @@ static int row_chunks(const kr_pool *pool, int64_t rows) {
     return kr_pool_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN);
 }
 
-static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float *logits) {
+// logits: NULL, the last token's (n_vocab,), or with all_logits every token's (n, n_vocab).
+static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
     kr_model *m = s->model;
     const kr_model_info *h = &m->info;
     kr_pool *pool = m->pool;
@@ -526,15 +529,26 @@ static void forward_step(kr_session *s, const int32_t *tokens, int32_t n, float 
     }
     s->n_tokens += n;
     if (!logits) return;
+    if (all_logits) {  // every token: final_norm's add and norm row by row, then one matmul of n rows
+        step f = {.s = s, .n = n, .add = pending_add, .add_norm = pending_norm, .norm = m->output_norm, .n_w = 1};
+        f.w[0] = &m->output;
+        kr_pool_run(pool, residual_job, &f, token_chunks);
+        step out = {.s = s, .n = n, .logits = logits};
+        kr_pool_run(pool, output_job, &out, row_chunks(pool, m->output.rows));
+        return;
+    }
     // Only the last token needs the final residual add and the output head.
     final_norm(s, n, pending_add, pending_norm);
     step out = {.s = s, .n = 1, .logits = logits};
     kr_pool_run(pool, output_job, &out, row_chunks(pool, m->output.rows));
 }
 
-int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+// kr_session_eval and kr_session_eval_all: logits of the last token, or of every token (all_logits).
+static int session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, bool all_logits,
+                        kr_error *err) {
     if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval: session is NULL");
     if (!tokens || n < 1) return kr_fail(err, KR_ERR_ARGUMENT, "no tokens to evaluate");
+    if (all_logits && !logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
     kr_model *m = s->model;
     if (n > s->n_ctx - s->n_tokens)
         return kr_fail(err, KR_ERR_CONTEXT, "%d tokens after %d do not fit in the context of %d", n, s->n_tokens,
@@ -548,14 +562,24 @@ int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logi
         return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
     for (int32_t done = 0; done < n; done += s->n_batch) {
         int32_t count = n - done < s->n_batch ? n - done : s->n_batch;
+        float *step_logits = all_logits ? logits + (size_t)done * (size_t)m->info.n_vocab
+                                        : done + count == n ? logits : NULL;
         if (s->ext) {  // qwen35 hook
-            kr_qwen35_step(s->ext, tokens + done, count, s->n_tokens, done + count == n ? logits : NULL);
+            kr_qwen35_step(s->ext, tokens + done, count, s->n_tokens, step_logits, all_logits);
             s->n_tokens += count;
             continue;
         }
-        forward_step(s, tokens + done, count, done + count == n ? logits : NULL);
+        forward_step(s, tokens + done, count, step_logits, all_logits);
     }
     atomic_store(&m->busy, 0);
     kr_ok(err);
     return KR_OK;
+}
+
+int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, false, err);
+}
+
+int kr_session_eval_all(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, true, err);
 }

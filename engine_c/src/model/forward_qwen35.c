@@ -683,7 +683,7 @@ static void output_job(void *arg, int thread, int n_threads, int worker) {
     if (begin < end) kr_matrix_matmul(w, j->s->prepared[w->type], 1, j->out[0], begin, end);
 }
 
-void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits) {
+void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits, bool all_logits) {
     q35_state *s = state;
     kr_model *m = s->m;
     const kr_model_info *h = &m->info;
@@ -722,6 +722,11 @@ void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, 
         pending = s->proj;
     }
     if (!logits) return;  // the states and the KV cache hold everything the next step needs
+    if (all_logits) {  // every token: the same add and norm row by row, then one matmul of n rows
+        residual_step(s, n, NULL, pending, m->output_norm);
+        matmuls(s, n, s->xb, h->dim, 1, &m->output, logits, NULL, NULL, NULL, NULL, NULL, NULL);
+        return;
+    }
     int64_t dim = h->dim;
     float *x = s->x + (int64_t)(n - 1) * dim;
     for (int64_t i = 0; i < dim; i++) x[i] += pending[(int64_t)(n - 1) * dim + i];

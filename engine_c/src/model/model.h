@@ -81,8 +81,9 @@ void kr_qwen35_free(void *ext);
 int kr_qwen35_matrices(kr_model *m, kr_matrix **out);
 void *kr_qwen35_state_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
 void kr_qwen35_state_free(void *state);
-// Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL.
-void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits);
+// Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL,
+// or with all_logits of every token ((n, n_vocab), each row the bits the one-logit path gives).
+void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits, bool all_logits);
 // --- end qwen35 hooks
 
 // --- speed hook (pack.c): frees what kr_model_pack made
