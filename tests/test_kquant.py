@@ -10,6 +10,7 @@ What is pinned, and against what:
   reference at zero tolerance, for any number of tokens and any output-row range; the integer
   sums stay exact at the largest quants, scales and activations.
 - The packed layout: byte for byte against a numpy construction of its description.
+- The published Q4_K_M files' own q4_K and q6_K matrices: the same, on real blocks.
 """
 
 import ctypes
@@ -231,3 +232,31 @@ class KQuantModelFileTests:
         monkeypatch.undo()
         with pytest.raises(clib.KraflaError, match=r"blk.0.attn_k.weight.*128 is not a multiple of q4_K's block of 256"):
             Model(path)
+
+
+class RealWeightTests:
+    @pytest.mark.parametrize("name, tensors", [
+        ("qwen2.5-coder-0.5b", ("blk.0.ffn_down.weight", "blk.5.ffn_down.weight")),
+        ("gemma3-270m", ("blk.0.attn_output.weight", "blk.0.ffn_down.weight"))])
+    def test_published_k_quant_matrices(self, name, tensors):
+        """The published Q4_K_M files' own q4_K and q6_K matrices (blocks as ggml wrote them): every
+        implementation, packed or not, equals the reference bit for bit, and the reference equals
+        float64 numpy (gguf-py's dequantization, the q8_K values of x) within FLOAT32_SUM_TOLERANCE."""
+        from tests.support.real_models import gguf_reader
+
+        found = {t.name: t for t in gguf_reader(name).tensors if t.name in tensors}
+        assert sorted(found) == sorted(tensors)
+        for tensor in found.values():
+            type_name = {"Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}[tensor.tensor_type.name]
+            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+            weights = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+            x = activations(cols, 5, 0)
+            reference = kernels.matmul(type_name, weights, rows, cols, x, "reference")
+            packed = kernels.pack(type_name, weights, rows, cols)
+            for impl in implementations():
+                assert same_bits(kernels.matmul_packed(type_name, packed, rows, cols, x, impl), reference), (tensor.name, impl)
+                assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, impl), reference), (tensor.name, impl)
+            w64 = gguf_dequantize(weights.reshape(rows, -1), tensor.tensor_type).astype(np.float64)
+            x64 = q8_K_values(x)
+            tolerance = float32_sum_tolerance(np.abs(x64) @ np.abs(w64).T, 2 * (cols // 256) + 8)
+            assert np.all(np.abs(reference - x64 @ w64.T) <= tolerance), tensor.name
