@@ -1,6 +1,6 @@
 // pack.c: weight repacking at load, and the packed-weight cache file (owner: speed).
 //
-// kr_model_pack rewrites every q8_0/q4_0 matrix of a loaded model (the layers' projections, a
+// kr_model_pack rewrites every packable (kr_packable) matrix of a loaded model (the layers' projections, a
 // qwen35 model's attention, DeltaNet and MLP matrices, and the output head) into the packed layout
 // of kernels.h, where the lanes of a vector are 8 rows. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
 // bit), so packing only moves bytes.
@@ -256,7 +256,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     m->pack = state;
     int n = list_matrices(m, NULL);
     if (mode == KR_PACK_OFF || n == 0) {
-        snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no q8_0/q4_0 matrices to pack");
+        snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no matrices of a packed type to pack");
         kr_ok(err);
         return KR_OK;
     }
