@@ -6,8 +6,9 @@
 // matmul works on the packed layout (kquant_ref.c describes it): the lanes of a vector are the 8
 // rows of a group (16 rows of two groups in the avx512 build), each step multiplies 32 bytes of
 // quants per group (8 rows x 4 weights) by 4 activation bytes broadcast to every lane, and each
-// super-block ends with one or two fused multiply-adds for all the rows. The file layout is multiplied by packing 8 rows at a time into a buffer first, so both
-// layouts run the same tile and give the same bits.
+// super-block ends with one or two fused multiply-adds for all the rows. The file layout is
+// multiplied by packing a tile's rows into a buffer first, so both layouts run the same tile and
+// give the same bits.
 #include "kernels/kernels.h"
 #include "krafla.h"
 
@@ -421,10 +422,12 @@ void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, con
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = ROWS * row_bytes;
     char *rows = malloc(group_bytes ? 2 * group_bytes : 1);
     if (!rows) {  // no memory for a buffer: the reference computes the same bits
+        const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
         for (int64_t t = 0; t < n_tokens; t++)
-            for (int64_t r = row_begin; r < row_end; r++)
-                out[t * out_stride + r] = kr_dot_kquant_ref(weight_type, (const char *)w + (size_t)r * row_bytes,
-                                                            (const kr_block_q8_K *)((const char *)prepared + (size_t)t * kr_activation_row_bytes(weight_type, cols)), cols);
+            for (int64_t r = row_begin; r < row_end; r++) {
+                const kr_block_q8_K *a = (const kr_block_q8_K *)((const char *)prepared + (size_t)t * a_stride);
+                out[t * out_stride + r] = kr_dot_kquant_ref(weight_type, (const char *)w + (size_t)r * row_bytes, a, cols);
+            }
         return;
     }
     char *packed = rows + group_bytes;
