@@ -17,10 +17,16 @@ HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*/*.h)
 OBJECTS := $(patsubst engine_c/src/%.c,$(BUILD)/$(ISA)/obj/%.o,$(SOURCES))
 LIBRARY := $(BUILD)/$(ISA)/libkrafla.so
 
-.PHONY: all lib test test-reference serve venv clean print-library
+.PHONY: all lib libs test test-reference serve venv clean print-library
 
 all: lib
 lib: $(LIBRARY)
+
+# Every build this CPU runs (generic, avx2, and avx512 where it has AVX-512 VNNI): the cross-ISA
+# bitwise test (tests/test_cross_isa.py) loads them all.
+LIB_ISAS := generic $(if $(HAVE_AVX2),avx2) $(if $(shell grep -q avx512_vnni /proc/cpuinfo 2>/dev/null && echo yes),avx512)
+libs:
+	@for isa in $(LIB_ISAS); do $(MAKE) --no-print-directory lib ISA=$$isa || exit 1; done
 
 $(BUILD)/$(ISA)/obj/%.o: engine_c/src/%.c $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -37,7 +43,7 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
-test: lib venv
+test: lib libs venv
 	KRAFLA_ISA=$(ISA) $(VENV)/bin/python -m pytest -q tests --ignore=tests/reference
 
 # The heavy independent check: numpy reference against Hugging Face transformers.
@@ -92,6 +98,8 @@ test-isa: lib venv
 
 # --- test-isa (attn): the attention kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_attention.py
+# --- test-isa (engine): one step over several sequences, on every build
+ISA_TESTS += tests/test_mixed_batch.py
 
 # --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_kquant.py

@@ -60,6 +60,10 @@ def _declare(lib):
     # int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum,
     #                         kr_error *err);
     clib.declare(lib, "kr_test_elementwise", _int, _int, _i32, _p, _p, _i64, ctypes.c_float, _p, _err)
+    # int kr_test_delta_rule(int impl, float *state, int64_t dk, int64_t dv, const float *q, const float *k,
+    #                        const float *v, float beta, float decay, float *out, kr_error *err);
+    clib.declare(lib, "kr_test_delta_rule", _int, _int, _p, _i64, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_float,
+                 _p, _err)
     # int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows,
     #                     int64_t cols, const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds,
     #                     kr_error *err);
@@ -313,6 +317,19 @@ def silu_mul(gate, up, impl="dispatch"):
 def gelu_tanh_mul(gate, up, impl="dispatch"):
     """gelu_tanh(gate) * up, element by element."""
     return _elementwise(3, gate, up, impl)[0]
+
+
+def delta_rule(state, q, k, v, beta, decay, impl="dispatch"):
+    """One token of DeltaNet's delta rule on a (dv, dk) state S^T: (new state, out (dv,))."""
+    state = np.array(state, dtype=np.float32, copy=True, order="C")
+    q, k, v = (_array(a, np.float32) for a in (q, k, v))
+    dv, dk = state.shape
+    if q.shape != (dk,) or k.shape != (dk,) or v.shape != (dv,):
+        raise ValueError(f"state {state.shape} needs q, k of ({dk},) and v of ({dv},)")
+    out = np.empty(dv, np.float32)
+    _call(clib.load().kr_test_delta_rule, _impl(impl), _ptr(state), dk, dv, _ptr(q), _ptr(k), _ptr(v),
+          ctypes.c_float(beta), ctypes.c_float(decay), _ptr(out))
+    return state, out
 
 
 def bench_matmul(type_name, weights, rows, cols, x, impl="dispatch", repeat=20, packed=False):

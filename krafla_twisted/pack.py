@@ -3,7 +3,8 @@
 `pack=True` copies every q8_0/q4_0/k-quant matrix into the packed layout the AVX2 tiles read as one stream
 (the same results bit for bit); `pack_cache=True` keeps that copy in MODEL.mlb.pack, keyed by the
 model's checksum, the ISA and the layout version, and maps it on the next load; a stale or corrupt
-cache is rebuilt, never trusted. `status(model)` says what happened.
+cache is rebuilt, never trusted. `status(model)` says what happened; `warning(model)` is the line to
+log when a cache was asked for and could not be written (the model then runs packed in memory).
 """
 
 import ctypes
@@ -12,7 +13,10 @@ import os
 from krafla_twisted import clib
 
 PACK_OFF, PACK_ON, PACK_CACHE = 0, 1, 2
-STATUS_NAMES = {0: "not packed", 1: "packed in memory", 2: "cache mapped", 3: "cache rebuilt"}
+# kr_model_pack_status's codes (KR_PACKED_* in krafla.h)
+NOT_PACKED, PACKED_MEMORY, CACHE_MAPPED, CACHE_REBUILT, CACHE_FAILED = 0, 1, 2, 3, 4
+STATUS_NAMES = {NOT_PACKED: "not packed", PACKED_MEMORY: "packed in memory", CACHE_MAPPED: "cache mapped",
+                CACHE_REBUILT: "cache rebuilt", CACHE_FAILED: "cache not written, packed in memory"}
 
 
 @clib.prototypes
@@ -45,3 +49,11 @@ def status(model):
     note = ctypes.create_string_buffer(512)
     code = model._lib.kr_model_pack_status(model.handle, note, len(note))
     return code, note.value.decode("utf-8", "replace")
+
+
+def warning(model):
+    """The line to log when --pack-cache could not write the cache (naming why), else None."""
+    code, note = status(model)
+    if code != CACHE_FAILED:
+        return None
+    return f"--pack-cache: {note} (the model runs, and packs again at the next start)"

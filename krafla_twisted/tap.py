@@ -190,6 +190,10 @@ class KraflaService(service.Service):
         self.worker = EngineWorker(self.reactor, backend)
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
+        from krafla_twisted import pack  # a --pack-cache that could not be written says why (owner: engine)
+        pack_warning = pack.warning(backend.runtime.model)
+        if pack_warning:
+            log.warn("{warning}", warning=pack_warning)
         cors = tuple(origin.strip() for origin in config["cors"].split(",")) if config["cors"] else ()
         hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
         access = Access(config["api-key"], cors, allowed_hosts=hosts)

@@ -234,5 +234,16 @@ class PackCacheTests:
         path, want = cached_model
         os.mkdir(pack.cache_path(path))  # a directory where the cache file should go
         code, note, got = load_cached(path)
-        assert code == 1 and "cannot" in note, note
+        assert code == pack.CACHE_FAILED and "cannot write the cache" in note and "Is a directory" in note, note
         assert same_bits(got, want)
+        with Model(path, threads=1, pack=True, pack_cache=True) as model:
+            line = pack.warning(model)
+        assert line.startswith("--pack-cache: pack cache not written") and pack.cache_path(path) in line, line
+
+    def test_no_warning_when_the_cache_works(self, cached_model):
+        """A cache built or mapped, or packing without a cache, logs nothing."""
+        path, _ = cached_model
+        for pack_cache in (True, True, False):
+            with Model(path, threads=1, pack=True, pack_cache=pack_cache) as model:
+                assert pack.status(model)[0] in (pack.CACHE_REBUILT, pack.CACHE_MAPPED, pack.PACKED_MEMORY)
+                assert pack.warning(model) is None

@@ -120,7 +120,8 @@ class Qwen35EngineTests:
     @pytest.mark.parametrize("edit, message", [
         (lambda c: c.metadata.pop("linear_k_heads"), "metadata linear_k_heads is missing"),
         (lambda c: c.metadata.update(layer_types=[2, 1, 2, 0]), r"layer_types\[1\] = 1"),
-        (lambda c: c.metadata.update(layer_types=[2, 2]), "qwen35 needs layer_types, one integer per layer"),
+        (lambda c: c.metadata.update(layer_types=[2, 2]), "layer_types has 2 entries for 4 layers"),
+        (lambda c: c.metadata.pop("layer_types"), "qwen35 needs layer_types, one integer per layer"),
         (lambda c: c.tensors.pop("blk.0.ssm_a"), "tensor blk.0.ssm_a"),
         (lambda c: c.tensors.pop("blk.3.attn_q_norm.weight"), "tensor blk.3.attn_q_norm.weight"),
         (lambda c: c.metadata.update(linear_v_heads=3), "do not fit"),

@@ -89,7 +89,7 @@ class TinyModelReproducibilityTests:
     @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
     def test_attention_blocks_of_any_size(self, tmp_path, kv):
         """Attention takes up to 64 queries of a KV head per work item, fewer in a long context
-        (forward.c: 2^22 floats of scores per thread, so 4 queries at 2^20 positions, 2 at 2^21:
+        (model/layers.c: 2^22 floats of scores per thread, so 4 queries at 2^20 positions, 2 at 2^21:
         a token's 4 query heads split between items). The logits are the same bits for each,
         with 1 and 3 threads, and in every KV cache type."""
         path = tmp_path / "model.mlb"

@@ -81,6 +81,20 @@ class StartupTests:
         finally:
             server.stop()
 
+    def test_unwritable_pack_cache_is_logged(self, model, tmp_path):
+        """--pack-cache whose cache file cannot be written (a directory stands where it goes): the
+        server still starts, packed in memory, and logs why at start."""
+        mlb = tmp_path / "model.mlb"
+        mlb.symlink_to(model.mlb)
+        (tmp_path / "model.mlb.pack").mkdir()
+        server = ServerProcess([str(mlb), "-z", str(model.mlt), "--chat", "smollm", "--pack-cache"]).start()
+        try:
+            line = next(line for line in server.lines if "--pack-cache:" in line)
+            assert "pack cache not written" in line and "model.mlb.pack" in line and "Is a directory" in line, line
+            assert fetch(server.url("/completions"), body={"prompt": "Hi", "max_tokens": 2})[0] == 200
+        finally:
+            assert server.stop() in (0, -signal.SIGTERM)
+
     def test_bad_options_refused(self, model, tmp_path):
         """A host name, a missing file, a bad value, a model that is not one, a busy port: exit 1 with a clear message,
         in the foreground and daemonized."""

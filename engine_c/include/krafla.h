@@ -172,7 +172,7 @@ int32_t kr_unicode_class(uint32_t codepoint);
 // --- end Tokenizer
 
 // ---------------------------------------------------------------------------------------------
-// --- Model and session (model.c, forward.c, threads.c; owner: engine)
+// --- Model and session (model/: model.c, session.c, layers.c, arch_*.c; runtime/threads.c; owner: engine)
 //
 // A kr_model maps a .mlb file, validates every hyperparameter and binds every tensor (type and
 // shape checked), and owns a pool of n_threads threads (the caller plus n_threads - 1 workers).
@@ -228,6 +228,12 @@ int32_t kr_session_n_tokens(const kr_session *session);
 int32_t kr_session_n_ctx(const kr_session *session);
 int32_t kr_session_n_batch(const kr_session *session);
 int32_t kr_session_kv_type(const kr_session *session);
+// Tests of the step over several sequences (model/model.h, kr_batch; the server's batching builds on
+// it): one step of n tokens (at most sessions[0]'s n_batch, whose scratch it uses), token i
+// appended to sessions[which[i]] (all sessions of one model); logits_out (n * n_vocab floats, or
+// NULL) gets every token's logits, row i for tokens[i]. Checked like kr_session_eval.
+int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const int32_t *tokens, const int32_t *which,
+                       int32_t n, float *logits_out, kr_error *err);
 // --- end Model and session
 
 // ---------------------------------------------------------------------------------------------
@@ -301,6 +307,10 @@ int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *
 // Element-wise kernels; which: 0 y = exp(x); 1 x = exp(x - shift) in place and *sum = their sum;
 // 2 x = silu(x) * y; 3 x = gelu_tanh(x) * y (x is the gate, y the up projection).
 int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum, kr_error *err);
+// One token of DeltaNet's gated delta rule (kernels/deltanet.h) on a value head's state S^T (dv rows
+// of dk, updated in place): out (dv) = the new state's rows . q.
+int kr_test_delta_rule(int impl, float *state, int64_t dk, int64_t dv, const float *q, const float *k, const float *v,
+                       float beta, float decay, float *out, kr_error *err);
 // For bench/kernels.py: prepare the activations and run kr_matmul (kr_matmul_packed when `packed`
 // is nonzero: weights from kr_test_pack) over all rows `repeat` times; *best_seconds is the fastest
 // repetition in CPU time of the calling thread (so a busy machine slows it less than wall time).
@@ -329,8 +339,13 @@ int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int
 #define KR_PACK_ON 1
 #define KR_PACK_CACHE 2
 int kr_model_pack(kr_model *model, int32_t mode, const char *cache_path, kr_error *err);
-// What the last kr_model_pack did: 0 not packed, 1 packed in memory, 2 cache mapped (valid), 3 cache
-// (re)built; `note` (if not NULL, size bytes) gets a one-line reason (e.g. why a cache was rebuilt).
+// What the last kr_model_pack did (one of these); `note` (if not NULL, size bytes) gets a one-line
+// reason (why a cache was rebuilt, or why it could not be written: the caller should log that one).
+#define KR_PACKED_NONE 0            // not packed
+#define KR_PACKED_MEMORY 1          // packed in memory (KR_PACK_ON)
+#define KR_PACKED_CACHE_MAPPED 2    // a valid cache mapped
+#define KR_PACKED_CACHE_REBUILT 3   // the cache (re)built and mapped
+#define KR_PACKED_CACHE_FAILED 4    // KR_PACK_CACHE, but the cache could not be written: packed in memory
 int32_t kr_model_pack_status(const kr_model *model, char *note, size_t size);
 // --- end Weight packing
 

@@ -2,7 +2,7 @@
 // query, the weighted sum of value rows for a block of queries) and their test entry points
 // (krafla.h, "Attention kernel (tests)"). Owner: attn.
 //
-// The references are the definitions: scores in kr_dot's order, the softmax as forward.c always
+// The references are the definitions: scores in kr_dot's order, the softmax as the model code always
 // did it, and for the values, per query, per row in ascending order, per value one fmaf. The AVX2
 // versions do the same float operations. kr_attend_values_avx2 reads each value row once for a
 // group of up to 4 queries: within a group, the rows every query sees are folded for all of them

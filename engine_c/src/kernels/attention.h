@@ -1,4 +1,4 @@
-// attention.h: the attention kernel forward.c runs over blocks of queries (owner: attn).
+// attention.h: the attention kernel model/layers.c runs over blocks of queries (owner: attn).
 // Internal to the library, like kernels.h: a plain-C reference (suffix _ref), an AVX2 version
 // (suffix _avx2, only in builds with KR_HAVE_AVX2) and the dispatch name without suffix.
 #ifndef KRAFLA_ATTENTION_H

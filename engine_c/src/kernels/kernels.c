@@ -1,5 +1,6 @@
 // kernels.c: the dispatch names of kernels.h. An ISA=avx2 (or avx512) build calls the AVX2
 // versions in kernels_avx2.c; an ISA=generic build calls the references in quant_ref.c.
+#include "kernels/deltanet.h"
 #include "kernels/kernels.h"
 
 #if defined(KR_HAVE_AVX2)
@@ -344,6 +345,20 @@ int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, 
     case 3: KR_PICK(impl, kr_gelu_tanh_mul_f32)(x, y, n); break;
     default: return kr_fail(err, KR_ERR_ARGUMENT, "element-wise kernel %d is not one of 0 (exp), 1 (exp_shift_sum), 2 (silu_mul), 3 (gelu_tanh_mul)", which);
     }
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_test_delta_rule(int impl, float *state, int64_t dk, int64_t dv, const float *q, const float *k, const float *v,
+                       float beta, float decay, float *out, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("dk", dk, 1, err);
+    if (!status) status = check_count("dv", dv, 1, err);
+    if (!status) status = check_pointers(state, out, err);
+    if (!status) status = check_pointers(q, k, err);
+    if (!status) status = check_pointers(v, v, err);
+    if (status) return status;
+    KR_PICK(impl, kr_delta_rule_f32)(state, dk, dv, q, k, v, beta, decay, out);
     kr_ok(err);
     return KR_OK;
 }

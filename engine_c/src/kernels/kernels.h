@@ -1,4 +1,4 @@
-// kernels.h: the numeric kernels forward.c calls. Internal to the library.
+// kernels.h: the numeric kernels the model code (engine_c/src/model/) calls. Internal to the library.
 //
 // Each kernel has a plain-C reference twin in quant_ref.c (suffix _ref) and an AVX2 version in
 // kernels_avx2.c (suffix _avx2). The unsuffixed name is the dispatch: the AVX2 version in an
@@ -191,7 +191,7 @@ void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int6
                           int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
-// KV cache q8_0 (forward.c): kr_axpy_rows also takes KR_Q8_0 rows (n a multiple of 32):
+// KV cache q8_0 (model/layers.c): kr_axpy_rows also takes KR_Q8_0 rows (n a multiple of 32):
 //   y[e] = fmaf(weights[i] * d, (float)q[e], y[e]) for each row i in order, d the f16 scale of
 //   e's block. Heads up to KR_KV_Q8_MAX_HEAD_DIM values.
 #define KR_KV_Q8_MAX_HEAD_DIM 1024

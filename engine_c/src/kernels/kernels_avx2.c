@@ -7,13 +7,17 @@
 // tokens, and every (token, row) output still goes through the same sequence of operations as when
 // computed alone, so the result never depends on n_tokens or on [row_begin, row_end). Tokens go in
 // L2-sized blocks and the next row tile is prefetched; neither changes any arithmetic. The
-// ISA=avx512 build compiles this same file and only swaps the integer block sums for VNNI ones.
+// ISA=avx512 build compiles this same file, swaps the integer block sums for VNNI ones and runs
+// one token's q4_0 packed tiles 16 rows at a time (kernels_avx512.c).
 #include "kernels/kernels.h"
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
 #include <immintrin.h>
 #include <math.h>
+#if defined(KR_HAVE_AVX512)
+#include "kernels/kernels_avx512.h"
+#endif
 
 #define KR_INLINE static inline __attribute__((always_inline))
 
@@ -115,9 +119,9 @@ void kr_quantize_row_q8_sum_avx2(const float *x, kr_block_q8_sum *y, int64_t n) 
 //                  every step.
 // Activations are in [-127, 127] (kr_quantize_row_q8_0 never makes -128).
 #if defined(KR_HAVE_AVX512)
-KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-KR_INLINE __m256i isum_lanes(__m256i acc) { return acc; }
-KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#define isum_add kr_isum_add_avx512  // kernels_avx512.h
+#define isum_lanes kr_isum_lanes_avx512
+#define isum_add_wide kr_isum_add_wide_avx512
 #else
 KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
 KR_INLINE __m256i isum_lanes(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
@@ -303,52 +307,6 @@ KR_INLINE void group_tile_q8_0(const int G, const int T, const char *w, size_t g
     }
 }
 
-#if defined(KR_HAVE_AVX512)
-// ISA=avx512, one token (generation): two groups of q4_0 rows in the 16 lanes of one 512-bit
-// vector (the first group's chunk in the low half, the second's in the high half), so each
-// instruction does the work of two 256-bit ones: the same integer sums and the same fused
-// multiply-add per lane, so the same bits. Stores the 16 rows of [keep_begin, keep_end).
-// Measured with krafla bench at one thread on SmolLM2: tg32 +15 to 25% over the 256-bit
-// tiles; for the prompt (T = 4 to 8) 3 to 7% slower than the 256-bit 2 x 4 tile, which is used there.
-static __attribute__((noinline)) void pair_tile_q4_0(const char *w, size_t group_stride, const char *a, int64_t n_blocks, float *out,
-                              int keep_begin, int keep_end, const char *next) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const char *first = w + (size_t)b * Q4_GROUP_BLOCK, *second = first + group_stride;
-        const kr_block_q8_sum *ab = (const kr_block_q8_sum *)a + b;
-        if (next)
-            for (int line = 0; line < 2 * (int)Q4_GROUP_BLOCK; line += 64)
-                _mm_prefetch(next + (line < (int)Q4_GROUP_BLOCK ? 0 : group_stride - Q4_GROUP_BLOCK) + (size_t)b * Q4_GROUP_BLOCK + line,
-                             _MM_HINT_T0);
-        // low and high nibbles in two accumulators: two short dependency chains instead of one long
-        __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const __m512i chunk = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 16 + 32 * i))),
-                _mm256_loadu_si256((const __m256i *)(second + 16 + 32 * i)), 1);
-            int32_t a_low, a_high;
-            __builtin_memcpy(&a_low, ab->q + 4 * i, 4);
-            __builtin_memcpy(&a_high, ab->q + 16 + 4 * i, 4);
-            low_sums = _mm512_dpbusd_epi32(low_sums, _mm512_and_si512(chunk, low4), _mm512_set1_epi32(a_low));
-            high_sums = _mm512_dpbusd_epi32(high_sums, _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low4),
-                                            _mm512_set1_epi32(a_high));
-        }
-        const __m512 w_scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)), _mm_loadu_si128((const __m128i *)second), 1));
-        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(low_sums, high_sums), _mm512_set1_epi32(8 * ab->sum));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(w_scale, _mm512_set1_ps(ab->d)), _mm512_cvtepi32_ps(sums), acc);
-    }
-    if (keep_begin == 0 && keep_end == 2 * KR_PACK_ROWS) {
-        _mm512_storeu_ps(out, acc);
-    } else {
-        float lanes[2 * KR_PACK_ROWS];
-        _mm512_storeu_ps(lanes, acc);
-        for (int r = keep_begin; r < keep_end; r++) out[r] = lanes[r];
-    }
-}
-#endif
 
 // One packed tile: computes the G x 8 rows for T tokens and stores the rows of [keep_begin,
 // keep_end) (relative to the tile's first row: a row range may start or end inside a group).
@@ -550,7 +508,7 @@ static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t
                         const char *next) {
 #if defined(KR_HAVE_AVX512)
     if (weight_type == KR_Q4_0 && G == 2 && T == 1) {
-        pair_tile_q4_0(w, group_stride, a, cols / KR_QK, out, keep_begin, keep_end, next);
+        kr_pair_tile_q4_0_avx512(w, group_stride, a, cols / KR_QK, out, keep_begin, keep_end, next);
         return;
     }
 #endif

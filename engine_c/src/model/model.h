@@ -1,36 +1,25 @@
-// model.h: the loaded model and the thread pool, shared by model.c, forward.c and threads.c.
+// model.h: the model, its sequences, and the interface each architecture implements.
 // Internal to the library (owner: engine).
+//
+//   model.c      opens a .mlb, finds its architecture in the table below, binds the shared tensors
+//                (loader helpers), owns the thread pool;
+//   session.c    the public kr_session_*: one sequence + one step's scratch, eval in batches;
+//   layers.c     the pieces every architecture's step is made of (norms, RoPE, the residual,
+//                matmul, attention and MLP jobs, the output head), over a batch of tokens that may
+//                belong to several sequences at different positions;
+//   arch_*.c     one file per architecture family: its layers, its tensors and its step;
+//   pack.c       repacks the matrices an architecture lists.
 #ifndef KRAFLA_MODEL_H
 #define KRAFLA_MODEL_H
 
 #include "runtime/internal.h"
+#include "runtime/threads.h"
 
 #include <stdatomic.h>
 
-// --- Thread pool (threads.c)
-
-typedef struct kr_pool kr_pool;
-// One chunk of a job: `chunk` of `n_chunks`, run by thread `thread` (0 = the caller), which
-// indexes per-thread scratch. A chunk's results must not depend on which thread runs it.
-typedef void (*kr_pool_fn)(void *job, int chunk, int n_chunks, int thread);
-
-kr_pool *kr_pool_new(int n_threads, kr_error *err);
-// Run fn on every chunk in [0, n_chunks) (at most 65535), on whichever threads claim them first;
-// returns when all are finished.
-void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job, int n_chunks);
-int kr_pool_size(const kr_pool *pool);
-// How many chunks to cut `items` units of work into: 1 on one thread, else a few per thread.
-int kr_pool_chunks(const kr_pool *pool, int64_t items);
-void kr_pool_free(kr_pool *pool);
-
-// [begin, end) of `total` items for one part of n_parts; boundaries are multiples of `align`.
-void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end);
-
-// --- Model (model.c)
-
 typedef struct {
     int32_t type;        // kr_type of the weights
-    const void *data;    // (rows, cols) in file layout
+    const void *data;    // (rows, cols) in file layout, or packed
     int64_t rows, cols;
     uint64_t row_bytes;
     int32_t packed;      // speed: 1 when data is in the packed layout (pack.c, kernels.h)
@@ -41,52 +30,175 @@ typedef struct {
 // layout's; the same bits either way (pack.c).
 void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens, float *out, int64_t begin, int64_t end);
 
+// --- Layers the architectures share (layers.c runs them)
+
+// Softmax attention over the KV cache. wq's rows per head are [q (head_dim) | gate (head_dim)]
+// when `gated` (the output is then multiplied by sigmoid(gate)), else q alone.
 typedef struct {
-    int32_t sliding;                  // 1: sliding-window attention layer
-    const float *attn_norm;           // (dim,)
-    kr_matrix wq;                     // (n_heads * head_dim, dim)
-    kr_matrix wk, wv;                 // (n_kv_heads * head_dim, dim)
-    const float *bq, *bk, *bv;        // biases of q, k, v (qwen2) or NULL
-    const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm (gemma3) or NULL
-    kr_matrix wo;                     // (dim, n_heads * head_dim)
-    const float *post_attn_norm;      // (dim,) gemma3 or NULL
-    const float *ffn_norm;            // (dim,)
-    kr_matrix gate, up;               // (ffn_dim, dim)
-    kr_matrix down;                   // (dim, ffn_dim)
-    const float *post_ffw_norm;       // (dim,) gemma3 or NULL
-} kr_layer;
+    kr_matrix wq, wk, wv, wo;
+    const float *bq, *bk, *bv;        // biases (qwen2) or NULL
+    const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm or NULL
+    int32_t sliding;                  // 1: sliding-window layer (the model's sliding_window, local RoPE)
+    int32_t gated;
+    int32_t cache_layer;              // which layer of the KV cache it reads and writes
+} kr_attention;
+
+typedef struct {
+    kr_matrix gate, up, down;         // act(x Wg^T) * (x Wu^T), then Wd
+} kr_mlp;
+
+// --- The model
+
+typedef struct kr_arch kr_arch;
 
 struct kr_model {
     kr_file *file;
+    const kr_arch *arch;
     kr_model_info info;
     int32_t q_dim, kv_dim;            // n_heads * head_dim, n_kv_heads * head_dim
+    int32_t n_cache_layers;           // layers with a KV cache
+    int64_t widest_input;             // the most columns of any matrix (prepared activation rows)
     kr_matrix token_embd;             // (n_vocab, dim)
     kr_matrix output;                 // (n_vocab, dim), token_embd when tied
     const float *output_norm;         // (dim,)
-    kr_layer *layers;                 // (n_layers,)
     float *inv_freq_full;             // (rope_dims / 2,) RoPE frequencies / rope_scale
     float *inv_freq_local;            // (rope_dims / 2,) for sliding-window layers
+    void *layers;                     // the architecture's layers (its arch_*.c), freed by arch->close
     kr_pool *pool;
-    atomic_int busy;                  // 1 while a session of this model is evaluating
-    void *ext;                        // qwen35: its own layers (forward_qwen35.c), else NULL
+    atomic_int busy;                  // 1 while a step of this model runs
     void *pack;                       // speed: pack.c's state (kr_model_pack), else NULL
 };
 
-// --- qwen35 hooks (owner: qwen35; forward_qwen35.c). model.c and forward.c hand a qwen35 model
-// and its sessions over to these; nothing else changes for the other architectures.
-int kr_qwen35_is(const kr_file *file);                               // 1 when arch is qwen35
-int kr_qwen35_open(kr_model *m, const char *path, kr_error *err);    // info, tensors, m->ext
-void kr_qwen35_free(void *ext);
-// Its q8_0/q4_0 layer matrices for pack.c, layer by layer (out NULL: only count them).
-int kr_qwen35_matrices(kr_model *m, kr_matrix **out);
-void *kr_qwen35_state_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err);
-void kr_qwen35_state_free(void *state);
-// Run n tokens at positions pos.. (pos 0 starts from empty states); logits of the last unless NULL,
-// or with all_logits of every token ((n, n_vocab), each row the bits the one-logit path gives).
-void kr_qwen35_step(void *state, const int32_t *tokens, int32_t n, int32_t pos, float *logits, bool all_logits);
-// --- end qwen35 hooks
+// One sequence's memory: its KV cache and the architecture's recurrent state.
+typedef struct {
+    int32_t type;                     // KR_F32, KR_F16, KR_Q8_0
+    int32_t n_ctx;
+    size_t row_bytes;                 // one KV head's row at one position
+    uint8_t *k, *v;                   // (n_cache_layers, n_kv_heads, n_ctx, row_bytes)
+} kr_kv_cache;
 
-// --- speed hook (pack.c): frees what kr_model_pack made
+typedef struct {
+    kr_kv_cache kv;
+    void *recurrent;                  // arch->seq_new's state (qwen35: conv and DeltaNet states) or NULL
+} kr_seq;
+
+// Attention takes at most this many queries of one KV head at a time (fewer when the context is so
+// long that their scores would pass KR_ATT_SCORES_BUDGET floats per thread).
+#define KR_ATT_MAX_QUERIES 64
+#define KR_ATT_SCORES_BUDGET (1 << 22)
+
+// A step's scratch, n_batch tokens wide: what layers.c's jobs read and write.
+typedef struct {
+    int32_t n_batch, n_ctx;
+    float *x;                         // (n_batch, dim) residual stream
+    float *xb;                        // (n_batch, dim) normed input of a block
+    float *q;                         // (n_batch, q_dim) queries after norm and RoPE
+    float *qg;                        // (n_batch, 2 q_dim) gated attention's q | gate rows, or NULL
+    float *k, *v;                     // (n_batch, kv_dim)
+    float *att;                       // (n_batch, q_dim) attention output, heads side by side
+    float *proj;                      // (n_batch, dim) output of Wo or of the MLP
+    float *gate, *up;                 // (n_batch, ffn_dim)
+    int32_t att_queries;              // queries per attention block, at most
+    float *scores;                    // (n_threads, att_queries, n_ctx)
+    float *att_q;                     // (n_threads, att_queries, head_dim) a block's queries
+    int32_t *att_blocks;              // (n_batch * group, 2) [first, end) queries of each block
+    float *rope_cos, *rope_sin;       // (2, n_batch, rope_dims / 2): [0] full layers, [1] sliding
+    void *prepared[KR_TYPE_COUNT];    // activations prepared for each weight type
+    void *own;                        // arch->scratch_new's buffers or NULL
+} kr_scratch;
+
+// The tokens of one step. Token i is at position pos[i] of sequence seq[i]; a sequence's tokens
+// come in the batch in order of position, right after the ones it holds (position 0 starts it
+// afresh). Each token's values depend only on its sequence, never on the other tokens of the batch
+// (docs/architecture.md), so sequences can share a step.
+typedef struct {
+    int32_t n;                        // 1 to the scratch's n_batch
+    const int32_t *tokens;
+    const int32_t *pos;
+    kr_seq *const *seq;
+    float *const *logits;             // token i's logits go to logits[i] unless NULL (or logits NULL)
+} kr_batch;
+
+// What an architecture implements. `open` reads m->file into m (info, shared tensors through the
+// loader helpers below, m->layers); everything else runs on an opened model.
+struct kr_arch {
+    const char *name;                 // the file's `arch`
+    int (*open)(kr_model *m, const char *path, kr_error *err);
+    void (*close)(kr_model *m);       // frees m->layers
+    // Every matrix of the layers (not the embedding or head), in a fixed order: pack.c repacks the
+    // packable ones in this order (the pack cache's), the session sizes its buffers from all of them.
+    int (*matrices)(kr_model *m, kr_matrix **out);  // out NULL: count only
+    // Optional (NULL: nothing beyond the KV cache / layers.c's scratch).
+    int (*seq_new)(kr_model *m, kr_seq *seq, kr_error *err);
+    void (*seq_free)(kr_seq *seq);
+    int (*scratch_new)(kr_model *m, kr_scratch *s, kr_error *err);
+    void (*scratch_free)(kr_scratch *s);
+    // Which lengths a sequence holding `held` tokens can be cut back to (kr_session_truncate).
+    int (*truncate)(const kr_model *m, int32_t keep, int32_t held, kr_error *err);
+    // One forward step over the batch: caches and states of its sequences, logits it asks for.
+    void (*step)(kr_model *m, kr_scratch *s, const kr_batch *b);
+};
+
+extern const kr_arch kr_arch_llama, kr_arch_qwen2, kr_arch_gemma3, kr_arch_qwen35;
+
+// --- Sequences and scratch (session.c), for a step over several sequences
+
+int kr_seq_new(kr_model *m, kr_seq *seq, int32_t n_ctx, int32_t kv_type, kr_error *err);
+void kr_seq_free(kr_model *m, kr_seq *seq);
+int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, kr_error *err);
+void kr_scratch_free(kr_model *m, kr_scratch *s);
+// calloc of count * size bytes; sets *failed (and returns NULL) on overflow, zero size or no memory.
+void *kr_zalloc(size_t count, size_t size, bool *failed);
+
+// --- Loader helpers (model.c): each checks and names the file, key or tensor in its error
+
+int kr_load_int(kr_model *m, const char *path, const char *key, bool required, int64_t fallback, int64_t low,
+                int64_t high, int32_t *out, kr_error *err);
+// A float in [low, high] (strictly above low when strict_low); NaN and infinities refused.
+int kr_load_float(kr_model *m, const char *path, const char *key, bool required, double fallback, double low,
+                  bool strict_low, double high, float *out, kr_error *err);
+// The common hyperparameters (dims, heads, RoPE, norms; arch and name set by the caller).
+int kr_load_hparams(kr_model *m, const char *path, kr_error *err);
+// layer_types, one integer per layer, each one of `allowed` (a string of digits, e.g. "01");
+// absent: `fallback` for every layer, or an error when fallback < 0.
+int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
+                        kr_error *err);
+int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows, int64_t cols, kr_matrix *out,
+                   kr_error *err);
+// An f32 tensor of shape (d0,) when d1 is 0, else (d0, d1).
+int kr_bind_f32(kr_model *m, const char *path, const char *name, int64_t d0, int64_t d1, const float **out,
+                kr_error *err);
+// token_embd, output_norm, output (or the tied embedding); then weight/output types and counts.
+int kr_bind_embeddings(kr_model *m, const char *path, const kr_matrix *first_layer_matrix, kr_error *err);
+// A layer's attention tensors: attn_q/k/v/output (wq of q_rows rows), biases and q/k norms when
+// asked for.
+int kr_bind_attention(kr_model *m, const char *path, int32_t layer, int64_t q_rows, bool biases, bool qk_norms,
+                      kr_attention *out, kr_error *err);
+int kr_bind_mlp(kr_model *m, const char *path, int32_t layer, kr_mlp *out, kr_error *err);
+// RoPE frequencies theta^(-2i/rope_dims) (full layers divided by rope_scale).
+int kr_rope_frequencies(kr_model *m, const char *path, kr_error *err);
+
+// --- Shared pieces of a step (layers.c)
+
+// RoPE angles of every token of the batch at its position, for full and sliding layers.
+void kr_rope_tables(kr_model *m, kr_scratch *s, const kr_batch *b);
+// Layer 0: x = embed(tokens); else x += add (after add_norm when set). Then xb = norm(x) and xb
+// prepared for the n_w matrices that read it.
+void kr_residual(kr_model *m, kr_scratch *s, const kr_batch *b, const int32_t *tokens, float *add,
+                 const float *add_norm, const float *norm, const kr_matrix *const *w, int32_t n_w);
+// out_i = input W_i^T (+ bias_i) for up to four matrices reading `input`, (n, cols) floats,
+// prepared first unless input is NULL (already prepared: kr_residual's xb).
+void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64_t cols, int32_t n_w,
+                const kr_matrix *const *w, float *const *out, const float *const *bias);
+// Attention of prepared xb: q, k, v, norms, RoPE, K/V into each token's cache, softmax attention,
+// [gate], Wo into s->proj.
+void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, int32_t layer, const kr_attention *l);
+// The MLP of prepared xb into s->proj.
+void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l);
+// Tokens that ask for logits: x += add (after add_norm), final norm, the output head, softcap.
+void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm);
+
+// --- Packing (pack.c)
 void kr_pack_free(void *state);
 
 #endif

@@ -6,8 +6,7 @@
 // bit), so packing only moves bytes.
 //
 // The cache file (KR_PACK_CACHE) holds the packed matrices, one after the other in a fixed order
-// (layer by layer: q, k, v, o, gate, up, down, or qwen35's in kr_qwen35_matrices' order; then the
-// output head), each 64-byte aligned,
+// (the architecture's kr_arch.matrices order, layer by layer; then the output head), each 64-byte aligned,
 // after a header page:
 //
 //   magic "KRPACK\0\1", layout version, ISA name, the model file's size and 64-bit checksum (of
@@ -50,7 +49,7 @@ typedef struct {
 
 // What a packed model keeps: the memory or the mapping the packed matrices live in.
 typedef struct {
-    int32_t status;      // kr_model_pack_status
+    int32_t status;      // KR_PACKED_*
     char note[256];
     void *memory;        // packed in memory (free)
     void *map;           // cache file mapping (munmap)
@@ -64,17 +63,18 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
 
 // --- The matrices, in the cache's order
 
+// The architecture's packable matrices in its order, then the output head.
 static int list_matrices(kr_model *m, kr_matrix **out) {
-    int n = m->ext ? kr_qwen35_matrices(m, out) : 0;  // qwen35 keeps its own layers (forward_qwen35.c)
-    for (int32_t i = 0; !m->ext && i < m->info.n_layers; i++) {
-        kr_layer *l = &m->layers[i];
-        kr_matrix *all[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->gate, &l->up, &l->down};
-        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
-            if (kr_packable(all[k]->type)) {
-                if (out) out[n] = all[k];
-                n++;
-            }
-    }
+    int all = m->arch->matrices(m, NULL), n = 0;
+    kr_matrix **list = calloc((size_t)all + 1, sizeof *list);
+    if (!list) return -1;
+    m->arch->matrices(m, list);
+    for (int i = 0; i < all; i++)
+        if (kr_packable(list[i]->type)) {
+            if (out) out[n] = list[i];
+            n++;
+        }
+    free(list);
     if (kr_packable(m->output.type)) {
         if (out) out[n] = &m->output;
         n++;
@@ -255,6 +255,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     if (!state) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     m->pack = state;
     int n = list_matrices(m, NULL);
+    if (n < 0) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     if (mode == KR_PACK_OFF || n == 0) {
         snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no matrices of a packed type to pack");
         kr_ok(err);
@@ -287,7 +288,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         state->map = map_valid_cache(path, &want, &state->map_bytes, why, sizeof why);
         if (state->map) {
             repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
-            state->status = 2;
+            state->status = KR_PACKED_CACHE_MAPPED;
             snprintf(state->note, sizeof state->note, "packed weights mapped from the cache");
             release_sources(list, sources, n);
             goto done;
@@ -305,13 +306,13 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
             (state->map = map_valid_cache(path, &want, &state->map_bytes, write_why, sizeof write_why))) {
             free(payload);
             repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
-            state->status = 3;
+            state->status = KR_PACKED_CACHE_REBUILT;
             snprintf(state->note, sizeof state->note, "pack cache rebuilt: %.200s", why);
         } else {
             state->memory = payload;  // keep running packed in memory
             repoint(list, n, payload);
-            state->status = 1;
-            snprintf(state->note, sizeof state->note, "packed in memory; %.200s", write_why);
+            state->status = KR_PACKED_CACHE_FAILED;
+            snprintf(state->note, sizeof state->note, "pack cache not written, packed in memory: %.200s", write_why);
         }
         release_sources(list, sources, n);
         goto done;
@@ -323,7 +324,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     }
     pack_into(list, n, state->memory);
     repoint(list, n, state->memory);
-    state->status = 1;
+    state->status = KR_PACKED_MEMORY;
     snprintf(state->note, sizeof state->note, "packed in memory (%zu bytes)", payload_bytes);
     release_sources(list, sources, n);
 done:

@@ -15,9 +15,10 @@
 // then sleep on a condition variable. Sleeping is race-free because both sides use sequentially
 // consistent atomics: a worker counts itself in `sleeping` under the mutex before it re-checks
 // the generation, and the caller bumps the generation before it reads `sleeping`.
-#include "model/model.h"
+#include "runtime/threads.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sched.h>
 #include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)

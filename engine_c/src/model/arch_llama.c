@@ -1,0 +1,99 @@
+// arch_llama.c: the llama family (owner: engine): llama, qwen2 (q/k/v biases) and gemma3 (q/k head
+// norms, post-norms, sliding-window layers, scaled embedding, soft-caps). Every layer is
+//   x += [post_norm](attention(norm(x)));  x += [post_norm](mlp(norm(x)))
+// with layers.c's attention and MLP; the differences are which tensors are bound.
+#include "model/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *attn_norm;           // (dim,)
+    kr_attention attn;
+    const float *post_attn_norm;      // (dim,) gemma3 or NULL
+    const float *ffn_norm;            // (dim,)
+    kr_mlp mlp;
+    const float *post_ffw_norm;       // (dim,) gemma3 or NULL
+} llama_layer;
+
+static int llama_open(kr_model *m, const char *path, kr_error *err) {
+    kr_model_info *h = &m->info;
+    bool qwen2 = m->arch == &kr_arch_qwen2, gemma3 = m->arch == &kr_arch_gemma3;
+    int status;
+    if ((status = kr_load_hparams(m, path, err))) return status;
+    llama_layer *layers = calloc((size_t)h->n_layers, sizeof *layers);
+    int32_t *types = calloc((size_t)h->n_layers, sizeof *types);
+    m->layers = layers;
+    if (!layers || !types) {
+        free(types);
+        return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
+    }
+    status = kr_load_layer_types(m, path, "01", 0, types, err);
+    for (int32_t i = 0; !status && i < h->n_layers; i++) {
+        layers[i].attn.sliding = types[i];
+        h->n_sliding_layers += types[i];
+    }
+    free(types);
+    if (status) return status;
+    if (h->n_sliding_layers && !h->sliding_window)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: %d sliding-window layers but sliding_window is 0", path,
+                       h->n_sliding_layers);
+    char name[96];
+    for (int32_t i = 0; i < h->n_layers; i++) {
+        llama_layer *l = &layers[i];
+#define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
+        if ((status = kr_bind_f32(m, path, NAME("attn_norm.weight"), h->dim, 0, &l->attn_norm, err)) ||
+            (status = kr_bind_attention(m, path, i, m->q_dim, qwen2, gemma3, &l->attn, err)) ||
+            (status = kr_bind_f32(m, path, NAME("ffn_norm.weight"), h->dim, 0, &l->ffn_norm, err)) ||
+            (status = kr_bind_mlp(m, path, i, &l->mlp, err)))
+            return status;
+        if (gemma3 && ((status = kr_bind_f32(m, path, NAME("post_attention_norm.weight"), h->dim, 0,
+                                             &l->post_attn_norm, err)) ||
+                       (status = kr_bind_f32(m, path, NAME("post_ffw_norm.weight"), h->dim, 0, &l->post_ffw_norm,
+                                             err))))
+            return status;
+#undef NAME
+    }
+    if ((status = kr_bind_embeddings(m, path, &layers[0].attn.wq, err))) return status;
+    return kr_rope_frequencies(m, path, err);
+}
+
+static void llama_close(kr_model *m) { free(m->layers); }
+
+static int llama_matrices(kr_model *m, kr_matrix **out) {
+    llama_layer *layers = m->layers;
+    int n = 0;
+    for (int32_t i = 0; i < m->info.n_layers; i++) {
+        llama_layer *l = &layers[i];
+        kr_matrix *all[] = {&l->attn.wq, &l->attn.wk, &l->attn.wv, &l->attn.wo, &l->mlp.gate, &l->mlp.up, &l->mlp.down};
+        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++, n++)
+            if (out) out[n] = all[k];
+    }
+    return n;
+}
+
+static void llama_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
+    const llama_layer *layers = m->layers;
+    kr_rope_tables(m, s, b);
+    float *pending = NULL;  // the previous MLP's output, not yet added
+    const float *pending_norm = NULL;
+    for (int32_t layer = 0; layer < m->info.n_layers; layer++) {
+        const llama_layer *l = &layers[layer];
+        const kr_matrix *qkv[] = {&l->attn.wq, &l->attn.wk, &l->attn.wv}, *gate_up[] = {&l->mlp.gate, &l->mlp.up};
+        kr_residual(m, s, b, layer == 0 ? b->tokens : NULL, pending, pending_norm, l->attn_norm, qkv, 3);
+        kr_attention_block(m, s, b, layer, &l->attn);
+        kr_residual(m, s, b, NULL, s->proj, l->post_attn_norm, l->ffn_norm, gate_up, 2);
+        kr_mlp_block(m, s, b, &l->mlp);
+        pending = s->proj, pending_norm = l->post_ffw_norm;
+    }
+    kr_output(m, s, b, pending, pending_norm);
+}
+
+#define LLAMA_FAMILY(arch_name)                                                                     \
+    {.name = arch_name, .open = llama_open, .close = llama_close, .matrices = llama_matrices,      \
+     .step = llama_step}
+
+const kr_arch kr_arch_llama = LLAMA_FAMILY("llama");
+const kr_arch kr_arch_qwen2 = LLAMA_FAMILY("qwen2");
+const kr_arch kr_arch_gemma3 = LLAMA_FAMILY("gemma3");

@@ -1,0 +1,285 @@
+// session.c: the public kr_session_*: one sequence (kr_seq: KV cache and recurrent state) and one
+// step's scratch (kr_scratch), evaluated n_batch tokens per step through the model's architecture.
+//
+// kr_seq_new and kr_scratch_new are separate so a step can serve several sequences at once
+// (kr_batch): a scratch is as wide as a step, a sequence as long as its context.
+#include "kernels/kernels.h"
+#include "model/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DEFAULT_MAX_CTX 4096
+#define MAX_CTX (1 << 24)
+#define MAX_BATCH 65536
+
+struct kr_session {
+    kr_model *model;
+    int32_t n_tokens;
+    kr_seq seq;
+    kr_scratch scratch;
+    int32_t *pos;          // (n_batch,) a step's positions,
+    kr_seq **seqs;         // its sequences (all this one),
+    float **logits;        // and where its logits go
+};
+
+// Zeroed memory (calloc: pages of a large buffer are only touched when used, so a large context
+// costs memory as it fills, and an impossible one fails here instead of at first touch).
+void *kr_zalloc(size_t count, size_t size, bool *failed) {
+    size_t bytes;
+    void *p = NULL;
+    if (__builtin_mul_overflow(count, size, &bytes) || !bytes || !(p = calloc(count, size))) *failed = true;
+    return p;
+}
+
+// --- Sequences
+
+int kr_seq_new(kr_model *m, kr_seq *seq, int32_t n_ctx, int32_t kv_type, kr_error *err) {
+    const kr_model_info *h = &m->info;
+    memset(seq, 0, sizeof *seq);
+    if (kv_type != KR_F32 && kv_type != KR_F16 && kv_type != KR_Q8_0)
+        return kr_fail(err, KR_ERR_ARGUMENT, "KV cache type %d is not one of f32 (0), f16 (1), q8_0 (3)", kv_type);
+    // speed hook: KV cache q8_0 quantizes each position's head row in blocks of 32
+    if (kv_type == KR_Q8_0 && h->head_dim % KR_QK)
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "KV cache q8_0 needs head_dim a multiple of %d, not %d (use f32 or f16)",
+                       KR_QK, h->head_dim);
+    kr_kv_cache *kv = &seq->kv;
+    kv->type = kv_type;
+    kv->n_ctx = n_ctx;
+    kv->row_bytes = kv_type == KR_Q8_0 ? (size_t)(h->head_dim / KR_QK) * sizeof(kr_block_q8_0)
+                                       : (size_t)h->head_dim * (kv_type == KR_F32 ? 4 : 2);
+    size_t rows = (size_t)m->n_cache_layers * (size_t)h->n_kv_heads * (size_t)n_ctx;
+    bool failed = false;
+    if (rows) {
+        kv->k = kr_zalloc(rows, kv->row_bytes, &failed);
+        kv->v = kr_zalloc(rows, kv->row_bytes, &failed);
+    }
+    if (failed) {
+        kr_seq_free(m, seq);
+        return kr_fail(err, KR_ERR_MEMORY, "out of memory for a KV cache of context %d (%.1f MiB)", n_ctx,
+                       2.0 * (double)rows * (double)kv->row_bytes / (1 << 20));
+    }
+    if (m->arch->seq_new && m->arch->seq_new(m, seq, err)) {
+        kr_seq_free(m, seq);
+        return err ? err->status : KR_ERR_MEMORY;
+    }
+    return KR_OK;
+}
+
+void kr_seq_free(kr_model *m, kr_seq *seq) {
+    if (m->arch->seq_free) m->arch->seq_free(seq);
+    free(seq->kv.k), free(seq->kv.v);
+    memset(seq, 0, sizeof *seq);
+}
+
+// --- Scratch
+
+int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, kr_error *err) {
+    const kr_model_info *h = &m->info;
+    memset(s, 0, sizeof *s);
+    s->n_batch = n_batch;
+    s->n_ctx = n_ctx;
+    size_t b = (size_t)n_batch, half = (size_t)h->rope_dims / 2, group = (size_t)(h->n_heads / h->n_kv_heads);
+    bool failed = false;
+    s->x = kr_zalloc(b * (size_t)h->dim, sizeof(float), &failed);
+    s->xb = kr_zalloc(b * (size_t)h->dim, sizeof(float), &failed);
+    s->q = kr_zalloc(b * (size_t)m->q_dim, sizeof(float), &failed);
+    s->qg = kr_zalloc(b * 2 * (size_t)m->q_dim, sizeof(float), &failed);  // only touched by gated attention
+    s->k = kr_zalloc(b * (size_t)m->kv_dim, sizeof(float), &failed);
+    s->v = kr_zalloc(b * (size_t)m->kv_dim, sizeof(float), &failed);
+    s->att = kr_zalloc(b * (size_t)m->q_dim, sizeof(float), &failed);
+    s->proj = kr_zalloc(b * (size_t)h->dim, sizeof(float), &failed);
+    s->gate = kr_zalloc(b * (size_t)h->ffn_dim, sizeof(float), &failed);
+    s->up = kr_zalloc(b * (size_t)h->ffn_dim, sizeof(float), &failed);
+    s->att_queries = KR_ATT_SCORES_BUDGET / n_ctx < 1 ? 1 : KR_ATT_SCORES_BUDGET / n_ctx;
+    if (s->att_queries > KR_ATT_MAX_QUERIES) s->att_queries = KR_ATT_MAX_QUERIES;
+    size_t threads = (size_t)kr_pool_size(m->pool), att_q = (size_t)s->att_queries;
+    s->scores = kr_zalloc(threads * att_q * (size_t)n_ctx, sizeof(float), &failed);
+    s->att_q = kr_zalloc(threads * att_q * (size_t)h->head_dim, sizeof(float), &failed);  // q8_0 rows are smaller
+    s->att_blocks = kr_zalloc(2 * b * group, sizeof(int32_t), &failed);
+    s->rope_cos = kr_zalloc(2 * b * half, sizeof(float), &failed);
+    s->rope_sin = kr_zalloc(2 * b * half, sizeof(float), &failed);
+    // One prepared-activation buffer per weight type the model uses, as wide as the widest input.
+    bool used[KR_TYPE_COUNT] = {false};
+    used[m->output.type] = true;
+    int n = m->arch->matrices(m, NULL);
+    kr_matrix **list = calloc((size_t)n + 1, sizeof *list);
+    if (!list) failed = true;
+    else m->arch->matrices(m, list);
+    for (int i = 0; list && i < n; i++) used[list[i]->type] = true;
+    free(list);
+    for (int32_t t = 0; t < KR_TYPE_COUNT; t++)
+        if (used[t]) s->prepared[t] = kr_zalloc(kr_activation_bytes(t, n_batch, m->widest_input), 1, &failed);
+    if (!failed && m->arch->scratch_new && m->arch->scratch_new(m, s, err)) failed = true;
+    if (failed) {
+        kr_scratch_free(m, s);
+        return kr_fail(err, KR_ERR_MEMORY, "out of memory for a step of %d tokens", n_batch);
+    }
+    return KR_OK;
+}
+
+void kr_scratch_free(kr_model *m, kr_scratch *s) {
+    if (m->arch->scratch_free) m->arch->scratch_free(s);
+    free(s->x), free(s->xb), free(s->q), free(s->qg), free(s->k), free(s->v), free(s->att), free(s->proj);
+    free(s->gate), free(s->up), free(s->scores), free(s->att_q), free(s->att_blocks), free(s->rope_cos);
+    free(s->rope_sin);
+    for (int32_t t = 0; t < KR_TYPE_COUNT; t++) free(s->prepared[t]);
+    memset(s, 0, sizeof *s);
+}
+
+// --- Sessions
+
+kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t n_batch, kr_error *err) {
+    if (!m) {
+        kr_fail(err, KR_ERR_ARGUMENT, "kr_session_new: model is NULL");
+        return NULL;
+    }
+    const kr_model_info *h = &m->info;
+    if (n_ctx == 0) n_ctx = h->max_seq < DEFAULT_MAX_CTX ? h->max_seq : DEFAULT_MAX_CTX;
+    if (n_ctx < 1 || n_ctx > MAX_CTX) {
+        kr_fail(err, KR_ERR_ARGUMENT, "context %d is out of range (1 to %d)", n_ctx, MAX_CTX);
+        return NULL;
+    }
+    if (n_batch < 1 || n_batch > MAX_BATCH) {
+        kr_fail(err, KR_ERR_ARGUMENT, "batch %d is out of range (1 to %d)", n_batch, MAX_BATCH);
+        return NULL;
+    }
+    if (n_batch > n_ctx) n_batch = n_ctx;
+    kr_session *s = calloc(1, sizeof *s);
+    if (!s) {
+        kr_fail(err, KR_ERR_MEMORY, "out of memory for a session");
+        return NULL;
+    }
+    s->model = m;
+    if (kr_seq_new(m, &s->seq, n_ctx, kv_type, err)) {
+        free(s);
+        return NULL;
+    }
+    bool failed = false;
+    s->pos = kr_zalloc((size_t)n_batch, sizeof *s->pos, &failed);
+    s->seqs = kr_zalloc((size_t)n_batch, sizeof *s->seqs, &failed);
+    s->logits = kr_zalloc((size_t)n_batch, sizeof *s->logits, &failed);
+    if (failed || kr_scratch_new(m, &s->scratch, n_batch, n_ctx, err)) {
+        if (failed) kr_fail(err, KR_ERR_MEMORY, "out of memory for a session");
+        kr_session_free(s);
+        return NULL;
+    }
+    for (int32_t i = 0; i < n_batch; i++) s->seqs[i] = &s->seq;
+    kr_ok(err);
+    return s;
+}
+
+void kr_session_free(kr_session *s) {
+    if (!s) return;
+    kr_seq_free(s->model, &s->seq);
+    if (s->scratch.n_batch) kr_scratch_free(s->model, &s->scratch);
+    free(s->pos), free(s->seqs), free(s->logits);
+    free(s);
+}
+
+int32_t kr_session_n_tokens(const kr_session *s) { return s ? s->n_tokens : 0; }
+int32_t kr_session_n_ctx(const kr_session *s) { return s ? s->seq.kv.n_ctx : 0; }
+int32_t kr_session_n_batch(const kr_session *s) { return s ? s->scratch.n_batch : 0; }
+int32_t kr_session_kv_type(const kr_session *s) { return s ? s->seq.kv.type : -1; }
+
+int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_truncate: session is NULL");
+    if (n_tokens < 0 || n_tokens > s->n_tokens)
+        return kr_fail(err, KR_ERR_ARGUMENT, "cannot truncate to %d tokens: the session holds %d", n_tokens,
+                       s->n_tokens);
+    const kr_arch *arch = s->model->arch;
+    int status = arch->truncate ? arch->truncate(s->model, n_tokens, s->n_tokens, err) : KR_OK;
+    if (status) return status;
+    s->n_tokens = n_tokens;
+    kr_ok(err);
+    return KR_OK;
+}
+
+// kr_session_eval and kr_session_eval_all: logits of the last token, or of every token (all).
+static int session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, bool all, kr_error *err) {
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval: session is NULL");
+    if (!tokens || n < 1) return kr_fail(err, KR_ERR_ARGUMENT, "no tokens to evaluate");
+    if (all && !logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
+    kr_model *m = s->model;
+    if (n > s->seq.kv.n_ctx - s->n_tokens)
+        return kr_fail(err, KR_ERR_CONTEXT, "%d tokens after %d do not fit in the context of %d", n, s->n_tokens,
+                       s->seq.kv.n_ctx);
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->info.n_vocab)
+            return kr_fail(err, KR_ERR_ARGUMENT, "token id %d at index %d is outside [0, %d)", tokens[i], i,
+                           m->info.n_vocab);
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&m->busy, &expected, 1))
+        return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
+    int32_t n_batch = s->scratch.n_batch;
+    for (int32_t done = 0; done < n; done += n_batch) {
+        int32_t count = n - done < n_batch ? n - done : n_batch;
+        bool last = done + count == n;
+        for (int32_t i = 0; i < count; i++) {
+            s->pos[i] = s->n_tokens + i;
+            s->logits[i] = all ? logits + (size_t)(done + i) * (size_t)m->info.n_vocab : NULL;
+        }
+        if (last && !all) s->logits[count - 1] = logits;
+        kr_batch batch = {.n = count, .tokens = tokens + done, .pos = s->pos, .seq = s->seqs,
+                          .logits = (all || last) && logits ? s->logits : NULL};
+        m->arch->step(m, &s->scratch, &batch);
+        s->n_tokens += count;
+    }
+    atomic_store(&m->busy, 0);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, false, err);
+}
+
+int kr_session_eval_all(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
+    return session_eval(s, tokens, n, logits, true, err);
+}
+
+int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const int32_t *tokens, const int32_t *which,
+                       int32_t n, float *logits, kr_error *err) {
+    if (!sessions || n_sessions < 1 || !tokens || !which || n < 1)
+        return kr_fail(err, KR_ERR_ARGUMENT, "kr_test_eval_mixed: no sessions or no tokens");
+    for (int32_t k = 0; k < n_sessions; k++) {
+        if (!sessions[k] || sessions[k]->model != sessions[0]->model)
+            return kr_fail(err, KR_ERR_ARGUMENT, "session %d is NULL or of another model", k);
+        if (sessions[k]->seq.kv.n_ctx > sessions[0]->scratch.n_ctx)  // the scratch scores up to its n_ctx
+            return kr_fail(err, KR_ERR_ARGUMENT, "session %d's context is longer than session 0's", k);
+        for (int32_t other = 0; other < k; other++)
+            if (sessions[other] == sessions[k]) return kr_fail(err, KR_ERR_ARGUMENT, "session %d is listed twice", k);
+    }
+    kr_model *m = sessions[0]->model;
+    kr_scratch *scratch = &sessions[0]->scratch;
+    if (n > scratch->n_batch)
+        return kr_fail(err, KR_ERR_ARGUMENT, "%d tokens do not fit in a step of %d", n, scratch->n_batch);
+    int32_t *count = calloc((size_t)n_sessions, sizeof *count), *pos = calloc((size_t)n, sizeof *pos);
+    kr_seq **seqs = calloc((size_t)n, sizeof *seqs);
+    float **rows = calloc((size_t)n, sizeof *rows);
+    int status = count && pos && seqs && rows ? KR_OK : kr_fail(err, KR_ERR_MEMORY, "out of memory");
+    for (int32_t i = 0; !status && i < n; i++) {
+        int32_t k = which[i];
+        if (k < 0 || k >= n_sessions || tokens[i] < 0 || tokens[i] >= m->info.n_vocab)
+            status = kr_fail(err, KR_ERR_ARGUMENT, "token %d (id %d) names session %d", i, tokens[i], k);
+        else if ((pos[i] = sessions[k]->n_tokens + count[k]++) >= sessions[k]->seq.kv.n_ctx)
+            status = kr_fail(err, KR_ERR_CONTEXT, "session %d's context of %d is full", k, sessions[k]->seq.kv.n_ctx);
+        else {
+            seqs[i] = &sessions[k]->seq;
+            rows[i] = logits ? logits + (size_t)i * (size_t)m->info.n_vocab : NULL;
+        }
+    }
+    int expected = 0;
+    if (!status && !atomic_compare_exchange_strong(&m->busy, &expected, 1))
+        status = kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
+    if (!status) {
+        kr_batch batch = {.n = n, .tokens = tokens, .pos = pos, .seq = seqs, .logits = logits ? rows : NULL};
+        m->arch->step(m, scratch, &batch);
+        for (int32_t k = 0; k < n_sessions; k++) sessions[k]->n_tokens += count[k];
+        atomic_store(&m->busy, 0);
+        kr_ok(err);
+    }
+    free(count), free(pos), free(seqs), free(rows);
+    return status;
+}

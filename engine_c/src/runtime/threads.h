@@ -1,0 +1,24 @@
+// threads.h: the thread pool the engine's steps run on (threads.c). Internal to the library.
+#ifndef KRAFLA_THREADS_H
+#define KRAFLA_THREADS_H
+
+#include "runtime/internal.h"
+
+typedef struct kr_pool kr_pool;
+// One chunk of a job: `chunk` of `n_chunks`, run by thread `thread` (0 = the caller), which
+// indexes per-thread scratch. A chunk's results must not depend on which thread runs it.
+typedef void (*kr_pool_fn)(void *job, int chunk, int n_chunks, int thread);
+
+kr_pool *kr_pool_new(int n_threads, kr_error *err);
+// Run fn on every chunk in [0, n_chunks) (at most 65535), on whichever threads claim them first;
+// returns when all are finished.
+void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job, int n_chunks);
+int kr_pool_size(const kr_pool *pool);
+// How many chunks to cut `items` units of work into: 1 on one thread, else a few per thread.
+int kr_pool_chunks(const kr_pool *pool, int64_t items);
+void kr_pool_free(kr_pool *pool);
+
+// [begin, end) of `total` items for one part of n_parts; boundaries are multiples of `align`.
+void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end);
+
+#endif
