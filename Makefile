@@ -100,3 +100,6 @@ test-isa: lib venv
 ISA_TESTS += tests/test_attention.py
 # --- test-isa (engine): one step over several sequences, on every build
 ISA_TESTS += tests/test_mixed_batch.py
+
+# --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
+ISA_TESTS += tests/test_kquant.py

@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-from krafla_twisted import clib
+from krafla_twisted import clib, formats
 from krafla_twisted.container import ContainerFile
 
 # kr_status codes this module maps to exception classes.
@@ -31,7 +31,7 @@ KR_ERR_CONTEXT = 6
 KR_ERR_STATE = 7
 
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
-TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8"}
+TYPE_NAMES = {code: tensor_type.name for code, tensor_type in formats.TENSOR_TYPES.items()}
 DEFAULT_MAX_CTX = 4096
 
 
