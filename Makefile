@@ -102,3 +102,6 @@ ISA_TESTS += tests/test_attention.py
 ISA_TESTS += tests/test_mixed_batch.py
 # --- test-isa (batch): several sessions in the same steps (kr_batch_eval), on every build
 ISA_TESTS += tests/test_batch_eval.py
+
+# --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
+ISA_TESTS += tests/test_kquant.py

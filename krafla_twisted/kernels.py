@@ -15,9 +15,15 @@ from krafla_twisted import clib, engine, formats, header
 IMPLEMENTATIONS = {name.lower(): code for name, code in header.members("KR_KERNEL_").items()}
 # The weight types the test entry points take (krafla.h, "Kernels (tests)").
 WEIGHT_TYPES = {name: formats.TENSOR_TYPES_BY_NAME[name].code
-                for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
+                for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")}
 BLOCK = formats.Q8_0.block
 BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
+# k-quants: super-blocks of 256 weights (kernels.h, "k-quants")
+SUPER_BLOCK = formats.Q4_K.block
+SUPER_BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in ("q4_K", "q5_K", "q6_K")}
+KQUANTS = tuple(SUPER_BLOCK_BYTES)
+# A q8_K activation block, as kernels.h's kr_block_q8_K lays it out (292 bytes).
+Q8_K_BLOCK = np.dtype([("d", "<f4"), ("q", "i1", (256,)), ("bsums", "<i2", (16,))])
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -34,6 +40,8 @@ def _declare(lib):
     clib.declare(lib, "kr_test_f32_to_f16", _int, _int, _p, _p, _i64, _err)
     # int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_quantize_q8_0", _int, _int, _p, _p, _i64, _err)
+    # int kr_test_quantize_q8_K(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
+    clib.declare(lib, "kr_test_quantize_q8_K", _int, _int, _p, _p, _i64, _err)
     # int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
     clib.declare(lib, "kr_test_dequantize", _int, _i32, _p, _p, _i64, _err)
     # int kr_test_matmul(int impl, int32_t weight_type, const void *weights, int64_t rows, int64_t cols,
@@ -113,6 +121,10 @@ def _ptr(array):
 def row_bytes(type_name, cols):
     """Bytes of one row of `cols` weights of type_name in the file layout."""
     _weight_type(type_name)
+    if type_name in SUPER_BLOCK_BYTES:
+        if cols % SUPER_BLOCK:
+            raise ValueError(f"{type_name} rows need a multiple of {SUPER_BLOCK} columns, got {cols}")
+        return cols // SUPER_BLOCK * SUPER_BLOCK_BYTES[type_name]
     if type_name in BLOCK_BYTES:
         if cols % BLOCK:
             raise ValueError(f"{type_name} rows need a multiple of {BLOCK} columns, got {cols}")
@@ -143,6 +155,16 @@ def quantize_q8_0(values, impl="dispatch"):
         raise ValueError(f"q8_0 quantizes whole blocks of {BLOCK} values, got {x.size}")
     y = np.empty(x.size // BLOCK * BLOCK_BYTES["q8_0"], np.uint8)
     _call(clib.load().kr_test_quantize_q8_0, _impl(impl), _ptr(x), _ptr(y), x.size)
+    return y
+
+
+def quantize_q8_K(values, impl="dispatch"):
+    """float32 values (size a multiple of 256) -> q8_K blocks: a structured array of Q8_K_BLOCK (d, q, bsums)."""
+    x = _array(values, np.float32).reshape(-1)
+    if x.size % SUPER_BLOCK:
+        raise ValueError(f"q8_K quantizes whole blocks of {SUPER_BLOCK} values, got {x.size}")
+    y = np.zeros(x.size // SUPER_BLOCK, Q8_K_BLOCK)
+    _call(clib.load().kr_test_quantize_q8_K, _impl(impl), _ptr(x), _ptr(y), x.size)
     return y
 
 
@@ -179,13 +201,13 @@ def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_
     """W (rows, cols) of type_name @ x (n_tokens, cols) -> float32 (n_tokens, rows).
 
     Only output rows [row_begin, row_end) are computed; the others are NaN. The activations are
-    prepared (quantized to q8_0 for the quantized weight types) by the same implementation."""
+    prepared (quantized to q8_0 for the blocks-of-32 weight types, q8_K for k-quants) by the same implementation."""
     return _matmul(clib.load().kr_test_matmul, type_name, weights, rows, cols, x, impl, row_begin, row_end)
 
 
 def pack(type_name, weights, rows, cols):
-    """A q8_0/q4_0/q4_1/q5_0/q5_1 (rows, cols) matrix (raw bytes, file layout) in the packed layout
-    (uint8, same size)."""
+    """A q8_0/q4_0/q4_1/q5_0/q5_1/k-quant (rows, cols) matrix (raw bytes, file layout) in the packed
+    layout (uint8, same size)."""
     w = _weight_bytes(type_name, weights, rows, cols)
     out = np.empty_like(w)
     _call(clib.load().kr_test_pack, _weight_type(type_name), _ptr(w), rows, cols, _ptr(out))

@@ -1,6 +1,6 @@
 """Weight repacking at load (engine_c/src/model/pack.c), for `Model(path, pack=..., pack_cache=...)`.
 
-`pack=True` copies every q8_0/q4_0 matrix into the packed layout the AVX2 tiles read as one stream
+`pack=True` copies every q8_0/q4_0/k-quant matrix into the packed layout the AVX2 tiles read as one stream
 (the same results bit for bit); `pack_cache=True` keeps that copy in MODEL.mlb.pack, keyed by the
 model's checksum, the ISA and the layout version, and maps it on the next load; a stale or corrupt
 cache is rebuilt, never trusted. `status(model)` says what happened; `warning(model)` is the line to

@@ -19,7 +19,7 @@ from krafla_twisted.engine import ClosedError, ContextFullError, EngineError, In
 from tests import strategies
 from tests.support.real_models import real_model
 from tests.support.reference import ReferenceModel
-from tests.support.tiny_models import ARCHS, QUANTIZED, tiny_model_container, write_tiny_model
+from tests.support.tiny_models import ARCHS, KQUANTS, QUANTIZED, tiny_model_container, write_tiny_model
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
 KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = header.KR_ERR_FORMAT, header.KR_ERR_UNSUPPORTED
@@ -56,7 +56,7 @@ def assert_logits_match(engine, reference, quantized):
 
 def reference_for(path, weight_type):
     """The numpy reference the engine's logits are compared with for weights of weight_type."""
-    return ReferenceModel(path, q8_activations=weight_type in QUANTIZED)
+    return ReferenceModel(path, q8_activations=weight_type in QUANTIZED + KQUANTS)
 
 
 def prompt(n, n_vocab, seed=0):
@@ -76,7 +76,8 @@ def tiny(tmp_path):
 class TinyModelReferenceTests:
     """Logits of tiny random models equal the numpy reference's."""
 
-    @pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+    @pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                                             "q4_K", "q5_K", "q6_K"])
     @pytest.mark.parametrize("arch", ARCHS)
     def test_every_architecture_and_weight_type(self, tiny, arch, weight_type):
         """Default tiny shapes; a 20-token prompt is longer than gemma3's sliding window (6), so
@@ -86,9 +87,10 @@ class TinyModelReferenceTests:
         reference = reference_for(path, weight_type).forward(prompt(20, 60))
         with Model(path) as model:
             session = model.session(batch=7)
-            assert_logits_match(session.eval(prompt(12, 60)), reference[11], weight_type in QUANTIZED)
+            quantized = weight_type in QUANTIZED + KQUANTS
+            assert_logits_match(session.eval(prompt(12, 60)), reference[11], quantized)
             for i, token in enumerate(prompt(20, 60)[12:], start=12):
-                assert_logits_match(session.eval([token]), reference[i], weight_type in QUANTIZED)
+                assert_logits_match(session.eval([token]), reference[i], quantized)
             assert session.n_tokens == 20
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -104,7 +106,7 @@ class TinyModelReferenceTests:
         reference = reference_for(path, weight_type).forward(ids)[-1]
         with Model(path) as model:
             logits = model.session(batch=batch).eval(ids)
-        assert_logits_match(logits, reference, weight_type in QUANTIZED)
+        assert_logits_match(logits, reference, weight_type in QUANTIZED + KQUANTS)
 
     @pytest.mark.parametrize("arch", ARCHS)
     def test_greedy_continuation(self, tiny, arch):

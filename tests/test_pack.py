@@ -98,7 +98,7 @@ def logits(model, tokens, batch):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    return write_tiny_models(tmp_path_factory.mktemp("pack"), ("q4_0", "q8_0"), seed=7)
+    return write_tiny_models(tmp_path_factory.mktemp("pack"), ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K"), seed=7)
 
 
 TOKENS = [3, 17, 5, 60, 2, 9, 41, 33, 12, 7, 50, 1, 28]
@@ -106,7 +106,7 @@ TOKENS = [3, 17, 5, 60, 2, 9, 41, 33, 12, 7, 50, 1, 28]
 
 class PackedModelTests:
     @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-    @pytest.mark.parametrize("weight_type", ["q4_0", "q8_0"])
+    @pytest.mark.parametrize("weight_type", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K"])
     def test_logits_are_bitwise_identical_packed_or_not(self, tiny_models, arch, weight_type):
         """Packing moves bytes only: the same logits, bit for bit, at batch 1, 5 and the whole prompt."""
         path = tiny_models[arch, weight_type]

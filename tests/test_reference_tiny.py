@@ -262,11 +262,12 @@ class SoftcapTests:
 class DequantizeTests:
     @pytest.mark.parametrize("type_name, gguf_type", [
         ("f16", GGMLQuantizationType.F16), ("bf16", GGMLQuantizationType.BF16),
-        ("q8_0", GGMLQuantizationType.Q8_0), ("q4_0", GGMLQuantizationType.Q4_0)])
+        ("q8_0", GGMLQuantizationType.Q8_0), ("q4_0", GGMLQuantizationType.Q4_0),
+        ("q4_K", GGMLQuantizationType.Q4_K), ("q5_K", GGMLQuantizationType.Q5_K), ("q6_K", GGMLQuantizationType.Q6_K)])
     def test_dequantize_equals_gguf_py(self, type_name, gguf_type):
         """Every .mlb weight type dequantizes to exactly gguf-py's values (the blocks are GGUF's)."""
         rng = np.random.default_rng(11)
-        weights = rng.standard_normal((6, 96)).astype(np.float32) * np.float32(3)
+        weights = rng.standard_normal((6, 256 if type_name.endswith("_K") else 96)).astype(np.float32) * np.float32(3)
         tensor_type, data = encode(weights, type_name)
         container = formats.Container(formats.MODEL_MAGIC)
         container.add("w", tensor_type, weights.shape, data)

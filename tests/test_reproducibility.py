@@ -42,7 +42,7 @@ class TinyModelReproducibilityTests:
     """Every architecture, float and quantized weights, f32 and f16 caches."""
 
     @pytest.mark.parametrize("kv", ["f32", "f16"])
-    @pytest.mark.parametrize("weight_type", ["f32", "q4_0", "q8_0", "q4_1", "q5_0", "q5_1"])
+    @pytest.mark.parametrize("weight_type", ["f32", "q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
     @pytest.mark.parametrize("arch", ARCHS)
     def test_batch_threads_and_splits(self, tmp_path, arch, weight_type, kv):
         """A 70-token prompt (longer than the 32 batch and gemma3's window) gives the same logits

@@ -80,6 +80,8 @@ def expected_type(name, metadata, weight_type):
     head = "output.weight" if not metadata["tied_embeddings"] else "token_embd.weight"
     if name == head and weight_type == "q4_0":
         return "q8_0"
+    if name == head and weight_type in ("q4_K", "q5_K"):
+        return "q6_K"
     return weight_type
 
 
@@ -89,7 +91,8 @@ class TinyModelLayoutTests:
     def test_keys_names_shapes_and_types_follow_the_document(self, tmp_path, arch, weight_type):
         """Every metadata key of docs/formats.md is present (and nothing else), and the tensors are
         exactly the document's names and shapes for the architecture, norms and biases f32, the
-        rest in weight_type with a q8_0 head for q4_0; the C loader reads the file the same way."""
+        rest in weight_type with a q8_0 head for q4_0 (q6_K for q4_K, q5_K); the C loader reads the
+        file the same way."""
         path = tmp_path / "tiny.mlb"
         write_tiny_model(path, arch, seed=0, weight_type=weight_type)
         model = formats.read(path, formats.MODEL_MAGIC)
@@ -139,6 +142,8 @@ class TinyModelLayoutTests:
             (dict(weight_type="q2_K"), "weight_type"),
             (dict(weight_type="q4_0", dim=48), "dim = 48 must be a multiple of 32"),
             (dict(weight_type="q8_0", ffn_dim=40), "ffn_dim = 40"),
+            (dict(weight_type="q4_K", dim=128), "dim = 128 must be a multiple of 256"),
+            (dict(weight_type="q6_K", n_heads=4, head_dim=32), "n_heads*head_dim = 128 must be a multiple of 256"),
             (dict(n_heads=3, n_kv_heads=2), "not a multiple of n_kv_heads"),
             (dict(head_dim=15), "head_dim 15 must be even"),
             (dict(n_layers=0), "n_layers must be a positive integer"),

@@ -321,7 +321,8 @@ int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
 // which: KR_KERNEL_DISPATCH (what the engine calls), KR_KERNEL_REFERENCE (quant_ref.c) or
 // KR_KERNEL_AVX2 (kernels_avx2.c; KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and
 // type is checked; a bad one is KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0,
-// KR_Q4_0, KR_Q4_1, KR_Q5_0, KR_Q5_1; quantized rows are whole blocks of 32.
+// KR_Q4_0, KR_Q4_1, KR_Q5_0, KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K; q8_0/q4_0/q4_1/q5_0/q5_1 rows are
+// whole blocks of 32, k-quant rows of 256.
 
 #define KR_KERNEL_DISPATCH 0
 #define KR_KERNEL_REFERENCE 1
@@ -332,6 +333,8 @@ int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_erro
 int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_error *err);
 // n floats (a multiple of 32) -> n/32 q8_0 blocks of 34 bytes.
 int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
+// n floats (a multiple of 256) -> n/256 q8_K blocks of 292 bytes (float d, int8 q[256], int16 bsums[16]).
+int kr_test_quantize_q8_K(int impl, const float *x, void *blocks, int64_t n, kr_error *err);
 // One row of n weights of `type` -> n floats.
 int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err);
 // W (rows, cols) of weight_type @ x (n_tokens, cols) f32 -> out (n_tokens, rows): prepares the

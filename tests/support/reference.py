@@ -7,10 +7,10 @@ transformers on the three real models.
 
 Precision: weights are dequantized exactly into float32 (every f16/bf16/q8_0/q4_0 weight is a
 float32 number; q4_1, q5_0 and q5_1 weights, d * q + m, into float64: f16 values are multiples of
-2^-24 below 2^16, so d * q + m takes at most 46 bits), and everything is computed in float64:
-the residual stream, norms, RoPE, attention, softmax, and the matrix products (each weight matrix
-is widened to float64 in row chunks as it is used, so memory stays at one float32 copy of the
-model). Logits come back as float32.
+2^-24 below 2^16, so d * q + m takes at most 46 bits; k-quants into float32 as ggml computes
+them), and everything is computed in float64: the residual stream, norms, RoPE, attention,
+softmax, and the matrix products (each weight matrix is widened to float64 in row chunks as it is
+used, so memory stays at one float32 copy of the model). Logits come back as float32.
 
 Conventions (the facts docs/formats.md states, which this file implements):
 - RMSNorm: x / sqrt(mean(x^2) + norm_eps) * w, with w the final multiplier (gemma's 1 + w is
@@ -39,6 +39,7 @@ import numpy as np
 
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from tests.support import kquants
 
 ROPE_STYLES = ("norm", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -75,6 +76,8 @@ def dequantize(tensor):
         values = (nibbles - 8) * scale
     elif name in ("q4_1", "q5_0", "q5_1"):
         values = dequantize_ggml_32(name, raw)
+    elif name in kquants.BLOCK_BYTES:  # ggml's arithmetic, in float32 (test_reference_tiny checks it against gguf-py)
+        values = kquants.dequantize(raw, name)
     else:
         raise ValueError(f"tensor {tensor.name}: the reference cannot dequantize type {name}")
     return values.reshape(tensor.shape)
@@ -314,7 +317,11 @@ class ReferenceModel:
 
     def _linear(self, x, name, bias=None):
         """x @ weight `name`.T (+ bias), with x rounded to q8_0 first where q8_activations says."""
-        if self.q8_activations and self.container.tensors[name].type.name in Q8_ACTIVATION_TYPES:
+        type_name = self.container.tensors[name].type.name
+        if self.q8_activations and type_name in kquants.BLOCK_BYTES:  # k-quants: q8_K, ggml's quantizer
+            d, q, _ = kquants.quantize_q8_K(x.astype(np.float32))
+            x = (d.astype(np.float64)[:, None] * q).reshape(x.shape)
+        if self.q8_activations and type_name in Q8_ACTIVATION_TYPES:
             rows = quantize.quantize_q8_0(x.astype(np.float32))
             x = quantize.dequantize("Q8_0", rows, x.shape[1]).reshape(x.shape).astype(np.float64)
         return linear(x, self.weight(name), bias)

@@ -8,7 +8,8 @@ the layers (matrices N(0, 1/fan_in), norm weights near 1, small biases). Matrice
 `weight_type`; norms and biases are f32, as the converter writes them. With q4_0, the output
 head (or the tied embedding) is q8_0, as `krafla convert --type q4_0` does. q4_1, q5_0 and q5_1
 (the types ggml files carry and krafla computes natively) keep every matrix, the head included,
-in that type.
+in that type. With q4_K or q5_K the head is q6_K, as in ggml's Q4_K_M / Q5_K_M files; k-quant
+models take KQUANT_SHAPES (every matrix input a multiple of 256) unless the shape is given.
 """
 
 import math
@@ -19,14 +20,16 @@ from gguf.quants import quantize as gguf_quantize
 
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from tests.support import kquants
 
 ARCHS = ("llama", "qwen2", "gemma3", "qwen3", "smollm3")
-WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 # Blocks as ggml writes them (krafla convert copies these types from a GGUF file as they are), by
 # gguf-py's quantizers.
 GGML_QUANTIZED = {"q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
                   "q5_1": GGMLQuantizationType.Q5_1}
+KQUANTS = ("q4_K", "q5_K", "q6_K")  # super-blocks of 256 (tests/support/kquants.py encodes them)
 
 # Shapes small enough that a numpy forward pass takes milliseconds, yet with GQA, an odd vocab
 # and (gemma3) a head width that differs from dim / n_heads.
@@ -36,6 +39,16 @@ DEFAULT_SHAPES = {
     "gemma3": dict(n_vocab=73, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
     "qwen3": dict(n_vocab=79, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96, max_seq=128),
     "smollm3": dict(n_vocab=83, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, max_seq=128),
+}
+
+# The same for k-quants: dim, n_heads * head_dim and ffn_dim multiples of 256 (gemma3's and qwen3's
+# q widths still differ from dim).
+KQUANT_SHAPES = {
+    "llama": dict(n_vocab=67, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, max_seq=128),
+    "qwen2": dict(n_vocab=71, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768, max_seq=128),
+    "gemma3": dict(n_vocab=73, dim=256, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=128, ffn_dim=512, max_seq=128),
+    "qwen3": dict(n_vocab=79, dim=256, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=128, ffn_dim=512, max_seq=128),
+    "smollm3": dict(n_vocab=83, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256, max_seq=128),
 }
 
 # Hyperparameters each architecture's real models use; any can be overridden by keyword.
@@ -76,6 +89,8 @@ def encode(weights, type_name):
         return tensor_type, gguf_quantize(rows, GGML_QUANTIZED[type_name]).reshape(-1)
     if type_name in QUANTIZED:
         return tensor_type, quantize.QUANTIZERS[type_name](weights.reshape(-1, weights.shape[-1])).reshape(-1)
+    if type_name in KQUANTS:
+        return tensor_type, kquants.encode(weights.reshape(-1, weights.shape[-1]), type_name).reshape(-1)
     raise ValueError(f"cannot store weights as {type_name}")
 
 
@@ -96,6 +111,12 @@ def _check_shape(arch, weight_type, shape):
         for key, value in inputs.items():
             if value % 32:
                 raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 32 for {weight_type}")
+    if weight_type in KQUANTS:
+        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
+                  "ffn_dim": shape["ffn_dim"]}
+        for key, value in inputs.items():
+            if value % 256:
+                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 256 for {weight_type}")
 
 
 def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
@@ -104,12 +125,13 @@ def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
         raise ValueError(f"tiny models are {', '.join(ARCHS)}, not {arch!r}")
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight_type is one of {', '.join(WEIGHT_TYPES)}, not {weight_type!r}")
-    shape = dict(DEFAULT_SHAPES[arch])
+    shape = dict((KQUANT_SHAPES if weight_type in KQUANTS else DEFAULT_SHAPES)[arch])
     shape.update({k: overrides.pop(k) for k in list(overrides) if k in shape})
     _check_shape(arch, weight_type, shape)
     hyper = dict(DEFAULT_HYPERPARAMETERS[arch])
     hyper.update(overrides)
-    output_type = hyper.pop("output_type", "q8_0" if weight_type == "q4_0" else weight_type)
+    default_output = {"q4_0": "q8_0", "q4_K": "q6_K", "q5_K": "q6_K"}.get(weight_type, weight_type)
+    output_type = hyper.pop("output_type", default_output)
     pattern = hyper.pop("sliding_window_pattern", 0)
     rng = np.random.default_rng(seed)
 

@@ -31,6 +31,7 @@ void kr_f32_to_f16_row(const float *x, kr_f16 *y, int64_t n) { KR_KERNEL(kr_f32_
 
 void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n) { KR_KERNEL(kr_quantize_row_q8_0)(x, y, n); }
 void kr_quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n) { KR_KERNEL(kr_quantize_row_q8_sum)(x, y, n); }
+void kr_quantize_row_q8_K(const float *x, kr_block_q8_K *y, int64_t n) { KR_KERNEL(kr_quantize_row_q8_K)(x, y, n); }
 
 void kr_matmul(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
@@ -139,10 +140,22 @@ int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_
 static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
     if (!kr_kernel_type_supported(type))
         return kr_fail(err, KR_ERR_ARGUMENT,
-                       "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1", type,
-                       kr_type_name(type) ? kr_type_name(type) : "unknown");
+                       "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K",
+                       type, kr_type_name(type) ? kr_type_name(type) : "unknown");
+    if (kr_is_kquant(type)) return check_count("cols", cols, KR_QK_K, err);
     const int blocks = type == KR_Q8_0 || type == KR_Q4_0 || type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1;
     return check_count("cols", cols, blocks ? KR_QK : 1, err);
+}
+
+// n floats (a multiple of 256) -> n/256 q8_K blocks (kr_block_q8_K, 292 bytes).
+int kr_test_quantize_q8_K(int impl, const float *x, void *blocks, int64_t n, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, KR_QK_K, err);
+    if (!status) status = check_pointers(x, blocks, err);
+    if (status) return status;
+    KR_PICK(impl, kr_quantize_row_q8_K)(x, blocks, n);
+    kr_ok(err);
+    return KR_OK;
 }
 
 int kr_test_dequantize(int32_t type, const void *row, float *out, int64_t n, kr_error *err) {
@@ -170,7 +183,8 @@ static int test_matmul(int impl, bool packed, int32_t weight_type, const void *w
     const size_t bytes = kr_activation_bytes(weight_type, n_tokens, cols);
     void *prepared = malloc(bytes ? bytes : 1);
     if (!prepared) return kr_fail(err, KR_ERR_MEMORY, "cannot allocate %zu bytes of prepared activations", bytes);
-    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum)};
+    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum),
+                                    KR_PICK(impl, kr_quantize_row_q8_K)};
     kr_prepare_activations_with(weight_type, x, cols, prepared, 0, n_tokens, &quantize);
     if (packed)
         KR_PICK(impl, kr_matmul_packed)(weight_type, weights, rows, cols, prepared, n_tokens, out, rows, row_begin,
@@ -194,8 +208,8 @@ int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t
     if (!status) status = check_pointers(weights, packed, err);
     if (status) return status;
     if (!kr_packable(weight_type))
-        return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0 and q5_1 weights are packed, not type %d",
-                       weight_type);
+        return kr_fail(err, KR_ERR_ARGUMENT,
+                       "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d", weight_type);
     kr_pack_rows(weight_type, weights, packed, rows, cols);
     kr_ok(err);
     return KR_OK;
@@ -249,8 +263,8 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t 
     if (!status) status = check_pointers(best_seconds, best_seconds, err);
     if (!status && repeat < 1) status = kr_fail(err, KR_ERR_ARGUMENT, "repeat must be >= 1, got %d", repeat);
     if (!status && packed && !kr_packable(weight_type))
-        status = kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0 and q5_1 weights are packed, not type %d",
-                         weight_type);
+        status = kr_fail(err, KR_ERR_ARGUMENT,
+                         "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d", weight_type);
     if (status) return status;
     uint64_t out_count;
     if (kr_mul_overflows((uint64_t)rows, (uint64_t)n_tokens, &out_count))
@@ -263,7 +277,8 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t 
         free(out);
         return kr_fail(err, KR_ERR_MEMORY, "cannot allocate the benchmark's buffers");
     }
-    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum)};
+    const kr_quantizers quantize = {KR_PICK(impl, kr_quantize_row_q8_0), KR_PICK(impl, kr_quantize_row_q8_sum),
+                                    KR_PICK(impl, kr_quantize_row_q8_K)};
     double best = INFINITY;
     for (int32_t i = 0; i < repeat; i++) {
         struct timespec start, end;

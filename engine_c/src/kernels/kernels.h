@@ -94,9 +94,11 @@ size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end);
 // The same with chosen quantizers (tests run the reference and the AVX2 ones separately).
+struct kr_block_q8_K;
 typedef struct {
     void (*q8_0)(const float *, kr_block_q8_0 *, int64_t);
     void (*q8_sum)(const float *, kr_block_q8_sum *, int64_t);
+    void (*q8_K)(const float *, struct kr_block_q8_K *, int64_t);  // k-quant weights (kr_block_q8_K below)
 } kr_quantizers;
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                                  int64_t token_begin, int64_t token_end, const kr_quantizers *quantize);
@@ -195,5 +197,74 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
 //   e's block. Heads up to KR_KV_Q8_MAX_HEAD_DIM values.
 #define KR_KV_Q8_MAX_HEAD_DIM 1024
 // --- end Packed weights
+
+// --- k-quants (owner: kquant; kquant_ref.c, kquant_avx2.c, kquant_tile.h, kquant_avx512.c)
+// ggml's q4_K, q5_K and q6_K weights: super-blocks of KR_QK_K = 256 weights, so a row's columns are
+// a multiple of 256. Activations for them are q8_K (ggml's quantize_row_q8_K_ref: d = 1/iscale with
+// iscale = -127/max, max the element of largest magnitude with its sign; q = round-half-even(x * iscale)
+// at most 127; bsums[j] = the sum of q[16j..16j+15]).
+// Per output, super-block after super-block, exact integer sums, then fixed float steps:
+//   q4_K, q5_K: isum = sum_j sc[j] * sum_{e in sub-block j} q[e] * a[e]   (8 sub-blocks of 32)
+//               msum = sum_j m[j] * (bsums[2j] + bsums[2j+1])
+//               acc = fmaf(d_w * d_a, (float)isum, acc); acc = fmaf(-(dmin_w * d_a), (float)msum, acc)
+//   q6_K:       isum = sum_j sc[j] * sum_{e in sub-block j} (q[e] - 32) * a[e]   (16 sub-blocks of 16)
+//               acc = fmaf(d_w * d_a, (float)isum, acc)
+// |isum|, |msum| < 2^31, so they are exact however a kernel adds them up.
+#define KR_QK_K 256
+
+typedef struct {
+    kr_f16 d, dmin;        // super-block scales of the sub-block scales and of the mins
+    uint8_t scales[12];    // 8 six-bit scales sc[j] and 8 six-bit mins m[j], ggml's packing
+    uint8_t qs[128];       // byte 32c + l: weight 64c + l (low nibble), 64c + 32 + l (high nibble)
+} kr_block_q4_K;           // weight e = d * sc[e/32] * q - dmin * m[e/32]
+
+typedef struct {
+    kr_f16 d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[32];        // bit s of qh[l]: the fifth bit of weight 32s + l
+    uint8_t qs[128];       // as q4_K
+} kr_block_q5_K;
+
+typedef struct {
+    uint8_t ql[128];       // byte 64h + l (l < 64): low 4 bits of weight 128h + l (low nibble), 128h + 64 + l (high)
+    uint8_t qh[64];        // byte 32h + l: bits 2p..2p+1 = high 2 bits of weight 128h + 32p + l
+    int8_t scales[16];     // sub-blocks of 16
+    kr_f16 d;
+} kr_block_q6_K;           // weight e = d * scales[e/16] * (q - 32)
+
+typedef struct kr_block_q8_K {
+    float d;
+    int8_t q[KR_QK_K];
+    int16_t bsums[KR_QK_K / 16];
+} kr_block_q8_K;
+
+static_assert(sizeof(kr_block_q4_K) == 144, "q4_K block size");
+static_assert(sizeof(kr_block_q5_K) == 176, "q5_K block size");
+static_assert(sizeof(kr_block_q6_K) == 210, "q6_K block size");
+static_assert(sizeof(kr_block_q8_K) == 292, "q8_K block size");
+
+int kr_is_kquant(int32_t weight_type);  // q4_K, q5_K, q6_K
+size_t kr_kquant_block_bytes(int32_t weight_type);
+void kr_quantize_row_q8_K_ref(const float *x, kr_block_q8_K *y, int64_t n);
+void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n);
+void kr_quantize_row_q8_K(const float *x, kr_block_q8_K *y, int64_t n);
+void kr_dequantize_row_kquant(int32_t weight_type, const void *row, float *out, int64_t n);
+// One row's dot product against a prepared q8_K row, in the order above.
+float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_K *a, int64_t cols);
+// Packed k-quants: groups of 8 rows as for q4_0 (same size as the file layout), each super-block of
+// a group laid out for 8 rows in the lanes (docs/kernels.md, "Packed k-quants").
+void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
+void kr_matmul_packed_kquant_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                 int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                           float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+// ISA=avx512 (kquant_avx512.c): the same with 16 rows in 512 bits; the two above hand over to these.
+void kr_matmul_kquant_avx512(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                             float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+void kr_matmul_packed_kquant_avx512(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                    int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+// --- end k-quants
 
 #endif

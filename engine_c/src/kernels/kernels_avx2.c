@@ -454,6 +454,10 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
         kr_matmul_legacy_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
+    if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
+        kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
     const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_rows = tile_rows(weight_type, n_tokens), max_tokens = tile_tokens(weight_type);
@@ -526,6 +530,10 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     if (kr_legacy_type(weight_type)) {  // q4_1, q5_0, q5_1: legacy_avx2.c
         kr_matmul_packed_legacy_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+    if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
+        kr_matmul_packed_kquant_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
     const int64_t grouped = rows - rows % KR_PACK_ROWS;

@@ -163,6 +163,9 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
     case KR_Q5_1:
         kr_dequantize_legacy_row(type, row, out, n);
         break;
+    case KR_Q4_K:
+    case KR_Q5_K:
+    case KR_Q6_K: kr_dequantize_row_kquant(type, row, out, n); break;
     default:
         // kr_kernel_type_supported() is checked where a tensor's type enters; nothing to do here
         break;
@@ -171,7 +174,7 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
 
 int kr_kernel_type_supported(int32_t type) {
     return type == KR_F32 || type == KR_F16 || type == KR_BF16 || type == KR_Q8_0 || type == KR_Q4_0 ||
-           kr_legacy_type(type);
+           kr_legacy_type(type) || kr_is_kquant(type);
 }
 
 size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
@@ -184,6 +187,9 @@ size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
     case KR_Q4_1:
     case KR_Q5_0:
     case KR_Q5_1: return (size_t)(cols / KR_QK) * kr_legacy_block_bytes(type);
+    case KR_Q4_K:
+    case KR_Q5_K:
+    case KR_Q6_K: return (size_t)(cols / KR_QK_K) * kr_kquant_block_bytes(type);
     default: return 0;
     }
 }
@@ -198,6 +204,9 @@ size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
     case KR_Q4_1:  // q4_1, q5_0, q5_1 (legacy.h) take the same prepared blocks as q4_0
     case KR_Q5_0:
     case KR_Q5_1: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_sum);
+    case KR_Q4_K:
+    case KR_Q5_K:
+    case KR_Q6_K: return (size_t)(cols / KR_QK_K) * sizeof(kr_block_q8_K);
     default: return (size_t)cols * sizeof(float);
     }
 }
@@ -226,13 +235,14 @@ void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t co
         char *dst = (char *)prepared + (size_t)t * row_bytes;
         if (weight_type == KR_Q8_0) quantize->q8_0(x + t * cols, (kr_block_q8_0 *)dst, cols);
         else if (weight_type == KR_Q4_0 || kr_legacy_type(weight_type)) quantize->q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols);
+        else if (kr_is_kquant(weight_type)) quantize->q8_K(x + t * cols, (kr_block_q8_K *)dst, cols);
         else memcpy(dst, x + t * cols, row_bytes);
     }
 }
 
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end) {
-    static const kr_quantizers dispatch = {kr_quantize_row_q8_0, kr_quantize_row_q8_sum};
+    static const kr_quantizers dispatch = {kr_quantize_row_q8_0, kr_quantize_row_q8_sum, kr_quantize_row_q8_K};
     kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, &dispatch);
 }
 
@@ -421,6 +431,9 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
             case KR_Q4_1:
             case KR_Q5_0:
             case KR_Q5_1: value = kr_dot_legacy_ref(weight_type, wr, a, cols / KR_QK); break;
+            case KR_Q4_K:
+            case KR_Q5_K:
+            case KR_Q6_K: value = kr_dot_kquant_ref(weight_type, wr, a, cols); break;
             default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
             }
             out[t * out_stride + r] = value;
@@ -431,7 +444,9 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
 // ---------------------------------------------------------------------------------------------
 // Packed weights (kernels.h, "Packed weights"; owner: speed)
 
-int kr_packable(int32_t weight_type) { return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 || kr_legacy_type(weight_type); }
+int kr_packable(int32_t weight_type) {
+    return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 || kr_legacy_type(weight_type) || kr_is_kquant(weight_type);
+}
 
 // Where row r (of a whole group) keeps quant byte j of block b in the packed layout, relative to the
 // group's block: after the 8 scales, chunk j / 4, row r, byte j % 4.
@@ -440,6 +455,10 @@ static size_t packed_quant_at(int64_t r, int j) { return 2 * KR_PACK_ROWS + (siz
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
     if (kr_legacy_type(weight_type)) {
         kr_pack_rows_legacy(weight_type, src, dst, rows, cols);
+        return;
+    }
+    if (kr_is_kquant(weight_type)) {
+        kr_pack_rows_kquant(weight_type, src, dst, rows, cols);
         return;
     }
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
@@ -486,6 +505,10 @@ void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int6
     }
     if (kr_legacy_type(weight_type)) {
         kr_matmul_packed_legacy_ref(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+    if (kr_is_kquant(weight_type)) {
+        kr_matmul_packed_kquant_ref(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
     const size_t a_row_bytes = kr_activation_row_bytes(weight_type, cols);

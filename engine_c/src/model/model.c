@@ -163,7 +163,8 @@ int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows
     int status = kr_file_find_tensor(m->file, name, &t, err);
     if (status) return status;
     if (!kr_kernel_type_supported(t.type))
-        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1",
+        return kr_fail(err, KR_ERR_UNSUPPORTED,
+                       "%s: tensor %s has type %s; weights must be f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K",
                        path, name, kr_type_name(t.type));
     if (t.n_dims != 2 || t.dims[0] != (uint64_t)rows || t.dims[1] != (uint64_t)cols) {
         char shape[128];

@@ -1,8 +1,9 @@
 // pack.c: weight repacking at load, and the packed-weight cache file (owner: speed).
 //
-// kr_model_pack rewrites every q8_0/q4_0 (and q4_1/q5_0/q5_1: kr_packable) matrix of a loaded model
-// (the layers' projections, a qwen35 model's attention, DeltaNet and MLP matrices, and the output
-// head) into the packed layout of kernels.h (legacy.h), where the lanes of a vector are 8 rows. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
+// kr_model_pack rewrites every packable (kr_packable: q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K)
+// matrix of a loaded model (the layers' projections, a qwen35 model's attention, DeltaNet and MLP
+// matrices, and the output head) into the packed layout of kernels.h (legacy.h for q4_1/q5_0/q5_1),
+// where the lanes of a vector are 8 rows. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
 // bit), so packing only moves bytes.
 //
 // The cache file (KR_PACK_CACHE) holds the packed matrices, one after the other in a fixed order
@@ -257,7 +258,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     int n = list_matrices(m, NULL);
     if (n < 0) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     if (mode == KR_PACK_OFF || n == 0) {
-        snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no quantized matrices to pack");
+        snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no matrices of a packed type to pack");
         kr_ok(err);
         return KR_OK;
     }
