@@ -1,4 +1,4 @@
-# krafla: `make` builds the engine for this CPU; `make test` runs everything; `make serve` serves.
+# krafla: `make` builds the engine (generic, avx2 and avx512 libraries); `make test` runs everything; `make serve` serves.
 PYTHON ?= python3
 VENV ?= .venv
 BUILD ?= build
@@ -14,20 +14,26 @@ CFLAGS_avx512 := $(CFLAGS_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -DK
 # engine_c/src/<layer>/*.c: runtime, format, tokenizer, kernels, model, sampler
 SOURCES := $(wildcard engine_c/src/*/*.c)
 HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*/*.h)
-OBJECTS := $(patsubst engine_c/src/%.c,$(BUILD)/$(ISA)/obj/%.o,$(SOURCES))
+# One library per ISA; krafla_twisted/clib.py loads the best this CPU runs ($KRAFLA_ISA overrides).
+# `make lib` builds all three; ISA names the one `make test` / `make test-isa` run against.
+ISAS := generic avx2 avx512
+LIBRARIES := $(foreach isa,$(ISAS),$(BUILD)/$(isa)/libkrafla.so)
 LIBRARY := $(BUILD)/$(ISA)/libkrafla.so
 
-.PHONY: all lib test test-reference serve venv clean print-library
+.PHONY: all lib test test-reference serve venv clean print-library print-libraries
 
 all: lib
-lib: $(LIBRARY)
+lib: $(LIBRARIES)
 
-$(BUILD)/$(ISA)/obj/%.o: engine_c/src/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_$(ISA)) $(EXTRA_CFLAGS) -c $< -o $@
+define ISA_RULES
+$(BUILD)/$(1)/obj/%.o: engine_c/src/%.c $(HEADERS)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS_$(1)) $$(EXTRA_CFLAGS) -c $$< -o $$@
 
-$(LIBRARY): $(OBJECTS)
-	$(CC) -shared -pthread -o $@ $(OBJECTS) -lm
+$(BUILD)/$(1)/libkrafla.so: $(patsubst engine_c/src/%.c,$(BUILD)/$(1)/obj/%.o,$(SOURCES))
+	$$(CC) -shared -pthread -o $$@ $$^ -lm
+endef
+$(foreach isa,$(ISAS),$(eval $(call ISA_RULES,$(isa))))
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -58,13 +64,16 @@ test-reference: lib $(VENV)-reference/.installed
 SERVE_ARGS ?=
 serve: lib venv
 	$(VENV)/bin/krafla pull smollm2-135m
-	KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/twistd -n --pidfile= krafla $(SERVE_ARGS)
+	$(VENV)/bin/twistd -n --pidfile= krafla $(SERVE_ARGS)
 
 clean:
 	rm -rf $(BUILD)
 
 print-library:
 	@echo $(LIBRARY)
+
+print-libraries:
+	@echo $(LIBRARIES)
 
 # --- tools (ecosystem): what the browser, nginx and node client tests drive, from Debian's packages.
 # apt-get runs only when a program is missing (as root, or through sudo).
