@@ -289,7 +289,7 @@ class UnicodeClassTests:
         """tokenizer_unicode.c is exactly what its generator writes (same Unicode version)."""
         import importlib.util
         import io
-        source = testdata.REPO / "engine_c" / "src"
+        source = testdata.REPO / "engine_c" / "src" / "tokenizer"
         spec = importlib.util.spec_from_file_location("tokenizer_unicode", source / "tokenizer_unicode.py")
         generator = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(generator)
