@@ -101,3 +101,5 @@ test-isa: lib venv
 
 # --- test-isa (attn): the attention kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_attention.py
+# --- test-isa (fidelity): every position's logits (eval_all) bit for bit on every ISA build too
+ISA_TESTS += tests/test_eval_all.py
