@@ -173,9 +173,10 @@ def krafla_bench(library, isa, mlb, threads, prompt, generate, extra=()):
     return {row["test"][:2]: row["median"] for row in rows}
 
 
-def llama_bench(binaries, gguf, threads, prompt, generate):
+def llama_bench(binaries, gguf, threads, prompt, generate, extra=()):
     """{'pp': tokens/s, 'tg': tokens/s} from one `llama-bench -r 1` (after its warm-up run)."""
-    cmd = [binaries / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt, "-n", generate, "-r", "1", "-o", "json"]
+    cmd = [binaries / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt, "-n", generate, "-r", "1", "-o", "json",
+           *extra]
     out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
     result = {}
     for row in json.loads(out):
@@ -199,7 +200,8 @@ def compare(pairs, models, args):
             for name, (pulled, gguf) in models.items():
                 runs = [("krafla", lambda: krafla_bench(library, isa, pulled.mlb, args.threads, args.prompt,
                                                         args.generate, args.krafla_args)),
-                        ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate))]
+                        ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate,
+                                                      args.llama_args))]
                 if round_index % 2:
                     runs.reverse()
                 got = {who: fn() for who, fn in runs}
@@ -374,6 +376,9 @@ def main(argv=None):
     parser.add_argument("--llama-cpp-python", default="llama-cpp-python", help="pip requirement of the sdist")
     parser.add_argument("--krafla-arg", dest="krafla_args", action="append", default=[],
                         help="extra option for krafla bench and the server, e.g. --krafla-arg=--no-pack (repeatable)")
+    parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
+                        help="extra option for llama-bench, e.g. --llama-arg=--repack --llama-arg=0 where the CPU "
+                             "reports AMX but the system does not let a process use it (repeatable)")
     parser.add_argument("--llama-bin", action="append", default=[], metavar="FLAVOR=DIR",
                         help="use an existing llama.cpp bin/ for avx2 or native instead of building it (repeatable)")
     parser.add_argument("--published", action="store_true",

@@ -40,7 +40,7 @@ def log(*parts):
 def llama_perplexity(binaries, gguf, args):
     """(PPL, error) from llama-perplexity's final estimate."""
     cmd = [binaries / "llama-perplexity", "-m", gguf, "-f", args.text, "-c", args.ctx, "--chunks", args.chunks,
-           "-t", args.threads]
+           "-t", args.threads, *args.llama_args]
     log("+", " ".join(str(c) for c in cmd))
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     match = FINAL.search(done.stdout + done.stderr)
@@ -129,6 +129,9 @@ def main(argv=None):
     parser.add_argument("--q4_0", action="store_true", help="also the Q4_0 requantizations (llama.cpp and krafla)")
     parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
     parser.add_argument("--json", action="store_true", help="also print each row as JSON")
+    parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
+                        help="extra option for llama-perplexity, e.g. --llama-arg=-nr where the CPU reports AMX "
+                             "but the system does not let a process use it (repeatable)")
     args = parser.parse_args(argv)
     needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 else [])
     missing = [tool for tool in needed if not (args.llama_bin / tool).is_file()]
