@@ -31,7 +31,8 @@ KR_ERR_CONTEXT = 6
 KR_ERR_STATE = 7
 
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 3}
-TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8"}
+TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8_0", 4: "q4_0", 5: "i32", 6: "u8", 7: "q4_1", 8: "q5_0",
+              9: "q5_1", 10: "q4_K", 11: "q5_K", 12: "q6_K"}
 DEFAULT_MAX_CTX = 4096
 
 
@@ -91,11 +92,21 @@ def _engine(lib):
     declare(lib, "kr_session_eval", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
     # int kr_session_eval_all(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
     declare(lib, "kr_session_eval_all", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
+    # int kr_weight_type_supported(int32_t type);
+    declare(lib, "kr_weight_type_supported", ctypes.c_int, ctypes.c_int32)
     # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
     declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
     # int32_t kr_session_n_tokens(const kr_session *session);  (and n_ctx, n_batch, kv_type)
     for name in ("kr_session_n_tokens", "kr_session_n_ctx", "kr_session_n_batch", "kr_session_kv_type"):
         declare(lib, name, ctypes.c_int32, _session_p)
+
+
+def supported_weight_types():
+    """The names (formats.py's: "q4_0", "q4_K", ...) of the weight types the loaded library computes on."""
+    from krafla_twisted import formats
+
+    lib = clib.load()
+    return {t.name for code, t in formats.TENSOR_TYPES.items() if lib.kr_weight_type_supported(code)}
 
 
 def _raise(error):

@@ -35,7 +35,7 @@ class Backend:
     def banner(self):
         """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`; T is
         followed by where it came from when --chat did not name it (`smollm (from the tokenizer file)`)."""
-        isa = clib.load().kr_isa().decode("ascii")
+        isa = clib.loaded_isa()  # the library the engine runs on: the best the CPU has, or $KRAFLA_ISA's
         model = self.runtime.model
         template = self.template.name if self.template is not None else "none"
         source = getattr(self.runtime, "template_from", None)

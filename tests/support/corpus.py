@@ -149,7 +149,7 @@ def corpus():
         "metadata kind 0": (with_meta(meta_entry("x", 0, struct.pack("<q", 1))), "unknown kind 0"),
         "metadata kind 6": (with_meta(meta_entry("x", 6, struct.pack("<q", 1))), "unknown kind 6"),
         "metadata kind 255": (with_meta(meta_entry("x", 255, struct.pack("<q", 1))), "unknown kind 255"),
-        "tensor type 13": (with_tensor(tensor_entry("a", 13, (2, 3), 0)), "unknown type 13"),
+        "tensor type 13": (with_tensor(tensor_entry("a", 13, (2, 3), 0)), "unknown type 13"),  # 7..12: q4_1..q6_K
         "tensor type 2^32-1": (with_tensor(tensor_entry("a", 2**32 - 1, (2, 3), 0)), "unknown type"),
         "n_dims 0": (with_tensor(tensor_entry("a", 0, (), 0)), "0 dimensions"),
         "n_dims 5": (with_tensor(tensor_entry("a", 0, (1, 1, 1, 2, 3), 0)), "5 dimensions"),
