@@ -169,6 +169,7 @@ class FreshCloneTests:
         subprocess.run(["git", "clone", "--quiet", REPO, str(clone)], check=True, timeout=300)
         env = server_env()
         env.pop("KRAFLA_LIB", None)  # the clone's own build
+        env.pop("KRAFLA_ISA", None)  # `make test` sets it; the clone must pick the best ISA itself
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
         make = subprocess.Popen(["make", "serve", "SERVE_ARGS=--port 0"], cwd=clone, env=env, stdout=subprocess.PIPE,
