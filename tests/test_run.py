@@ -12,7 +12,7 @@ import sys
 import pytest
 from twisted.python import usage
 
-from krafla_twisted import options, run
+from krafla_twisted import clib, options, run
 from krafla_twisted.generate import GenerationResult
 
 # ------------------------------------------------------------------------------------------
@@ -100,6 +100,7 @@ class StatsLineTests:
         result = GenerationResult("x", "length", 12, 64, 2, 0.5, 2.0)
         assert run.stats_line(result) == ("# prompt 12 tokens (2 cached), 20.0 tokens/s; "
                                           "reply 64 tokens, 32.0 tokens/s; length")
+        assert run.stats_line(result, "avx512").endswith("; length; isa avx512")
 
     def test_prompt_status_only_on_a_terminal(self):
         """The prompt status line is drawn and erased on a terminal, and absent otherwise."""
@@ -130,7 +131,7 @@ def krafla_run(*argv, stdin=None, env=None):
 
 
 STATS = re.compile(r"^# prompt (\d+) tokens \((\d+) cached\), [\d.]+ tokens/s; "
-                   r"reply (\d+) tokens, [\d.]+ tokens/s; (stop|length)$")
+                   r"reply (\d+) tokens, [\d.]+ tokens/s; (stop|length); isa (generic|avx2|avx512)$")
 
 
 class RunTests:
@@ -145,6 +146,7 @@ class RunTests:
         stats = [line for line in first.stderr.splitlines() if line.startswith("# prompt")]
         assert len(stats) == 1 and STATS.match(stats[0]), first.stderr
         assert int(STATS.match(stats[0]).group(3)) > 0
+        assert STATS.match(stats[0]).group(5) == clib.loaded_isa()  # the library the subprocess loaded
         second = krafla_run(*argv)
         assert second.stdout == first.stdout
 

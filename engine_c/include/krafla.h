@@ -38,6 +38,9 @@ typedef struct {
 // Version string, e.g. "0.7.0", and the ISA this library was built for: "avx2", "generic".
 const char *kr_version(void);
 const char *kr_isa(void);
+// 1 when this library computes on weight matrices of `type` (a kr_type), else 0: what `krafla
+// pull` keeps a published file's types for.
+int kr_weight_type_supported(int32_t type);
 
 // ---------------------------------------------------------------------------------------------
 // Container files .mlb / .mlt (file.c). The layout is in docs/formats.md and

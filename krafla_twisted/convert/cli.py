@@ -1,4 +1,7 @@
-"""`krafla convert SRC.gguf|HF_FOLDER -o OUT.mlb -z OUT.mlt --type q4_0`."""
+"""`krafla convert SRC.gguf|HF_FOLDER [-o OUT.mlb] [-z OUT.mlt] [--type q4_0]`.
+
+A GGUF file keeps its tensors' types unless --type asks for another (its blocks are copied as
+they are); a Hugging Face folder is quantized to --type (default q4_0)."""
 
 import sys
 from pathlib import Path
@@ -11,11 +14,13 @@ from krafla_twisted.formats import FormatError
 def add_arguments(parser):
     parser.add_argument("source", metavar="SRC", help="a GGUF file, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     parser.add_argument("-o", "--output", metavar="OUT.mlb",
-                        help="model file to write (default: NAME-TYPE.mlb beside SRC, e.g. SmolLM2-135M-Instruct-Q4_0.mlb)")
+                        help="model file to write (default: NAME-TYPE.mlb beside SRC, e.g. SmolLM2-135M-Instruct-Q4_1.mlb "
+                             "for a GGUF's own types, -Q4_0.mlb with --type q4_0)")
     parser.add_argument("-z", "--tokenizer", metavar="OUT.mlt",
                         help="tokenizer file to write (default: the model file's name with .mlt)")
-    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default="q4_0",
-                        help="weight type of the matrices (default q4_0; its output head stays q8_0)")
+    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default=None,
+                        help="requantize the matrices to this type (q4_0: its output head q8_0). Default: a GGUF "
+                             "keeps each tensor's type, its blocks copied as they are; a Hugging Face folder q4_0")
     parser.add_argument("--name", help="model name stored in the file (default: from the output name)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -23,6 +28,7 @@ def add_arguments(parser):
 def main(args):
     source = Path(args.source)
     if source.is_dir():
+        args.type_name = args.type_name or "q4_0"
         default_mlb = source.parent / f"{source.name}-{args.type_name.upper()}.mlb"
     else:
         default_mlb, _ = output_names(source, args.type_name)

@@ -1,13 +1,18 @@
-"""GGUF -> krafla: the model as .mlb (requantized weights + hyperparameters), the tokenizer as .mlt.
+"""GGUF -> krafla: the model as .mlb (weights + hyperparameters), the tokenizer as .mlt.
 
-`convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader,
-maps the architecture's hyperparameters to the metadata keys of docs/formats.md, dequantizes
-every tensor with our own numpy code (krafla_twisted/convert/quantize.py) and quantizes the
-matrices to the asked type. Tensor names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up
-are split into the llama names). Supported architectures: llama (Llama 3.1's rope_freqs.weight
-kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3; anything else is refused
-with a message that says what is missing. The .mlt names the chat template the GGUF's own
-tokenizer.chat_template renders like (krafla_twisted/chat_file.py).
+`convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader and
+maps the architecture's hyperparameters to the metadata keys of docs/formats.md. With type_name
+None (the default) every matrix keeps the file's type: its blocks are copied byte for byte
+(f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K; ggml's layouts, docs/formats.md),
+nothing is dequantized and quantized again; a matrix of another type (IQ-quants, Q2_K, Q3_K, ...)
+is refused with a message naming it and the --type to use. With a type_name, every tensor is
+dequantized (krafla_twisted/convert/quantize.py; gguf-py's dequantizers for the types ours lack)
+and the matrices are quantized to that type. Vectors (norms, biases) are f32 either way. Tensor
+names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up are split into the llama names, by
+whole rows, so kept blocks split too). Supported architectures: llama (Llama 3.1's
+rope_freqs.weight kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3;
+anything else is refused with a message that says what is missing. The .mlt names the chat
+template the GGUF's own tokenizer.chat_template renders like (krafla_twisted/chat_file.py).
 """
 
 import math
@@ -21,7 +26,13 @@ import numpy as np
 from krafla_twisted import formats
 from krafla_twisted.convert import quantize
 
-OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0")
+OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0")  # what --type requantizes to
+# GGUF type -> the krafla type its blocks are copied as (the same bytes) when the file's types are kept
+KEPT_TYPES = {
+    "F32": formats.F32, "F16": formats.F16, "BF16": formats.BF16, "Q8_0": formats.Q8_0, "Q4_0": formats.Q4_0,
+    "Q4_1": formats.Q4_1, "Q5_0": formats.Q5_0, "Q5_1": formats.Q5_1,
+    "Q4_K": formats.Q4_K, "Q5_K": formats.Q5_K, "Q6_K": formats.Q6_K,
+}
 _CHUNK_WEIGHTS = 1 << 23  # weights dequantized at once: bounds the converter's extra memory
 
 
@@ -83,10 +94,22 @@ def model_base_name(path):
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-def output_names(src, type_name, directory=None):
-    """Default outputs beside `src` (or in `directory`): NAME-Q4_0.mlb and NAME-Q4_0.mlt."""
+def source_label(path):
+    """The quantization label of a GGUF's name (`X.Q4_1.gguf` -> `Q4_1`, `x-q4_k_m.gguf` ->
+    `Q4_K_M`), or None: what a conversion that keeps the file's types is named after."""
+    stem = Path(path).name
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-len(".gguf")]
+    match = _QUANT_SUFFIX.search(stem)
+    return match.group(0)[1:].upper() if match else None
+
+
+def output_names(src, type_name=None, directory=None):
+    """Default outputs beside `src` (or in `directory`): NAME-Q4_0.mlb and NAME-Q4_0.mlt for
+    --type q4_0; NAME-LABEL (the source's own label, e.g. -Q4_K_M) or NAME when the types are kept."""
     folder = Path(directory) if directory is not None else Path(src).parent
-    stem = f"{model_base_name(src)}-{type_name.upper()}"
+    label = type_name.upper() if type_name else source_label(src)
+    stem = model_base_name(src) + (f"-{label}" if label else "")
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt"
 
 
@@ -293,11 +316,51 @@ def _encode(values, tensor_type):
     return quantize.QUANTIZERS[tensor_type.name](values)
 
 
-def _check_readable(tensor, name, path):
+def _check_readable(tensor, name, shape, path, type_name):
+    """ConvertError naming the tensor, its type and what to do, unless this conversion handles it:
+    kept matrices must be a type the engine computes on, every other tensor one we can read."""
     gguf_type = tensor.tensor_type.name
-    if gguf_type not in quantize.SUPPORTED:
-        raise ConvertError(f"{path}: tensor {name} has type {gguf_type}, which krafla cannot read "
-                           f"(supported: {', '.join(quantize.SUPPORTED)})")
+    if type_name is None and len(shape) == 2:
+        if gguf_type in KEPT_TYPES:
+            return
+        if quantize.readable(gguf_type):
+            raise ConvertError(f"{path}: tensor {name} has type {gguf_type}, which krafla does not compute on "
+                               f"(it keeps {', '.join(KEPT_TYPES)}); convert with --type q8_0 (or "
+                               f"{', '.join(t for t in OUTPUT_TYPES if t != 'q8_0')}) to requantize the model")
+    if not quantize.readable(gguf_type):
+        raise ConvertError(f"{path}: tensor {name} has type {gguf_type}, which neither krafla nor gguf-py can read "
+                           f"(krafla keeps {', '.join(KEPT_TYPES)}; --type requantizes from those and the "
+                           "types gguf-py dequantizes)")
+
+
+def _raw_rows(tensor, name, shape, gguf_type, path, source_shape=None, first_row=0):
+    """The tensor's bytes as uint8 (rows, row_bytes), checked against its shape. `source_shape`,
+    `first_row`: the tensor is rows first_row.. of a larger (fused) one of that shape."""
+    source_shape = source_shape or shape
+    n_per_row = shape[-1]
+    rows = math.prod(shape[:-1])
+    source_rows = math.prod(source_shape[:-1])
+    raw = np.asarray(tensor.data)  # uint8 for block types, typed for F32/F16
+    row_size = quantize.row_bytes(gguf_type, n_per_row)
+    if raw.nbytes != source_rows * row_size:
+        raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {source_shape}")
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(source_rows, row_size)
+    return raw[first_row:first_row + rows]
+
+
+def _copy_tensor(tensor, name, shape, path, bar, source_shape=None, first_row=0):
+    """The tensor's blocks as they are (raw bytes), after checking every weight is finite.
+    `source_shape`, `first_row`: as for _raw_rows (a part of a fused tensor)."""
+    gguf_type = tensor.tensor_type.name
+    raw = _raw_rows(tensor, name, shape, gguf_type, path, source_shape, first_row)
+    step = max(1, _CHUNK_WEIGHTS // shape[-1])
+    for start in range(0, raw.shape[0], step):
+        values = quantize.dequantize(gguf_type, raw[start:start + step], shape[-1])
+        if not np.isfinite(values).all():
+            raise ConvertError(f"{path}: tensor {name} holds NaN or infinite weights")
+        if bar is not None:
+            bar.update(values.size)
+    return raw
 
 
 def _convert_tensor(tensor, name, shape, tensor_type, path, bar, source_shape=None, first_row=0):
@@ -307,12 +370,7 @@ def _convert_tensor(tensor, name, shape, tensor_type, path, bar, source_shape=No
     source_shape = source_shape or shape
     n_per_row = shape[-1]
     rows = math.prod(shape[:-1])
-    source_rows = math.prod(source_shape[:-1])
-    raw = np.asarray(tensor.data)  # uint8 for block types, typed for F32/F16
-    row_size = quantize.row_bytes(gguf_type, n_per_row) if raw.dtype == np.uint8 else n_per_row
-    if raw.size != source_rows * row_size:
-        raise ConvertError(f"{path}: tensor {name}: {raw.nbytes} bytes of {gguf_type} do not hold shape {source_shape}")
-    raw = raw.reshape(source_rows, row_size)[first_row:first_row + rows]
+    raw = _raw_rows(tensor, name, shape, gguf_type, path, source_shape, first_row)
     out = None
     step = max(1, _CHUNK_WEIGHTS // n_per_row)
     for start in range(0, rows, step):
@@ -369,12 +427,13 @@ def convert_gguf_tokenizer(src, out_mlt, progress=True):
     return out_mlt
 
 
-def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=None):
-    """Convert the GGUF file `src` to `out_mlb` (weights as `type_name`) and `out_mlt`.
+def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=None):
+    """Convert the GGUF file `src` to `out_mlb` and `out_mlt`: matrices in the file's own types
+    (type_name None), or requantized to `type_name` (one of OUTPUT_TYPES).
 
     `name` (the model's name in the .mlb) defaults to `out_mlb`'s name without its type label.
     Both outputs are written atomically; returns (out_mlb, out_mlt) as Paths."""
-    if type_name not in OUTPUT_TYPES:
+    if type_name is not None and type_name not in OUTPUT_TYPES:
         raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
     for path in (out_mlb, out_mlt):
@@ -420,7 +479,7 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
         if sources[tensor_name][1] != shape:
             raise ConvertError(f"{src}: tensor {tensor_name} has shape {sources[tensor_name][1]}, "
                                f"expected {shape} from the hyperparameters")
-        _check_readable(sources[tensor_name][0], tensor_name, src)
+        _check_readable(sources[tensor_name][0], tensor_name, shape, src, type_name)
 
     tokenizer = _tokenizer_container(reader, src)
     model = formats.Container(formats.MODEL_MAGIC)
@@ -431,7 +490,8 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
     if progress:
         from tqdm import tqdm
         total = sum(math.prod(shape) for _, shape in sources.values())
-        bar = tqdm(total=total, unit="w", unit_scale=True, desc=f"converting to {type_name}",
+        bar = tqdm(total=total, unit="w", unit_scale=True,
+                   desc=f"converting to {type_name}" if type_name else "copying the file's blocks",
                    file=sys.stderr, leave=False)
     try:
         # token_embd, then the layers in order, then the output: the order the engine reads them.
@@ -444,8 +504,12 @@ def convert_gguf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name
         for tensor_name in sorted(outputs, key=_tensor_order):
             source_name, first_row, shape = outputs[tensor_name]
             tensor, source_shape = sources[source_name]
-            tensor_type = _output_type(tensor_name, shape, type_name, tied)
-            data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar, source_shape, first_row)
+            if type_name is None and len(shape) == 2:
+                tensor_type = KEPT_TYPES[tensor.tensor_type.name]
+                data = _copy_tensor(tensor, tensor_name, shape, src, bar, source_shape, first_row)
+            else:
+                tensor_type = _output_type(tensor_name, shape, type_name or "f32", tied)
+                data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar, source_shape, first_row)
             model.add(tensor_name, tensor_type, shape, data)
     finally:
         if bar is not None:

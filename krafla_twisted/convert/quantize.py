@@ -193,18 +193,46 @@ _DEQUANTIZERS = {
 SUPPORTED = ("F32", "F16", "BF16") + tuple(_DEQUANTIZERS)
 
 
+def _gguf_type(type_name):
+    """gguf-py's GGMLQuantizationType for a type our own code does not read (IQ-quants, Q2_K,
+    Q3_K, ...), or None when gguf-py cannot dequantize it either."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name, None)
+    return qtype if qtype is not None and qtype in gguf.GGML_QUANT_SIZES else None
+
+
+def readable(type_name):
+    """Whether `dequantize` reads GGUF type `type_name`: ours, else gguf-py's dequantizers."""
+    return type_name in SUPPORTED or _gguf_type(type_name) is not None
+
+
 def row_bytes(type_name, n_per_row):
     """Bytes one row of `n_per_row` weights takes in `type_name`."""
-    if type_name not in BLOCKS:
+    if type_name in BLOCKS:
+        block, block_bytes = BLOCKS[type_name]
+    elif _gguf_type(type_name) is not None:
+        import gguf
+
+        block, block_bytes = gguf.GGML_QUANT_SIZES[_gguf_type(type_name)]
+    else:
         raise UnsupportedType(f"tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED)})")
-    block, block_bytes = BLOCKS[type_name]
     return n_per_row // block * block_bytes
 
 
 def dequantize(type_name, raw, n_per_row):
     """Raw rows of `type_name` (uint8 (rows, row_bytes), or a typed array for F32/F16) -> float32 (rows, n_per_row)."""
     if type_name not in SUPPORTED:
-        raise UnsupportedType(f"tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED)})")
+        qtype = _gguf_type(type_name)
+        if qtype is None:
+            raise UnsupportedType(f"tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED)})")
+        # A type only gguf-py reads (IQ-quants, Q2_K, Q3_K, ...): its dequantizer, for --type.
+        from gguf import quants
+
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        if raw.ndim != 2 or raw.shape[1] != row_bytes(type_name, n_per_row):
+            raise ValueError(f"{type_name}: expected rows of {row_bytes(type_name, n_per_row)} bytes, got {raw.shape}")
+        return quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], n_per_row)
     raw = np.asarray(raw)
     if type_name in ("F32", "F16", "BF16") and raw.dtype != np.uint8:
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)

@@ -1,7 +1,8 @@
 """The three real models, pulled once into the krafla cache and shared by every test run.
 
 `real_model(name, type="q4_0")` returns a `krafla_twisted.models.PulledModel`: the q4_0 files
-are what `krafla pull` makes; other types are converted once from the cached, checksummed GGUF.
+(`krafla pull --type q4_0`), or other types (None: the file's own types, what `krafla pull` keeps),
+converted once from the cached, checksummed GGUF.
 The cache is $KRAFLA_HOME or ~/.cache/krafla, so only the first run downloads (about 840 MB for
 all three) and converts; a lock makes concurrent test processes wait for one pull.
 """
@@ -16,7 +17,8 @@ NAMES = tuple(models.KNOWN_MODELS)
 
 
 def real_model(name, type="q4_0"):
-    """The PulledModel (mlb, mlt, chat, name) of a known model with its matrices as `type`."""
+    """The PulledModel (mlb, mlt, chat, name) of a known model with its matrices as `type` (None:
+    the published file's own types, its blocks copied)."""
     return models.pull(name, progress=False, type_name=type)
 
 

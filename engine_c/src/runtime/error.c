@@ -1,4 +1,5 @@
 // error.c: filling kr_error, and the library's identity.
+#include "kernels/kernels.h"
 #include "runtime/internal.h"
 
 #include <stdio.h>
@@ -33,3 +34,5 @@ const char *kr_isa(void) {
     return "generic";
 #endif
 }
+
+int kr_weight_type_supported(int32_t type) { return type >= 0 && type < KR_TYPE_COUNT && kr_kernel_type_supported(type); }

@@ -1,0 +1,156 @@
+"""Perplexity of krafla's default conversion against llama.cpp on the published file (issue 13).
+
+    .venv/bin/python bench/perplexity.py --llama-bin /work/llama/build-native/bin
+    .venv/bin/python bench/perplexity.py --llama-bin DIR --models smollm2-135m --q4_0 --chunks 4
+
+For each known model (`krafla pull`'s three published GGUFs), on one English text
+(bench/data/devils-dictionary.txt, public domain, by default):
+
+- llama.cpp: `llama-perplexity -m SOURCE.gguf -f TEXT -c CTX --chunks N -t T` on the GGUF as
+  published (its final estimate, PPL ± error);
+- krafla: `krafla perplexity MODEL.mlb -z MODEL.mlt -f TEXT --ctx CTX --chunks N -t T --json` on
+  the model `krafla pull NAME` makes by default (the file's own types where the engine computes on
+  them; the table names the type it got);
+- with --q4_0 also llama.cpp on the file's Q4_0 requantization (`llama-quantize --allow-requantize
+  SOURCE OUT Q4_0`) and krafla on `krafla pull NAME --type q4_0`, the rows of issue 13's table.
+
+It prints the table with krafla's default over llama.cpp on the published file, whose target is
+at most 1.01 (within 1%). Perplexity does not depend on the machine's load: one run suffices.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
+DEFAULT_TEXT = ROOT / "bench" / "data" / "devils-dictionary.txt"
+TARGET = 1.01  # krafla's default / llama.cpp on the published file
+FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+
+
+def log(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def llama_perplexity(binaries, gguf, args):
+    """(PPL, error) from llama-perplexity's final estimate."""
+    cmd = [binaries / "llama-perplexity", "-m", gguf, "-f", args.text, "-c", args.ctx, "--chunks", args.chunks,
+           "-t", args.threads, *args.llama_args]
+    log("+", " ".join(str(c) for c in cmd))
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    match = FINAL.search(done.stdout + done.stderr)
+    if done.returncode or not match:
+        raise SystemExit(f"llama-perplexity on {gguf} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def krafla_perplexity(pulled, args):
+    """(PPL, error, weight type) from `krafla perplexity --json`."""
+    from krafla_twisted.engine import Model
+
+    with Model(pulled.mlb) as model:
+        weight_type = model.weight_type
+    cmd = [sys.executable, "-m", "krafla_twisted.cli", "perplexity", pulled.mlb, "-z", pulled.mlt, "-f", args.text,
+           "--ctx", args.ctx, "--chunks", args.chunks, "-t", args.threads, "--json"]
+    log("+", " ".join(str(c) for c in cmd))
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"krafla perplexity on {pulled.mlb} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    return result["perplexity"], result["error"], weight_type
+
+
+def q4_0_gguf(binaries, source, vendor):
+    """The published GGUF requantized by llama-quantize to Q4_0 (made once under vendor/)."""
+    out = vendor / "gguf" / f"{Path(source).stem}-requant-Q4_0.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        cmd = [binaries / "llama-quantize", "--allow-requantize", source, partial, "Q4_0"]
+        log("+", " ".join(str(c) for c in cmd))
+        subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        partial.rename(out)
+    return out
+
+
+def measure(name, binaries, args):
+    from krafla_twisted import models
+
+    source = models.fetch_source(name)
+    row = {"model": name, "source": source.name}
+    row["llama"] = llama_perplexity(binaries, source, args)
+    row["krafla"] = krafla_perplexity(models.pull(name), args)
+    if args.q4_0:
+        row["llama_q4_0"] = llama_perplexity(binaries, q4_0_gguf(binaries, source, args.vendor), args)
+        row["krafla_q4_0"] = krafla_perplexity(models.pull(name, type_name="q4_0"), args)
+    row["ratio"] = row["krafla"][0] / row["llama"][0]
+    return row
+
+
+def print_table(rows, args):
+    def cell(value):
+        return f"{value[0]:.2f} ± {value[1]:.2f}"
+
+    head = ["model (file as published)", "llama.cpp on that file"]
+    if args.q4_0:
+        head += ["llama.cpp on its Q4_0 requant", "krafla --type q4_0"]
+    head += ["krafla's default", "krafla / llama.cpp", f"target <= {TARGET:.2f}"]
+    lines = []
+    for row in rows:
+        line = [f"{row['model']} ({row['source']})", cell(row["llama"])]
+        if args.q4_0:
+            line += [cell(row["llama_q4_0"]), cell(row["krafla_q4_0"])]
+        line += [f"{cell(row['krafla'])} ({row['krafla'][2]})", f"{row['ratio']:.4f}",
+                 "met" if row["ratio"] <= TARGET else "NOT met"]
+        lines.append(line)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("| " + " | ".join("-" * w for w in widths) + " |")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    print(f"(perplexity ± its error, -c {args.ctx} --chunks {args.chunks}, -t {args.threads}, on "
+          f"{Path(args.text).name}; krafla's default: the type in brackets is what `krafla pull` made)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-bin", type=Path, required=True, metavar="DIR",
+                        help="a llama.cpp bin/ holding llama-perplexity (and llama-quantize for --q4_0)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="known model names, comma-separated")
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help=f"the text (default {DEFAULT_TEXT.name})")
+    parser.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    parser.add_argument("--chunks", type=int, default=8, help="chunks scored (default 8)")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("--q4_0", action="store_true", help="also the Q4_0 requantizations (llama.cpp and krafla)")
+    parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
+    parser.add_argument("--json", action="store_true", help="also print each row as JSON")
+    parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
+                        help="extra option for llama-perplexity, e.g. --llama-arg=-nr where the CPU reports AMX "
+                             "but the system does not let a process use it (repeatable)")
+    args = parser.parse_args(argv)
+    needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 else [])
+    missing = [tool for tool in needed if not (args.llama_bin / tool).is_file()]
+    if missing:
+        parser.error(f"--llama-bin {args.llama_bin}: no {', '.join(missing)} there")
+    if not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
+    if args.ctx < 8 or args.chunks < 1 or args.threads < 1:
+        parser.error("--ctx must be at least 8, --chunks and -t at least 1")
+    args.vendor = args.vendor.resolve()
+    rows = []
+    for name in args.models.split(","):
+        rows.append(measure(name, args.llama_bin.resolve(), args))
+        log(f"{name}: {rows[-1]}")
+        if args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    print_table(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
