@@ -307,7 +307,7 @@ class CommandTests:
         """A pull prints the model and its files on stdout."""
         assert self.run(["tiny-test", "--home", str(tmp_path), "-q"]) == 0
         out = capsys.readouterr().out
-        assert out.startswith("tiny-test: ") and "Tiny-Test-Q4_0.mlb" in out and "(chat chatml)" in out
+        assert out.startswith("tiny-test: ") and "Tiny-Test-NATIVE.mlb" in out and "(chat chatml)" in out
 
     def test_errors_exit_1_with_one_message(self, tmp_path, capsys):
         """An unknown model: status 1 and `krafla pull: ...` on stderr, no traceback."""

@@ -165,8 +165,8 @@ class DequantizerTests:
 
     def test_unsupported_and_malformed_input_is_refused(self):
         """An unknown type names the supported ones; a wrong row size says what was expected."""
-        with pytest.raises(quantize.UnsupportedType, match="Q2_K is not supported.*Q6_K"):
-            quantize.dequantize("Q2_K", np.zeros((1, 84), np.uint8), 256)
+        with pytest.raises(quantize.UnsupportedType, match="Q9_Z is not supported.*Q6_K"):
+            quantize.dequantize("Q9_Z", np.zeros((1, 84), np.uint8), 256)
         with pytest.raises(ValueError, match="expected 18 for 32 weights"):
             quantize.dequantize("Q4_0", np.zeros((1, 20), np.uint8), 32)
 
