@@ -53,6 +53,7 @@ class Options(usage.Options):
     ] + _ENGINE_PARAMETERS
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
+        ["log-queue", None, "Log 'queue: N pending' whenever a request joins or leaves the engine's queue."],
     ]
 
     def __init__(self):
@@ -235,7 +236,7 @@ class KraflaService(service.Service):
             self._fail(f"cannot load the model: {e}")
         self.runtime = runtime
         backend = Backend.serving(runtime, alias=config.get("alias"))
-        self.worker = EngineWorker(self.reactor, backend)
+        self.worker = EngineWorker(self.reactor, backend, log_queue=bool(config.get("log-queue")))
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
         pack_warning = pack.warning(backend.runtime.model)  # a --pack-cache that could not be written says why

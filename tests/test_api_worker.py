@@ -82,3 +82,34 @@ class EngineWorkerTests(unittest.TestCase):
             worker.stop()
         self.assertEqual(results, [None])
         self.assertEqual([completion for completion, _ in backend.runs], ["first"])
+
+
+class QueueLogTests(unittest.TestCase):
+    def test_log_queue_says_each_change(self):
+        """With log_queue (--log-queue) every job joining and leaving the queue logs `queue: N pending`,
+        N as pending() counts it then; without it the worker logs nothing."""
+        from twisted.logger import capturedLogs, formatEvent
+
+        gate = threading.Event()
+
+        class GatedBackend(RecordingBackend):
+            def complete(self, completion, on_text, cancelled):
+                gate.wait(30)
+                return super().complete(completion, on_text, cancelled)
+
+        for log_queue, expected in ((True, ["queue: 1 pending", "queue: 2 pending", "queue: 1 pending", "queue: 0 pending"]),
+                                    (False, [])):
+            worker = EngineWorker(ThreadlessReactor(), GatedBackend(), log_queue=log_queue)
+            worker.start()
+            done = threading.Event()
+            try:
+                with capturedLogs() as events:
+                    worker.submit(job("first"))
+                    worker.submit(job("second")).addCallback(lambda _: done.set())
+                    gate.set()
+                    self.assertTrue(done.wait(30))
+            finally:
+                worker.stop()
+                gate.clear()
+            lines = [formatEvent(event) for event in events if event.get("log_namespace") == "krafla.queue"]
+            self.assertEqual(lines, expected)

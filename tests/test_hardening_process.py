@@ -9,6 +9,7 @@ memory in test_hardening_http.py and test_fuzz_http.py.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,8 +19,8 @@ import time
 import pytest
 
 from tests.support.real_models import real_model
-from tests.support.server import (REPO, TWISTD, ServerProcess, server_env, treq_call, wait_for_listening, wait_for_pending,
-                                  wait_until_removed)
+from tests.support.server import (REPO, TWISTD, ServerProcess, queue_line, server_env, treq_call, wait_for_listening,
+                                  wait_for_log, wait_until_removed)
 
 MODEL = "smollm2-135m"
 KEY = "hardening-key"
@@ -345,7 +346,7 @@ class FaultTests:
         pidfile.write_text("not a pid\n")
         result = subprocess.run(
             [TWISTD, "--pidfile", str(pidfile), "--logfile", str(logfile), "krafla", str(model.mlb), "-z", str(model.mlt),
-             "--port", "0", "-t", "1", "--metrics"], capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
+             "--port", "0", "-t", "1", "--log-queue"], capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "held no process id" in result.stderr
         match = wait_for_listening(logfile)
@@ -361,7 +362,7 @@ class FaultTests:
         queued = socket.create_connection(("127.0.0.1", port), timeout=60)
         queued.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                        % (len(queued_body), queued_body))
-        wait_for_pending(port, 2)  # the stream runs and the second request waits behind it
+        wait_for_log(logfile, re.compile(queue_line(2)))  # the stream runs and the second request waits behind it
         os.kill(pid, signal.SIGTERM)
         received += read_to_close(stream)
         queued_reply = read_to_close(queued)
@@ -415,12 +416,12 @@ class FaultTests:
     def test_disconnect_during_the_prompt(self, model):
         """A client that leaves while a long prompt is evaluated: generation stops with no reply token and
         the next request is served."""
-        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "-t", "1", "--ctx", "8192", "--metrics"]).start()
+        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "-t", "1", "--ctx", "8192", "--log-queue"]).start()
         try:
             body = json.dumps({"prompt": "the cat sat on the mat " * 1000, "max_tokens": 4}).encode()
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            wait_for_pending(server.port, 1)  # queued on an idle worker: its prompt is being evaluated
+            server.wait_for(lambda l: queue_line(1) in l)  # queued on an idle worker: its prompt is being evaluated
             sock.close()
             line = server.wait_for(lambda l: "client gone" in l, timeout=120)
             assert "reply 0 tokens" in line, line

@@ -21,7 +21,7 @@ import treq
 from twisted.internet import defer
 
 from tests.support.real_models import real_model
-from tests.support.server import REPO, ServerProcess, in_reactor, treq_call, wait_for_pending
+from tests.support.server import REPO, ServerProcess, in_reactor, queue_line, treq_call
 
 MODEL = "smollm2-135m"
 ORIGIN = "http://app.example"
@@ -36,7 +36,7 @@ def model():
 @pytest.fixture(scope="module")
 def server(model):
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--cors", ORIGIN,
-                             "--metrics"])
+                             "--log-queue"])
     process.start()
     yield process
     # twistd ends by re-raising SIGTERM on itself once shut down, so the status is -SIGTERM.
@@ -309,7 +309,7 @@ class QueueTests:
         while b"data: " not in received:
             received += running.recv(4096)
         queued = raw_request(server, {"prompt": "queued and gone", "max_tokens": 8})
-        wait_for_pending(server.port, 2)  # queued behind the running one before it leaves
+        server.wait_for(lambda l: queue_line(2) in l, start=start)  # queued behind the running one before it leaves
         queued.close()
         running.close()
         after = post(server, "/completions", {"prompt": "Hello", "max_tokens": 2})

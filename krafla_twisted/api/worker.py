@@ -8,7 +8,10 @@ left while it waited is skipped when its turn comes; one whose client leaves whi
 """
 
 from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
+
+log = Logger(namespace="krafla.queue")
 
 
 class Job:
@@ -25,12 +28,16 @@ class Job:
 
 
 class EngineWorker:
-    """Runs jobs on `backend` in `pool` (one thread); results come back to the reactor as Deferreds."""
+    """Runs jobs on `backend` in `pool` (one thread); results come back to the reactor as Deferreds.
 
-    def __init__(self, reactor, backend, pool=None):
+    With `log_queue` (--log-queue), a line `queue: N pending` is logged whenever a job joins the
+    queue or leaves it, so an operator (or a test) can watch the queue without polling /metrics."""
+
+    def __init__(self, reactor, backend, pool=None, log_queue=False):
         self.reactor = reactor
         self.backend = backend
         self.pool = pool if pool is not None else ThreadPool(minthreads=1, maxthreads=1, name="krafla-engine")
+        self.log_queue = log_queue
         self._jobs = set()
 
     def start(self):
@@ -47,10 +54,12 @@ class EngineWorker:
         This must be called in the I/O thread.
         """
         self._jobs.add(job)
+        self._queue_changed()
         d = deferToThreadPool(self.reactor, self.pool, self._run, job)
 
         def forget(result):
             self._jobs.discard(job)
+            self._queue_changed()
             return result
 
         return d.addBoth(forget)
@@ -58,6 +67,10 @@ class EngineWorker:
     def pending(self):
         """Jobs queued or running whose client still waits (the I/O thread's view)."""
         return sum(1 for job in self._jobs if not job.cancelled)
+
+    def _queue_changed(self):
+        if self.log_queue:
+            log.info("queue: {pending} pending", pending=self.pending())
 
     def cancel_all(self):
         for job in list(self._jobs):

@@ -71,40 +71,28 @@ def server_env(extra=None):
     return env
 
 
-def wait_for_listening(logfile, timeout=300):
-    """The LISTENING match in a daemonized server's log file, polled until it appears; fails after
-    `timeout` seconds with the log so far."""
+def wait_for_log(logfile, pattern, timeout=300):
+    """The first match of `pattern` (a compiled regex) in a daemonized server's log file, read again
+    until it appears (a daemon's only output is that file); fails after `timeout` seconds with the log
+    so far."""
     deadline = time.monotonic() + timeout
     match = None
     while match is None and time.monotonic() < deadline:
-        match = LISTENING.search(logfile.read_text()) if logfile.exists() else None
+        match = pattern.search(logfile.read_text()) if logfile.exists() else None
         time.sleep(0.2)
     assert match, logfile.read_text() if logfile.exists() else f"{logfile} was never written"
     return match
 
 
-def pending_requests(port, key=None):
-    """krafla_requests_pending from GET /metrics of a server started with --metrics."""
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        connection.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
-        response = connection.getresponse()
-        text = response.read().decode()
-    finally:
-        connection.close()
-    assert response.status == 200, text
-    return int(float(re.search(r"^krafla_requests_pending (\S+)$", text, re.M).group(1)))
+def wait_for_listening(logfile, timeout=300):
+    """The LISTENING match in a daemonized server's log file (wait_for_log)."""
+    return wait_for_log(logfile, LISTENING, timeout)
 
 
-def wait_for_pending(port, count, key=None, timeout=60):
-    """Poll /metrics until `count` requests are queued or running on the engine (the server needs
-    --metrics): the event a test waits for before acting on a request it sent from another socket."""
-    deadline = time.monotonic() + timeout
-    while pending_requests(port, key) != count:
-        assert time.monotonic() < deadline, f"{count} requests never were pending"
-        time.sleep(0.05)
+def queue_line(pending):
+    """The --log-queue line saying `pending` requests are queued or running."""
+    return f"queue: {pending} pending"
+
 
 
 def wait_until_removed(path, timeout=60):
