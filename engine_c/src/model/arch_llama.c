@@ -43,7 +43,6 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
     bool qwen2 = m->arch == &kr_arch_qwen2, gemma3 = m->arch == &kr_arch_gemma3, qwen3 = m->arch == &kr_arch_qwen3;
     int status;
-    if ((status = kr_load_hparams(m, path, err))) return status;
     llama_layer *layers = calloc((size_t)h->n_layers, sizeof *layers);
     int32_t *types = calloc((size_t)h->n_layers, sizeof *types);
     m->layers = layers;
@@ -77,9 +76,7 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
             return status;
 #undef NAME
     }
-    if ((status = layer_rope(m, path, layers, err))) return status;
-    if ((status = kr_bind_embeddings(m, path, &layers[0].attn.wq, err))) return status;
-    return kr_rope_frequencies(m, path, err);
+    return layer_rope(m, path, layers, err);
 }
 
 static void llama_close(kr_model *m) { free(m->layers); }

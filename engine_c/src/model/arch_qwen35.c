@@ -61,8 +61,7 @@ static int q35_open(kr_model *m, const char *path, kr_error *err) {
     q35_model *q = calloc(1, sizeof *q);
     if (!q) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
     m->layers = q;
-    if ((status = kr_load_hparams(m, path, err)) ||
-        (status = kr_load_int(m, path, "linear_conv_kernel", true, 0, 1, 64, &q->kernel, err)) ||
+    if ((status = kr_load_int(m, path, "linear_conv_kernel", true, 0, 1, 64, &q->kernel, err)) ||
         (status = kr_load_int(m, path, "linear_k_heads", true, 0, 1, 1024, &q->nk, err)) ||
         (status = kr_load_int(m, path, "linear_v_heads", true, 0, 1, 1024, &q->nv, err)) ||
         (status = kr_load_int(m, path, "linear_k_head_dim", true, 0, 1, 1024, &q->dk, err)) ||
@@ -111,9 +110,7 @@ static int q35_open(kr_model *m, const char *path, kr_error *err) {
             return status;
 #undef NAME
     }
-    const q35_layer *first = &q->layers[0];
-    if ((status = kr_bind_embeddings(m, path, first->linear ? &first->qkv : &first->attn.wq, err))) return status;
-    return kr_rope_frequencies(m, path, err);
+    return KR_OK;
 }
 
 static void q35_close(kr_model *m) {

@@ -61,7 +61,8 @@ static int load_string(kr_model *m, const char *path, const char *key, const cha
     return kr_file_get_str(m->file, key, NULL, out, err);
 }
 
-int kr_load_hparams(kr_model *m, const char *path, kr_error *err) {
+// The common hyperparameters (dims, heads, RoPE, norms), before the architecture's own.
+static int load_hparams(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
     const char *name, *rope_style, *activation;
     int status;
@@ -199,7 +200,9 @@ int kr_bind_f32(kr_model *m, const char *path, const char *name, int64_t d0, int
     return KR_OK;
 }
 
-int kr_bind_embeddings(kr_model *m, const char *path, const kr_matrix *first_layer_matrix, kr_error *err) {
+// After the layers: token_embd, output_norm, output (or the tied embedding); then the weight and
+// output types and the file's counts.
+static int bind_embeddings(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
     int status;
     if ((status = kr_bind_matrix(m, path, "token_embd.weight", h->n_vocab, h->dim, &m->token_embd, err)) ||
@@ -212,7 +215,7 @@ int kr_bind_embeddings(kr_model *m, const char *path, const kr_matrix *first_lay
     } else if ((status = kr_bind_matrix(m, path, "output.weight", h->n_vocab, h->dim, &m->output, err))) {
         return status;
     }
-    h->weight_type = first_layer_matrix->type;
+    h->weight_type = m->matrices[0]->type;  // the first layer's first matrix
     h->output_type = m->output.type;
     for (int32_t i = 0; i < kr_file_n_tensors(m->file); i++) {
         kr_tensor_info t;
@@ -260,7 +263,8 @@ int kr_bind_mlp(kr_model *m, const char *path, int32_t layer, kr_mlp *l, kr_erro
 
 #undef NAME
 
-int kr_rope_frequencies(kr_model *m, const char *path, kr_error *err) {
+// RoPE frequencies theta^(-2i/rope_dims) (full layers divided by rope_scale).
+static int rope_frequencies(kr_model *m, const char *path, kr_error *err) {
     const kr_model_info *h = &m->info;
     m->inv_freq_full = calloc((size_t)h->rope_dims / 2, sizeof(float));
     m->inv_freq_local = calloc((size_t)h->rope_dims / 2, sizeof(float));
@@ -284,16 +288,17 @@ int kr_rope_frequencies(kr_model *m, const char *path, kr_error *err) {
     return KR_OK;
 }
 
-// The most columns any matrix has: the width of a prepared activation row.
-static void widest_input(kr_model *m) {
-    int n = m->arch->matrices(m, NULL);
-    kr_matrix **list = n ? calloc((size_t)n, sizeof *list) : NULL;
+// Every matrix of the layers into m->matrices (arch->matrices' order), and the most columns any
+// of them has: the width of a prepared activation row.
+static int list_matrices(kr_model *m, const char *path, kr_error *err) {
+    m->n_matrices = m->arch->matrices(m, NULL);
+    m->matrices = calloc((size_t)m->n_matrices + 1, sizeof *m->matrices);
+    if (!m->matrices) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
+    m->arch->matrices(m, m->matrices);
     m->widest_input = m->info.dim;
-    if (!list) return;
-    m->arch->matrices(m, list);
-    for (int i = 0; i < n; i++)
-        if (list[i]->cols > m->widest_input) m->widest_input = list[i]->cols;
-    free(list);
+    for (int32_t i = 0; i < m->n_matrices; i++)
+        if (m->matrices[i]->cols > m->widest_input) m->widest_input = m->matrices[i]->cols;
+    return KR_OK;
 }
 
 // --- API
@@ -323,8 +328,9 @@ kr_model *kr_model_open(const char *path, int32_t n_threads, kr_error *err) {
         goto fail;
     }
     snprintf(m->info.arch, sizeof m->info.arch, "%s", m->arch->name);
-    if (m->arch->open(m, path, err)) goto fail;
-    widest_input(m);
+    if (load_hparams(m, path, err) || m->arch->open(m, path, err) || list_matrices(m, path, err) ||
+        bind_embeddings(m, path, err) || rope_frequencies(m, path, err))
+        goto fail;
     m->pool = kr_pool_new(n_threads, err);
     if (!m->pool) goto fail;
     m->info.n_threads = n_threads;
@@ -341,6 +347,7 @@ void kr_model_close(kr_model *m) {
     kr_pool_free(m->pool);
     if (m->arch) m->arch->close(m);
     kr_pack_free(m->pack);
+    free(m->matrices);
     free(m->inv_freq_full);
     free(m->inv_freq_local);
     kr_file_close(m->file);

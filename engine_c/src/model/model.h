@@ -59,6 +59,8 @@ struct kr_model {
     kr_model_info info;
     int32_t q_dim, kv_dim;            // n_heads * head_dim, n_kv_heads * head_dim
     int32_t n_cache_layers;           // layers with a KV cache
+    kr_matrix **matrices;             // every matrix of the layers, in arch->matrices' order (listed once at open)
+    int32_t n_matrices;
     int64_t widest_input;             // the most columns of any matrix (prepared activation rows)
     kr_matrix token_embd;             // (n_vocab, dim)
     kr_matrix output;                 // (n_vocab, dim), token_embd when tied
@@ -121,14 +123,17 @@ typedef struct {
     float *const *logits;             // token i's logits go to logits[i] unless NULL (or logits NULL)
 } kr_batch;
 
-// What an architecture implements. `open` reads m->file into m (info, shared tensors through the
-// loader helpers below, m->layers); everything else runs on an opened model.
+// What an architecture implements. `open` reads m->file into m after model.c has read the common
+// hyperparameters (m->info, q_dim, kv_dim): its own metadata and its layers (m->layers, through the
+// loader helpers below); model.c then binds the embeddings, output head and RoPE frequencies.
+// Everything else runs on an opened model.
 struct kr_arch {
     const char *name;                 // the file's `arch`
     int (*open)(kr_model *m, const char *path, kr_error *err);
     void (*close)(kr_model *m);       // frees m->layers
     // Every matrix of the layers (not the embedding or head), in a fixed order: pack.c repacks the
     // packable ones in this order (the pack cache's), the session sizes its buffers from all of them.
+    // kr_model_open lists them once into m->matrices.
     int (*matrices)(kr_model *m, kr_matrix **out);  // out NULL: count only
     // Optional (NULL: nothing beyond the KV cache / layers.c's scratch).
     int (*seq_new)(kr_model *m, kr_seq *seq, kr_error *err);
@@ -162,8 +167,6 @@ int kr_load_int(kr_model *m, const char *path, const char *key, bool required, i
 // A float in [low, high] (strictly above low when strict_low); NaN and infinities refused.
 int kr_load_float(kr_model *m, const char *path, const char *key, bool required, double fallback, double low,
                   bool strict_low, double high, float *out, kr_error *err);
-// The common hyperparameters (dims, heads, RoPE, norms; arch and name set by the caller).
-int kr_load_hparams(kr_model *m, const char *path, kr_error *err);
 // layer_types, one integer per layer, each one of `allowed` (a string of digits, e.g. "01");
 // absent: `fallback` for every layer, or an error when fallback < 0.
 int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
@@ -173,15 +176,11 @@ int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows
 // An f32 tensor of shape (d0,) when d1 is 0, else (d0, d1).
 int kr_bind_f32(kr_model *m, const char *path, const char *name, int64_t d0, int64_t d1, const float **out,
                 kr_error *err);
-// token_embd, output_norm, output (or the tied embedding); then weight/output types and counts.
-int kr_bind_embeddings(kr_model *m, const char *path, const kr_matrix *first_layer_matrix, kr_error *err);
 // A layer's attention tensors: attn_q/k/v/output (wq of q_rows rows), biases and q/k norms when
 // asked for.
 int kr_bind_attention(kr_model *m, const char *path, int32_t layer, int64_t q_rows, bool biases, bool qk_norms,
                       kr_attention *out, kr_error *err);
 int kr_bind_mlp(kr_model *m, const char *path, int32_t layer, kr_mlp *out, kr_error *err);
-// RoPE frequencies theta^(-2i/rope_dims) (full layers divided by rope_scale).
-int kr_rope_frequencies(kr_model *m, const char *path, kr_error *err);
 
 // --- Shared pieces of a step (layers.c)
 

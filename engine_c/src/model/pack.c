@@ -64,18 +64,14 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
 
 // --- The matrices, in the cache's order
 
-// The architecture's packable matrices in its order, then the output head.
+// The architecture's packable matrices in its order (m->matrices), then the output head.
 static int list_matrices(kr_model *m, kr_matrix **out) {
-    int all = m->arch->matrices(m, NULL), n = 0;
-    kr_matrix **list = calloc((size_t)all + 1, sizeof *list);
-    if (!list) return -1;
-    m->arch->matrices(m, list);
-    for (int i = 0; i < all; i++)
-        if (kr_packable(list[i]->type)) {
-            if (out) out[n] = list[i];
+    int n = 0;
+    for (int32_t i = 0; i < m->n_matrices; i++)
+        if (kr_packable(m->matrices[i]->type)) {
+            if (out) out[n] = m->matrices[i];
             n++;
         }
-    free(list);
     if (kr_packable(m->output.type)) {
         if (out) out[n] = &m->output;
         n++;
@@ -256,7 +252,6 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     if (!state) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     m->pack = state;
     int n = list_matrices(m, NULL);
-    if (n < 0) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     if (mode == KR_PACK_OFF || n == 0) {
         snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no matrices of a packed type to pack");
         kr_ok(err);

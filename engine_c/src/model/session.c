@@ -106,12 +106,7 @@ int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, k
     // One prepared-activation buffer per weight type the model uses, as wide as the widest input.
     bool used[KR_TYPE_COUNT] = {false};
     used[m->output.type] = true;
-    int n = m->arch->matrices(m, NULL);
-    kr_matrix **list = calloc((size_t)n + 1, sizeof *list);
-    if (!list) failed = true;
-    else m->arch->matrices(m, list);
-    for (int i = 0; list && i < n; i++) used[list[i]->type] = true;
-    free(list);
+    for (int32_t i = 0; i < m->n_matrices; i++) used[m->matrices[i]->type] = true;
     for (int32_t t = 0; t < KR_TYPE_COUNT; t++)
         if (used[t]) s->prepared[t] = kr_zalloc(kr_activation_bytes(t, n_batch, m->widest_input), 1, &failed);
     if (!failed && m->arch->scratch_new && m->arch->scratch_new(m, s, err)) failed = true;
