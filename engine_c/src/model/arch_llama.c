@@ -2,12 +2,21 @@
 // norms, post-norms, sliding-window layers, scaled embedding, soft-caps); issue 17's qwen3 (q/k head
 // norms), mistral, phi3 and smollm3 (layer_rope: layers without RoPE). Every layer is
 //   x += [post_norm](attention(norm(x)));  x += [post_norm](mlp(norm(x)))
-// with layers.c's attention and MLP; the differences are which tensors are bound.
+// with layers.c's attention and MLP; the differences are which tensors are bound (each name's
+// llama_variant, at the end) and metadata every architecture reads (sliding windows, scales,
+// soft-caps, layer_rope).
 #include "model/model.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+// The optional tensors of one architecture name's layers.
+typedef struct {
+    bool biases;                      // attn_q/k/v.bias (qwen2)
+    bool qk_norms;                    // attn_q_norm/attn_k_norm.weight per head (gemma3, qwen3)
+    bool post_norms;                  // post_attention_norm, post_ffw_norm (gemma3)
+} llama_variant;
 
 typedef struct {
     const float *attn_norm;           // (dim,)
@@ -41,7 +50,7 @@ static int layer_rope(kr_model *m, const char *path, llama_layer *layers, kr_err
 
 static int llama_open(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
-    bool qwen2 = m->arch == &kr_arch_qwen2, gemma3 = m->arch == &kr_arch_gemma3, qwen3 = m->arch == &kr_arch_qwen3;
+    const llama_variant *v = m->arch->variant;
     int status;
     llama_layer *layers = calloc((size_t)h->n_layers, sizeof *layers);
     int32_t *types = calloc((size_t)h->n_layers, sizeof *types);
@@ -65,14 +74,13 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
         llama_layer *l = &layers[i];
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
         if ((status = kr_bind_f32(m, path, NAME("attn_norm.weight"), h->dim, 0, &l->attn_norm, err)) ||
-            (status = kr_bind_attention(m, path, i, m->q_dim, qwen2, gemma3 || qwen3, &l->attn, err)) ||
+            (status = kr_bind_attention(m, path, i, m->q_dim, v->biases, v->qk_norms, &l->attn, err)) ||
             (status = kr_bind_f32(m, path, NAME("ffn_norm.weight"), h->dim, 0, &l->ffn_norm, err)) ||
             (status = kr_bind_mlp(m, path, i, &l->mlp, err)))
             return status;
-        if (gemma3 && ((status = kr_bind_f32(m, path, NAME("post_attention_norm.weight"), h->dim, 0,
-                                             &l->post_attn_norm, err)) ||
-                       (status = kr_bind_f32(m, path, NAME("post_ffw_norm.weight"), h->dim, 0, &l->post_ffw_norm,
-                                             err))))
+        if (v->post_norms &&
+            ((status = kr_bind_f32(m, path, NAME("post_attention_norm.weight"), h->dim, 0, &l->post_attn_norm, err)) ||
+             (status = kr_bind_f32(m, path, NAME("post_ffw_norm.weight"), h->dim, 0, &l->post_ffw_norm, err))))
             return status;
 #undef NAME
     }
@@ -110,14 +118,14 @@ static void llama_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
     kr_output(m, s, b, pending, pending_norm);
 }
 
-#define LLAMA_FAMILY(arch_name)                                                                     \
-    {.name = arch_name, .open = llama_open, .close = llama_close, .matrices = llama_matrices,      \
-     .step = llama_step}
+#define LLAMA_FAMILY(arch_name, ...)                                                                \
+    {.name = arch_name, .variant = &(const llama_variant){__VA_ARGS__}, .open = llama_open,         \
+     .close = llama_close, .matrices = llama_matrices, .step = llama_step}
 
-const kr_arch kr_arch_llama = LLAMA_FAMILY("llama");
-const kr_arch kr_arch_qwen2 = LLAMA_FAMILY("qwen2");
-const kr_arch kr_arch_gemma3 = LLAMA_FAMILY("gemma3");
-const kr_arch kr_arch_qwen3 = LLAMA_FAMILY("qwen3");
-const kr_arch kr_arch_mistral = LLAMA_FAMILY("mistral");
-const kr_arch kr_arch_phi3 = LLAMA_FAMILY("phi3");
-const kr_arch kr_arch_smollm3 = LLAMA_FAMILY("smollm3");
+const kr_arch kr_arch_llama = LLAMA_FAMILY("llama", 0);
+const kr_arch kr_arch_qwen2 = LLAMA_FAMILY("qwen2", .biases = true);
+const kr_arch kr_arch_gemma3 = LLAMA_FAMILY("gemma3", .qk_norms = true, .post_norms = true);
+const kr_arch kr_arch_qwen3 = LLAMA_FAMILY("qwen3", .qk_norms = true);
+const kr_arch kr_arch_mistral = LLAMA_FAMILY("mistral", 0);
+const kr_arch kr_arch_phi3 = LLAMA_FAMILY("phi3", 0);
+const kr_arch kr_arch_smollm3 = LLAMA_FAMILY("smollm3", 0);

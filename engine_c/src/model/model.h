@@ -129,6 +129,8 @@ typedef struct {
 // Everything else runs on an opened model.
 struct kr_arch {
     const char *name;                 // the file's `arch`
+    const void *variant;              // the implementation's constants for this name (arch_llama.c's
+                                      // optional tensors), or NULL
     int (*open)(kr_model *m, const char *path, kr_error *err);
     void (*close)(kr_model *m);       // frees m->layers
     // Every matrix of the layers (not the embedding or head), in a fixed order: pack.c repacks the
