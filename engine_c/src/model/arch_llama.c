@@ -29,16 +29,9 @@ typedef struct {
 
 // layer_rope: absent means every layer rotates q and k; 0 marks a layer without RoPE.
 static int layer_rope(kr_model *m, const char *path, llama_layer *layers, kr_error *err) {
-    int32_t index = kr_file_find_meta(m->file, "layer_rope");
-    if (index < 0) return KR_OK;
-    int32_t kind;
-    uint32_t count;
-    int status = kr_file_meta(m->file, index, NULL, &kind, NULL, NULL, NULL, &count, err);
-    if (status) return status;
-    if (kind != KR_META_INTS)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata layer_rope should be a list of integers", path);
-    if (count != (uint32_t)m->info.n_layers)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: layer_rope has %u entries for %d layers", path, count, m->info.n_layers);
+    int32_t index;
+    int status = kr_find_layer_list(m, path, "layer_rope", &index, err);
+    if (status || index < 0) return status;
     for (int32_t i = 0; i < m->info.n_layers; i++) {
         int64_t flag = kr_file_meta_int_at(m->file, index, (uint32_t)i);
         if (flag != 0 && flag != 1)

@@ -117,24 +117,32 @@ static int load_hparams(kr_model *m, const char *path, kr_error *err) {
     return KR_OK;
 }
 
+int kr_find_layer_list(kr_model *m, const char *path, const char *key, int32_t *index, kr_error *err) {
+    *index = kr_file_find_meta(m->file, key);
+    if (*index < 0) return KR_OK;
+    int32_t kind;
+    uint32_t count;
+    int status = kr_file_meta(m->file, *index, NULL, &kind, NULL, NULL, NULL, &count, err);
+    if (status) return status;
+    if (kind != KR_META_INTS)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %s should be a list of integers", path, key);
+    if (count != (uint32_t)m->info.n_layers)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: %s has %u entries for %d layers", path, key, count, m->info.n_layers);
+    return KR_OK;
+}
+
 int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
                         kr_error *err) {
     const kr_model_info *h = &m->info;
-    int32_t index = kr_file_find_meta(m->file, "layer_types");
+    int32_t index;
+    int status = kr_find_layer_list(m, path, "layer_types", &index, err);
+    if (status) return status;
     if (index < 0) {
         if (fallback < 0)
             return kr_fail(err, KR_ERR_FORMAT, "%s: %s needs layer_types, one integer per layer", path, h->arch);
         for (int32_t i = 0; i < h->n_layers; i++) types[i] = fallback;
         return KR_OK;
     }
-    int32_t kind;
-    uint32_t count;
-    int status = kr_file_meta(m->file, index, NULL, &kind, NULL, NULL, NULL, &count, err);
-    if (status) return status;
-    if (kind != KR_META_INTS)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata layer_types should be a list of integers", path);
-    if (count != (uint32_t)h->n_layers)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: layer_types has %u entries for %d layers", path, count, h->n_layers);
     for (int32_t i = 0; i < h->n_layers; i++) {
         int64_t type = kr_file_meta_int_at(m->file, index, (uint32_t)i);
         if (type == 2 && !strchr(allowed, '2'))

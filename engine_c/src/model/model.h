@@ -169,6 +169,9 @@ int kr_load_int(kr_model *m, const char *path, const char *key, bool required, i
 // A float in [low, high] (strictly above low when strict_low); NaN and infinities refused.
 int kr_load_float(kr_model *m, const char *path, const char *key, bool required, double fallback, double low,
                   bool strict_low, double high, float *out, kr_error *err);
+// The metadata `key` as a list of one integer per layer (read with kr_file_meta_int_at): *index is
+// its entry, or -1 when the file has none.
+int kr_find_layer_list(kr_model *m, const char *path, const char *key, int32_t *index, kr_error *err);
 // layer_types, one integer per layer, each one of `allowed` (a string of digits, e.g. "01");
 // absent: `fallback` for every layer, or an error when fallback < 0.
 int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
