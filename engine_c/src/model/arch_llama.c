@@ -103,7 +103,7 @@ static void llama_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
         const llama_layer *l = &layers[layer];
         const kr_matrix *qkv[] = {&l->attn.wq, &l->attn.wk, &l->attn.wv}, *gate_up[] = {&l->mlp.gate, &l->mlp.up};
         kr_residual(m, s, b, layer == 0 ? b->tokens : NULL, pending, pending_norm, l->attn_norm, qkv, 3);
-        kr_attention_block(m, s, b, layer, &l->attn);
+        kr_attention_block(m, s, b, &l->attn);
         kr_residual(m, s, b, NULL, s->proj, l->post_attn_norm, l->ffn_norm, gate_up, 2);
         kr_mlp_block(m, s, b, &l->mlp);
         pending = s->proj, pending_norm = l->post_ffw_norm;

@@ -292,7 +292,7 @@ static void q35_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
         kr_residual(m, s, b, layer == 0 ? b->tokens : NULL, pending, NULL, l->attn_norm, l->linear ? linear : qkv,
                     l->linear ? 4 : 3);
         if (l->linear) deltanet_block(m, s, b, l);
-        else kr_attention_block(m, s, b, layer, &l->attn);
+        else kr_attention_block(m, s, b, &l->attn);
         kr_residual(m, s, b, NULL, s->proj, NULL, l->ffn_norm, gate_up, 2);
         kr_mlp_block(m, s, b, &l->mlp);
         pending = s->proj;

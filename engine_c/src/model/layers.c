@@ -336,8 +336,7 @@ static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
     }
 }
 
-void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, int32_t layer, const kr_attention *l) {
-    (void)layer;
+void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_attention *l) {
     kr_pool *pool = m->pool;
     const kr_matrix *qkv[] = {&l->wq, &l->wk, &l->wv}, *wo[] = {&l->wo};
     float *qkv_out[] = {l->gated ? s->qg : s->q, s->k, s->v}, *wo_out[] = {s->proj};

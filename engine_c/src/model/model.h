@@ -201,7 +201,7 @@ void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64
                 const kr_matrix *const *w, float *const *out, const float *const *bias);
 // Attention of prepared xb: q, k, v, norms, RoPE, K/V into each token's cache, softmax attention,
 // [gate], Wo into s->proj.
-void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, int32_t layer, const kr_attention *l);
+void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_attention *l);
 // The MLP of prepared xb into s->proj.
 void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l);
 // Tokens that ask for logits: x += add (after add_norm), final norm, the output head, softcap.
