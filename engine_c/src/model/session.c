@@ -63,11 +63,9 @@ int kr_seq_new(kr_model *m, kr_seq *seq, int32_t n_ctx, int32_t kv_type, kr_erro
         return kr_fail(err, KR_ERR_MEMORY, "out of memory for a KV cache of context %d (%.1f MiB)", n_ctx,
                        2.0 * (double)rows * (double)kv->row_bytes / (1 << 20));
     }
-    if (m->arch->seq_new && m->arch->seq_new(m, seq, err)) {
-        kr_seq_free(m, seq);
-        return err ? err->status : KR_ERR_MEMORY;
-    }
-    return KR_OK;
+    int status = m->arch->seq_new ? m->arch->seq_new(m, seq, err) : KR_OK;
+    if (status) kr_seq_free(m, seq);
+    return status;
 }
 
 void kr_seq_free(kr_model *m, kr_seq *seq) {
