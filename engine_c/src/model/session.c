@@ -274,7 +274,6 @@ int kr_session_eval(kr_session *s, const int32_t *tokens, int32_t n, float *logi
 // Every token's logits; each row the bits kr_session_eval gives for that position.
 int kr_session_eval_all(kr_session *s, const int32_t *tokens, int32_t n, float *logits, kr_error *err) {
     if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: session is NULL");
-    if (!logits) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_eval_all: logits_out is NULL");
     kr_batch_item item = {s, tokens, n, KR_LOGITS_ALL, logits};
     return evaluate(s->model, &item, 1, false, err);
 }
