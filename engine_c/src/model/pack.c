@@ -32,14 +32,6 @@
 #define PACK_HEADER_BYTES 4096
 #define PACK_ALIGN 64
 
-#if defined(KR_HAVE_AVX512)
-#define PACK_ISA "avx512"
-#elif defined(KR_HAVE_AVX2)
-#define PACK_ISA "avx2"
-#else
-#define PACK_ISA "generic"
-#endif
-
 typedef struct {
     char magic[8];
     uint32_t layout, header_bytes;
@@ -278,7 +270,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         }
         pack_header want = {.layout = KR_PACK_LAYOUT, .header_bytes = PACK_HEADER_BYTES, .payload_bytes = payload_bytes};
         memcpy(want.magic, PACK_MAGIC, 8);
-        snprintf(want.isa, sizeof want.isa, "%s", PACK_ISA);
+        snprintf(want.isa, sizeof want.isa, "%s", kr_isa());
         want.model_hash = model_checksum(m, &want.model_bytes);
         char why[200];
         state->map = map_valid_cache(path, &want, &state->map_bytes, why, sizeof why);
