@@ -216,7 +216,7 @@ const kr_file *kr_model_file(const kr_model *model);
 // The context a session gets when kr_session_new is asked for n_ctx = 0 (or the model's max_seq
 // if that is shorter).
 #define KR_DEFAULT_MAX_CTX 4096
-// The KV cache types kr_session_new accepts (q8_0: head_dim a multiple of 32, not qwen35).
+// The KV cache types kr_session_new accepts (q8_0: head_dim a multiple of 32).
 typedef enum { KR_KV_F32 = KR_F32, KR_KV_F16 = KR_F16, KR_KV_Q8_0 = KR_Q8_0 } kr_kv_type;
 
 // n_ctx: positions in the KV cache (0 = the model's max_seq, at most KR_DEFAULT_MAX_CTX); kv_type
@@ -375,10 +375,10 @@ int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int
 // --- end Kernels (tests)
 
 // ---------------------------------------------------------------------------------------------
-// --- Weight packing (pack.c; owner: speed)
+// --- Weight packing (model/pack.c; owner: speed)
 // Call after kr_model_open and before the first session. KR_PACK_OFF: the file's layout (nothing
-// happens). KR_PACK_ON: every q8_0/q4_0/q4_1/q5_0/q5_1 matrix is copied once into the packed layout (the file's
-// pages of it are then released). KR_PACK_CACHE: the same, kept in the file `cache_path` (the
+// happens). KR_PACK_ON: every q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K matrix is copied once into
+// the packed layout (the file's pages of it are then released). KR_PACK_CACHE: the same, kept in the file `cache_path` (the
 // Python binding uses the model path + ".pack"), keyed by the model's checksum (every tensor's
 // type, shape and bytes), the ISA and the layout version, and
 // checked on every load: a matching cache is mapped instead of packing, a stale, foreign or
