@@ -115,17 +115,21 @@ def _engine(lib):
         declare(lib, name, ctypes.c_int32, _session_p)
 
 
-def library_isa():
-    """The ISA the loaded engine library was built for: "avx512", "avx2" or "generic"."""
-    return clib.load().kr_isa().decode("ascii")
+# The ISA the loaded engine library was built for: "avx512", "avx2" or "generic".
+library_isa = clib.loaded_isa
 
 
 def supported_weight_types():
     """The names (formats.py's: "q4_0", "q4_K", ...) of the weight types the loaded library computes on."""
-    from krafla_twisted import formats
-
     lib = clib.load()
     return {t.name for code, t in formats.TENSOR_TYPES.items() if lib.kr_weight_type_supported(code)}
+
+
+def _check_out(out, shape, what):
+    """ValueError unless `out` is a writeable C-contiguous float32 array of `shape` (C writes there)."""
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError(f"{what} must be a writeable C-contiguous float32 array of shape {shape}")
 
 
 def _raise(error):
@@ -233,10 +237,7 @@ class Model(clib.OwnedHandle):
             tokens = session._token_array(token_ids, f"eval_batch item {index}")
             shape = {"none": None, "last": (self.n_vocab,), "all": (tokens.size, self.n_vocab)}[mode]
             if out is not None:
-                if not (shape and isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
-                        and out.flags.c_contiguous and out.flags.writeable):
-                    raise ValueError(f"item {index}: out must be a writeable C-contiguous float32 array of shape "
-                                     f"{shape}")
+                _check_out(out, shape, f"item {index}: out")
             elif shape:
                 out = np.empty(shape, dtype=np.float32)
             raw[index].session = session._check_open()
@@ -295,9 +296,7 @@ class Session(clib.OwnedHandle):
         `out` is returned, so a generation loop allocates nothing per token."""
         handle = self._check_open()
         if out is not None:
-            if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (self.model.n_vocab,)
-                    and out.flags.c_contiguous and out.flags.writeable):
-                raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({self.model.n_vocab},)")
+            _check_out(out, (self.model.n_vocab,), "out")
             logits = True
         tokens = self._token_array(token_ids, "eval")
         if logits and out is None:
