@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from krafla_twisted import clib
 from tests.support.tiny_models import ARCHS, KQUANTS, QUANTIZED, WEIGHT_TYPES, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 
@@ -38,18 +39,10 @@ ODD_SHAPES = {
 }
 
 
-def cpu_flags():
-    with open("/proc/cpuinfo") as f:
-        return next((line for line in f if line.startswith("flags")), "").split()
-
-
 def isas():
     """The builds this CPU runs: generic and avx2 always here (the suite runs on AVX2 machines),
-    avx512 where the CPU has AVX-512 VNNI."""
-    found = ["generic", "avx2"]
-    if "avx512_vnni" in cpu_flags():
-        found.append("avx512")
-    return found
+    avx512 where the CPU has what clib loads it for (AVX-512 F/BW/VL and VNNI)."""
+    return ["generic", "avx2"] + (["avx512"] if clib.cpu_isa() == "avx512" else [])
 
 
 def write_model(path, arch, weight_type, odd=False):

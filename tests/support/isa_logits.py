@@ -27,7 +27,7 @@ def logits_of(path, ids, kv, batch, pack, threads):
 def main(plan_path, out_path):
     with open(plan_path) as f:
         plan = json.load(f)
-    results = {"isa": np.array(clib.load().kr_isa().decode())}
+    results = {"isa": np.array(clib.loaded_isa())}
     for item in plan:
         results[item["key"]] = logits_of(item["path"], item["ids"], item["kv"], item["batch"], item["pack"],
                                          item.get("threads", 1))
