@@ -284,24 +284,23 @@ def _expected_shapes(metadata, arch):
     return shapes
 
 
-def _split_fused(metadata, expected):
-    """Phi-3's fused tensors -> {output name: (source name, first row, shape)}: attn_qkv holds
-    q, k, v rows in that order; ffn_up holds the gate's rows, then the up projection's."""
-    dim, ffn = metadata["dim"], metadata["ffn_dim"]
+def fused_parts(metadata):
+    """Phi-3's fused matrices split by rows into the llama names: {fused name: {part name: (first
+    row, rows)}}. attn_qkv holds the q, k, v rows in that order; ffn_up holds the gate's rows, then
+    the up projection's. The Hugging Face converter splits qkv_proj and gate_up_proj the same way."""
     q_rows = metadata["n_heads"] * metadata["head_dim"]
     kv_rows = metadata["n_kv_heads"] * metadata["head_dim"]
-    parts = {}
-    for name in expected:
-        if name.endswith("attn_qkv.weight"):
-            prefix = name[: -len("attn_qkv.weight")]
-            parts[prefix + "attn_q.weight"] = (name, 0, (q_rows, dim))
-            parts[prefix + "attn_k.weight"] = (name, q_rows, (kv_rows, dim))
-            parts[prefix + "attn_v.weight"] = (name, q_rows + kv_rows, (kv_rows, dim))
-        elif name.endswith("ffn_up.weight"):
-            prefix = name[: -len("ffn_up.weight")]
-            parts[prefix + "ffn_gate.weight"] = (name, 0, (ffn, dim))
-            parts[prefix + "ffn_up.weight"] = (name, ffn, (ffn, dim))
-    return parts
+    ffn = metadata["ffn_dim"]
+    return {"attn_qkv.weight": {"attn_q.weight": (0, q_rows), "attn_k.weight": (q_rows, kv_rows),
+                                "attn_v.weight": (q_rows + kv_rows, kv_rows)},
+            "ffn_up.weight": {"ffn_gate.weight": (0, ffn), "ffn_up.weight": (ffn, ffn)}}
+
+
+def _split_fused(metadata):
+    """Every layer's parts of the fused tensors -> {output name: (source name, first row, shape)}."""
+    return {f"blk.{layer}.{part}": (f"blk.{layer}.{fused}", first, (rows, metadata["dim"]))
+            for layer in range(metadata["n_layers"])
+            for fused, parts in fused_parts(metadata).items() for part, (first, rows) in parts.items()}
 
 
 def _output_type(name, shape, type_name, tied):
@@ -509,7 +508,7 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
             for name in list(outputs):
                 if name.endswith(("attn_qkv.weight", "ffn_up.weight")):
                     del outputs[name]
-            outputs.update(_split_fused(metadata, expected))
+            outputs.update(_split_fused(metadata))
         for tensor_name in sorted(outputs, key=_tensor_order):
             source_name, first_row, shape = outputs[tensor_name]
             tensor, source_shape = sources[source_name]
