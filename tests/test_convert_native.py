@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-from krafla_twisted import formats, models, perplexity
+from krafla_twisted import formats, perplexity
 from krafla_twisted.container import ContainerFile
 from krafla_twisted.convert import cli as convert_cli
 from krafla_twisted.convert.gguf import KEPT_TYPES, ConvertError, all_finite, convert_gguf
@@ -193,10 +193,9 @@ class RealFileTests:
                     assert converted[tensor.name] == "f32", tensor.name
 
     def test_pull_default_follows_the_engine(self):
-        """Without --type a pull keeps the file's types exactly when the loaded library computes on
-        every type a conversion keeps (kr_weight_type_supported), else it makes q4_0."""
-        expected = None if {t.name for t in KEPT_TYPES.values()} <= supported_weight_types() else "q4_0"
-        assert models.default_type() == expected
+        """A pull without --type keeps the file's types, which the loaded library computes on: every
+        type a conversion keeps is kr_weight_type_supported."""
+        assert {t.name for t in KEPT_TYPES.values()} <= supported_weight_types()
 
 
 def native_file(name):

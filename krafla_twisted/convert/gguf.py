@@ -109,12 +109,13 @@ def source_label(path):
     return match.group(0)[1:].upper() if match else None
 
 
-def output_names(src, type_name=None, directory=None):
-    """Default outputs beside `src` (or in `directory`): NAME-Q4_0.mlb and NAME-Q4_0.mlt for
-    --type q4_0; NAME-LABEL (the source's own label, e.g. -Q4_K_M) or NAME when the types are kept."""
+def output_names(src, type_name=None, directory=None, *, name=None):
+    """Default outputs beside `src` (or in `directory`), NAME-LABEL.mlb and NAME-LABEL.mlt: NAME
+    the source's base name (or `name`), LABEL Q4_0 for --type q4_0, else the source's own label
+    (e.g. Q4_K_M), or NATIVE when its name has none."""
     folder = Path(directory) if directory is not None else Path(src).parent
-    label = type_name.upper() if type_name else source_label(src)
-    stem = model_base_name(src) + (f"-{label}" if label else "")
+    label = type_name.upper() if type_name else source_label(src) or "NATIVE"
+    stem = f"{name or model_base_name(src)}-{label}"
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt"
 
 
