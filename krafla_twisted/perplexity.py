@@ -193,7 +193,7 @@ def main(args, stdout=None, stderr=None):
             if args.ctx > model.max_seq:
                 return fail(f"--ctx {args.ctx} is past the model's context length {model.max_seq}", 2)
             total = chunks_of(tokens, args.ctx, args.chunks)
-            print(f"# {model.name} ({model.weight_type}, isa {clib.load().kr_isa().decode()}, {model.threads} "
+            print(f"# {model.name} ({model.weight_type}, isa {clib.loaded_isa()}, {model.threads} "
                   f"threads): {len(tokens)} tokens, {total} chunks of {args.ctx}, the last {args.ctx - args.ctx // 2 - 1} "
                   f"tokens of each scored", file=stderr)
             result = measure(model, tokens, ctx=args.ctx, n_chunks=args.chunks, batch=args.batch, kv=args.kv,

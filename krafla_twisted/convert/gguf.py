@@ -34,6 +34,11 @@ KEPT_TYPES = {
     "Q4_K": formats.Q4_K, "Q5_K": formats.Q5_K, "Q6_K": formats.Q6_K,
 }
 _CHUNK_WEIGHTS = 1 << 23  # weights dequantized at once: bounds the converter's extra memory
+# Byte offsets of the f16 scales (d; m or dmin) in a block of each kept block type (docs/formats.md).
+# Every weight is d * q (- dmin * m, + m) with small integers q and m, so the block's weights are
+# all finite exactly when these floats are.
+_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 class ConvertError(ValueError):
@@ -104,12 +109,13 @@ def source_label(path):
     return match.group(0)[1:].upper() if match else None
 
 
-def output_names(src, type_name=None, directory=None):
-    """Default outputs beside `src` (or in `directory`): NAME-Q4_0.mlb and NAME-Q4_0.mlt for
-    --type q4_0; NAME-LABEL (the source's own label, e.g. -Q4_K_M) or NAME when the types are kept."""
+def output_names(src, type_name=None, directory=None, *, name=None):
+    """Default outputs beside `src` (or in `directory`), NAME-LABEL.mlb and NAME-LABEL.mlt: NAME
+    the source's base name (or `name`), LABEL Q4_0 for --type q4_0, else the source's own label
+    (e.g. Q4_K_M), or NATIVE when its name has none."""
     folder = Path(directory) if directory is not None else Path(src).parent
-    label = type_name.upper() if type_name else source_label(src)
-    stem = model_base_name(src) + (f"-{label}" if label else "")
+    label = type_name.upper() if type_name else source_label(src) or "NATIVE"
+    stem = f"{name or model_base_name(src)}-{label}"
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt"
 
 
@@ -279,24 +285,23 @@ def _expected_shapes(metadata, arch):
     return shapes
 
 
-def _split_fused(metadata, expected):
-    """Phi-3's fused tensors -> {output name: (source name, first row, shape)}: attn_qkv holds
-    q, k, v rows in that order; ffn_up holds the gate's rows, then the up projection's."""
-    dim, ffn = metadata["dim"], metadata["ffn_dim"]
+def fused_parts(metadata):
+    """Phi-3's fused matrices split by rows into the llama names: {fused name: {part name: (first
+    row, rows)}}. attn_qkv holds the q, k, v rows in that order; ffn_up holds the gate's rows, then
+    the up projection's. The Hugging Face converter splits qkv_proj and gate_up_proj the same way."""
     q_rows = metadata["n_heads"] * metadata["head_dim"]
     kv_rows = metadata["n_kv_heads"] * metadata["head_dim"]
-    parts = {}
-    for name in expected:
-        if name.endswith("attn_qkv.weight"):
-            prefix = name[: -len("attn_qkv.weight")]
-            parts[prefix + "attn_q.weight"] = (name, 0, (q_rows, dim))
-            parts[prefix + "attn_k.weight"] = (name, q_rows, (kv_rows, dim))
-            parts[prefix + "attn_v.weight"] = (name, q_rows + kv_rows, (kv_rows, dim))
-        elif name.endswith("ffn_up.weight"):
-            prefix = name[: -len("ffn_up.weight")]
-            parts[prefix + "ffn_gate.weight"] = (name, 0, (ffn, dim))
-            parts[prefix + "ffn_up.weight"] = (name, ffn, (ffn, dim))
-    return parts
+    ffn = metadata["ffn_dim"]
+    return {"attn_qkv.weight": {"attn_q.weight": (0, q_rows), "attn_k.weight": (q_rows, kv_rows),
+                                "attn_v.weight": (q_rows + kv_rows, kv_rows)},
+            "ffn_up.weight": {"ffn_gate.weight": (0, ffn), "ffn_up.weight": (ffn, ffn)}}
+
+
+def _split_fused(metadata):
+    """Every layer's parts of the fused tensors -> {output name: (source name, first row, shape)}."""
+    return {f"blk.{layer}.{part}": (f"blk.{layer}.{fused}", first, (rows, metadata["dim"]))
+            for layer in range(metadata["n_layers"])
+            for fused, parts in fused_parts(metadata).items() for part, (first, rows) in parts.items()}
 
 
 def _output_type(name, shape, type_name, tied):
@@ -348,38 +353,42 @@ def _raw_rows(tensor, name, shape, gguf_type, path, source_shape=None, first_row
     return raw[first_row:first_row + rows]
 
 
-def _copy_tensor(tensor, name, shape, path, bar, source_shape=None, first_row=0):
-    """The tensor's blocks as they are (raw bytes), after checking every weight is finite.
-    `source_shape`, `first_row`: as for _raw_rows (a part of a fused tensor)."""
-    gguf_type = tensor.tensor_type.name
-    raw = _raw_rows(tensor, name, shape, gguf_type, path, source_shape, first_row)
-    step = max(1, _CHUNK_WEIGHTS // shape[-1])
-    for start in range(0, raw.shape[0], step):
-        values = quantize.dequantize(gguf_type, raw[start:start + step], shape[-1])
-        if not np.isfinite(values).all():
-            raise ConvertError(f"{path}: tensor {name} holds NaN or infinite weights")
-        if bar is not None:
-            bar.update(values.size)
-    return raw
+def all_finite(gguf_type, raw):
+    """Whether every weight of these rows of a kept type (uint8 (rows, row bytes)) is finite, read
+    from the floats the type stores (the weights, or each block's f16 scales) without decoding."""
+    if gguf_type == "BF16":  # not finite: all eight exponent bits set
+        return not ((raw.view("<u2") & 0x7F80) == 0x7F80).any()
+    if gguf_type in ("F32", "F16"):
+        return bool(np.isfinite(raw.view("<f4" if gguf_type == "F32" else "<f2")).all())
+    blocks = raw.reshape(-1, quantize.BLOCKS[gguf_type][1])
+    return all(np.isfinite(np.ascontiguousarray(blocks[:, offset:offset + 2]).view("<f2")).all()
+               for offset in _SCALE_OFFSETS[gguf_type])
 
 
-def _convert_tensor(tensor, name, shape, tensor_type, path, bar, source_shape=None, first_row=0):
-    """Dequantize a GGUF tensor chunk by chunk and encode it as `tensor_type`: raw bytes.
-    `source_shape`, `first_row`: the tensor is rows first_row.. of a larger (fused) one."""
+def _tensor_data(tensor, name, shape, path, bar, encode_as=None, source_shape=None, first_row=0):
+    """The tensor's rows as uint8 (rows, row bytes): its own blocks as they are (encode_as None),
+    or dequantized chunk by chunk and encoded as the krafla type `encode_as`. Either way every
+    weight must be finite: the engine does not check, and a NaN scale in a copied block would
+    give NaN logits. `source_shape`, `first_row`: as for _raw_rows."""
     gguf_type = tensor.tensor_type.name
-    source_shape = source_shape or shape
     n_per_row = shape[-1]
-    rows = math.prod(shape[:-1])
     raw = _raw_rows(tensor, name, shape, gguf_type, path, source_shape, first_row)
+    non_finite = f"{path}: tensor {name} holds NaN or infinite weights"
+    if encode_as is None:
+        if not all_finite(gguf_type, raw):
+            raise ConvertError(non_finite)
+        if bar is not None:
+            bar.update(raw.shape[0] * n_per_row)
+        return raw
     out = None
     step = max(1, _CHUNK_WEIGHTS // n_per_row)
-    for start in range(0, rows, step):
+    for start in range(0, raw.shape[0], step):
         values = quantize.dequantize(gguf_type, raw[start:start + step], n_per_row)
         if not np.isfinite(values).all():
-            raise ConvertError(f"{path}: tensor {name} holds NaN or infinite weights")
-        encoded = _encode(values, tensor_type)
+            raise ConvertError(non_finite)
+        encoded = _encode(values, encode_as)
         if out is None:
-            out = np.empty((rows, encoded.nbytes // encoded.shape[0]), np.uint8)
+            out = np.empty((raw.shape[0], encoded.nbytes // encoded.shape[0]), np.uint8)
         out[start:start + step] = encoded.view(np.uint8).reshape(encoded.shape[0], -1)
         if bar is not None:
             bar.update(values.size)
@@ -500,17 +509,16 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
             for name in list(outputs):
                 if name.endswith(("attn_qkv.weight", "ffn_up.weight")):
                     del outputs[name]
-            outputs.update(_split_fused(metadata, expected))
+            outputs.update(_split_fused(metadata))
         for tensor_name in sorted(outputs, key=_tensor_order):
             source_name, first_row, shape = outputs[tensor_name]
             tensor, source_shape = sources[source_name]
-            if type_name is None and len(shape) == 2:
-                tensor_type = KEPT_TYPES[tensor.tensor_type.name]
-                data = _copy_tensor(tensor, tensor_name, shape, src, bar, source_shape, first_row)
+            if type_name is None and len(shape) == 2:  # kept: the blocks as they are
+                tensor_type, encode_as = KEPT_TYPES[tensor.tensor_type.name], None
             else:
-                tensor_type = _output_type(tensor_name, shape, type_name or "f32", tied)
-                data = _convert_tensor(tensor, tensor_name, shape, tensor_type, src, bar, source_shape, first_row)
-            model.add(tensor_name, tensor_type, shape, data)
+                tensor_type = encode_as = _output_type(tensor_name, shape, type_name or "f32", tied)
+            model.add(tensor_name, tensor_type, shape,
+                      _tensor_data(tensor, tensor_name, shape, src, bar, encode_as, source_shape, first_row))
     finally:
         if bar is not None:
             bar.close()

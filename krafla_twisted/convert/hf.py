@@ -357,20 +357,8 @@ _LAYER_NAMES["phi3"] = {"input_layernorm.weight": "attn_norm.weight",
                         "post_attention_layernorm.weight": "ffn_norm.weight",
                         "self_attn.o_proj.weight": "attn_output.weight",
                         "mlp.down_proj.weight": "ffn_down.weight"}
-_FUSED = {
-    "phi3": {"self_attn.qkv_proj.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-             "mlp.gate_up_proj.weight": ("ffn_gate.weight", "ffn_up.weight")},
-}
-
-
-def _fused_rows(metadata, krafla_suffix):
-    """Rows a split part takes in its fused matrix: (start, stop)."""
-    q_rows = metadata["n_heads"] * metadata["head_dim"]
-    kv_rows = metadata["n_kv_heads"] * metadata["head_dim"]
-    ffn = metadata["ffn_dim"]
-    return {"attn_q.weight": (0, q_rows), "attn_k.weight": (q_rows, q_rows + kv_rows),
-            "attn_v.weight": (q_rows + kv_rows, q_rows + 2 * kv_rows),
-            "ffn_gate.weight": (0, ffn), "ffn_up.weight": (ffn, 2 * ffn)}[krafla_suffix]
+# Hugging Face's fused matrix -> the GGUF name whose row split gguf.fused_parts gives.
+_FUSED = {"phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}}
 
 
 def _plus_one(arch, name):
@@ -421,8 +409,9 @@ def expected_shapes(metadata):
     return shapes
 
 
-def _map_names(arch, names, path):
-    """krafla name -> Hugging Face name; unknown tensors are an error, vision/MTP ones skipped."""
+def _map_names(arch, names, path, metadata):
+    """krafla name -> Hugging Face name (or, for a part of a fused matrix, its name, first row and
+    rows); unknown tensors are an error, vision/MTP ones skipped."""
     layer_names = _LAYER_NAMES[arch]
     mapped, skipped, unknown = {}, [], []
     for hf_name in names:
@@ -445,9 +434,11 @@ def _map_names(arch, names, path):
             _, layer, suffix = rest.split(".", 2)
             if suffix in layer_names:
                 mapped[f"blk.{int(layer)}.{layer_names[suffix]}"] = hf_name
-            elif suffix in _FUSED.get(arch, {}):
-                for part in _FUSED[arch][suffix]:
-                    mapped[f"blk.{int(layer)}.{part}"] = (hf_name, suffix, part)
+            elif suffix in _FUSED.get(arch, {}):  # each part: (the fused matrix, first row, its rows)
+                parts = gguf_convert.fused_parts(metadata)[_FUSED[arch][suffix]]
+                total = sum(rows for _, rows in parts.values())
+                for part, (first, _) in parts.items():
+                    mapped[f"blk.{int(layer)}.{part}"] = (hf_name, first, total)
             else:
                 unknown.append(hf_name)
         else:
@@ -558,7 +549,7 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
     config = _load_config(src)
     arch, text, metadata = hyperparameters(config, src / "config.json")
     where = open_checkpoint(src)
-    mapped = _map_names(arch, list(where), src)
+    mapped = _map_names(arch, list(where), src, metadata)
     if "token_embd.weight" not in mapped:
         raise ConvertError(f"{src}: no embed_tokens.weight in the checkpoint")
     embd = where[mapped["token_embd.weight"]].shape(mapped["token_embd.weight"])
@@ -600,9 +591,8 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             model.add("rope_freqs.weight", formats.F32, rope_freqs.shape, rope_freqs)
         for krafla_name in sorted(expected, key=gguf_convert._tensor_order):
             hf_name, fused = mapped[krafla_name], None
-            if isinstance(hf_name, tuple):  # a part of a fused matrix
-                hf_name, suffix, part = hf_name
-                fused = (_fused_rows(metadata, part)[0], _fused_rows(metadata, _FUSED[arch][suffix][-1])[1])
+            if isinstance(hf_name, tuple):  # a part of a fused matrix: (first row, rows of the whole)
+                hf_name, fused = hf_name[0], hf_name[1:]
             shape = expected[krafla_name]
             tensor_type = _output_type(krafla_name, shape, type_name, tied)
             model.add(krafla_name, tensor_type, shape,
