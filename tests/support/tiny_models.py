@@ -102,18 +102,11 @@ def _check_shape(arch, weight_type, shape):
         raise ValueError(f"tiny {arch}: n_heads {shape['n_heads']} is not a multiple of n_kv_heads {shape['n_kv_heads']}")
     if shape["head_dim"] % 2:
         raise ValueError(f"tiny {arch}: head_dim {shape['head_dim']} must be even for RoPE")
-    if weight_type in QUANTIZED:
-        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
-                  "ffn_dim": shape["ffn_dim"]}
-        for key, value in inputs.items():
-            if value % 32:
-                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 32 for {weight_type}")
-    if weight_type in KQUANTS:
-        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
-                  "ffn_dim": shape["ffn_dim"]}
-        for key, value in inputs.items():
-            if value % 256:
-                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 256 for {weight_type}")
+    block = 256 if weight_type in KQUANTS else 32 if weight_type in QUANTIZED else 1  # weights per block
+    inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"], "ffn_dim": shape["ffn_dim"]}
+    for key, value in inputs.items():
+        if value % block:
+            raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of {block} for {weight_type}")
 
 
 def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
