@@ -130,21 +130,13 @@ def server():
     process.stop()
 
 
-@pytest.fixture(scope="module")
-def qwen_server():
-    model = real_model("smollm2-135m")
-    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "qwen", "-t", "2"]).start()
-    yield process
-    process.stop()
-
-
 class RunnableExampleTests:
     """Each runnable example in the docs, against a real server."""
 
     @pytest.mark.parametrize("path, lang, code, marker", BLOCKS, ids=[f"{p}:{i}" for i, (p, _, _, _) in enumerate(BLOCKS)])
     def test_example(self, request, path, lang, code, marker):
         """The example exits 0 and prints no error body."""
-        server = request.getfixturevalue("qwen_server" if marker == "runnable-qwen" else "server")
+        server = request.getfixturevalue("qwen_chat_server" if marker == "runnable-qwen" else "server")
         code = code.replace("http://127.0.0.1:8080", server.root_url(""))
         code = code.replace(".venv/bin/", os.path.dirname(sys.executable) + "/")
         if lang == "sh":

@@ -18,13 +18,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from krafla_twisted import formats
 from krafla_twisted.convert.gguf import ConvertError, convert_gguf
 from krafla_twisted.convert.hf import convert_hf, llama3_rope_factors
-from krafla_twisted.engine import Model
-from tests.reference.tiny_hf import write_tiny_hf_model
+from tests.reference.tiny_hf import assert_engine_matches, cosine, hf_logits, prompt, write_tiny_hf_model
 from tests.support.hf_tokenizer_json import write_hf_tokenizer
 from tests.support.llama_cpp_convert import convert_hf_to_gguf
 from tests.support.reference import ReferenceModel
@@ -55,30 +53,6 @@ HF_ONLY_CASES = {
     "mistral-tied-window-8": ("mistral", dict(sliding_window=8, tie_word_embeddings=True)),
     "smollm3-own-pattern": ("smollm3", dict(num_hidden_layers=3, no_rope_layers=[0, 1, 0])),
 }
-
-
-def prompt(n_vocab, length, seed=0):
-    return [int(t) for t in np.random.default_rng(seed + length).integers(0, n_vocab, length)]
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].double().numpy()
-
-
-def assert_engine_matches(mlb, model):
-    with Model(mlb) as engine:
-        for length in LENGTHS:
-            ids = prompt(model.config.vocab_size, length)
-            expected = hf_logits(model, ids)[-1]
-            got = engine.session(batch=16).eval(ids).astype(np.float64)
-            assert int(np.argmax(got)) == int(np.argmax(expected)), length
-            assert cosine(got, expected) >= 0.9999, length
 
 
 @pytest.fixture(scope="module", params=sorted({**CASES, **HF_ONLY_CASES}))
@@ -112,7 +86,7 @@ class FromHuggingFaceFolderTests:
         """The converted folder's last-position logits: transformers' argmax, cosine >= 0.9999,
         on prompts of 1 to 100 tokens."""
         _, model, mlb = from_folder
-        assert_engine_matches(mlb, model)
+        assert_engine_matches(mlb, model, LENGTHS)
 
     def test_reference_matches_transformers_everywhere(self, from_folder):
         """The numpy reference on the same .mlb equals transformers at every position of a
@@ -150,7 +124,7 @@ class FromLlamaCppGGUFTests:
         """The GGUF llama.cpp wrote, converted: transformers' argmax, cosine >= 0.9999, on prompts of
         1 to 100 tokens (q/k rows as llama.cpp permuted them, Phi-3's fused matrices split)."""
         _, model, mlb, _ = from_gguf
-        assert_engine_matches(mlb, model)
+        assert_engine_matches(mlb, model, LENGTHS)
 
     def test_rope_divisors_agree_with_llama_cpp(self, from_gguf):
         """Llama 3.1's divisors: llama.cpp's rope_freqs.weight equals ours from config.json

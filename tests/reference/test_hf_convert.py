@@ -28,24 +28,11 @@ from krafla_twisted import formats
 from krafla_twisted.convert import quantize
 from krafla_twisted.convert.hf import SafetensorsFile, convert_hf
 from krafla_twisted.engine import Model
-from tests.reference.tiny_hf import mlb_from_safetensors, write_tiny_hf_model
+from tests.reference.tiny_hf import (assert_engine_matches, cosine, hf_logits, mlb_from_safetensors, prompt,
+                                     write_tiny_hf_model)
 
 LENGTHS = (1, 6, 23, 61)
 BATCH = 16
-
-
-def prompt(n_vocab, length, seed=0):
-    return [int(t) for t in np.random.default_rng(seed + length).integers(0, n_vocab, length)]
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def hf_last_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].double().numpy()
 
 
 def engine_last_logits(path, ids, batch=BATCH):
@@ -127,7 +114,7 @@ class Qwen35TransformersTests:
         """Last-position logits: same argmax, cosine >= 0.9999."""
         model, _, mlb = qwen35
         ids = prompt(model.config.vocab_size, length)
-        expected, got = hf_last_logits(model, ids), engine_last_logits(mlb, ids)
+        expected, got = hf_logits(model, ids)[-1], engine_last_logits(mlb, ids)
         assert int(np.argmax(got)) == int(np.argmax(expected))
         assert cosine(got, expected) >= 0.9999
 
@@ -151,7 +138,7 @@ class Qwen35TransformersTests:
         cosines = []
         for length in LENGTHS:
             ids = prompt(model.config.vocab_size, length)
-            cosines.append(cosine(engine_last_logits(mlb, ids), hf_last_logits(model, ids)))
+            cosines.append(cosine(engine_last_logits(mlb, ids), hf_logits(model, ids)[-1]))
         # put the f32 weights back for the other tests of this module-scoped model
         model.load_state_dict(_reload(folder / "hf"), strict=False)
         assert np.median(cosines) >= floor, cosines
@@ -163,8 +150,7 @@ class Qwen35TransformersTests:
 
         model, _, mlb = qwen35
         ids = prompt(model.config.vocab_size, 23)
-        with torch.no_grad():
-            expected = model(torch.tensor([ids])).logits[0].double().numpy()
+        expected = hf_logits(model, ids)
         got = ReferenceQwen35(mlb).forward(ids)
         for row_got, row_expected in zip(got, expected):
             assert int(np.argmax(row_got)) == int(np.argmax(row_expected))
@@ -205,11 +191,7 @@ class HuggingFaceFolderTests:
         same argmax, cosine >= 0.9999, on prompts of several lengths."""
         model = write_tiny_hf_model(tmp_path / "hf", arch, seed=5)
         mlb, _ = convert_hf(tmp_path / "hf", tmp_path / "m.mlb", None, "f32", progress=False)
-        for length in LENGTHS:
-            ids = prompt(model.config.vocab_size, length)
-            expected, got = hf_last_logits(model, ids), engine_last_logits(mlb, ids)
-            assert int(np.argmax(got)) == int(np.argmax(expected)), length
-            assert cosine(got, expected) >= 0.9999, length
+        assert_engine_matches(mlb, model, LENGTHS, BATCH)
 
     def test_same_file_content_as_the_reference_mapping(self, tmp_path, arch):
         """The converter's metadata and tensors equal tests/reference/tiny_hf.py's independent

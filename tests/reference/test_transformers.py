@@ -32,7 +32,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.reference.tiny_hf import mlb_from_safetensors, write_tiny_hf_model
+from tests.reference.tiny_hf import cosine, mlb_from_safetensors, write_tiny_hf_model
 from tests.support import real_models
 from tests.support.reference import ReferenceModel
 
@@ -49,11 +49,6 @@ TEMPLATE_FALLBACKS = {"gemma3-270m": "google-gemma-2-2b-it.jinja"}
 # Longer than gemma3's 512-token window, so the sliding layers drop its beginning.
 LONG = " ".join(f"Note {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} lamp in room {i * 7 % 13} "
                 f"was switched {'on' if i % 3 else 'off'} at {i % 24}:00." for i in range(45))
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def assert_logits_match(reference_logits, hf_logits):

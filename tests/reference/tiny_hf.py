@@ -7,6 +7,10 @@ hide mistakes), and saves it with save_pretrained: the Hugging Face folder layou
 `krafla convert FOLDER` reads (issue 7).
 
 `mlb_from_safetensors(folder, out)` writes the .mlb these tests compare the numpy reference on.
+
+`prompt`, `cosine`, `hf_logits` and `assert_engine_matches` are the comparisons the reference tests
+share: seeded token ids, the cosine of two logit rows, transformers' logits at every position, and
+the C engine's last-position logits against transformers' (same argmax, cosine >= 0.9999).
 It reads the saved files (config.json, model.safetensors), not the live torch model, and states
 the Hugging Face -> krafla conventions in one place:
 - Hugging Face keeps q/k rows in the half-split layout, so rope_style is `neox` and no row is
@@ -32,6 +36,7 @@ from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, M
                           Qwen3Config, SmolLM3Config)
 
 from krafla_twisted import formats
+from krafla_twisted.engine import Model
 
 SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -60,6 +65,34 @@ CONFIGS = {
 }
 
 _NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+
+
+def prompt(n_vocab, length, seed=0):
+    """`length` token ids below n_vocab, from a generator seeded with seed + length."""
+    return [int(t) for t in np.random.default_rng(seed + length).integers(0, n_vocab, length)]
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def hf_logits(model, ids):
+    """transformers' logits at every position of `ids`, float64 (positions, vocab)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def assert_engine_matches(mlb, model, lengths, batch=16):
+    """For a prompt of each length, the C engine's last-position logits on `mlb` (evaluated `batch`
+    tokens per step) have transformers' argmax and a cosine >= 0.9999 with them."""
+    with Model(mlb) as engine:
+        for length in lengths:
+            ids = prompt(model.config.vocab_size, length)
+            expected = hf_logits(model, ids)[-1]
+            got = engine.session(batch=batch).eval(ids).astype(np.float64)
+            assert int(np.argmax(got)) == int(np.argmax(expected)), length
+            assert cosine(got, expected) >= 0.9999, length
 
 
 def write_tiny_hf_model(folder, arch, *, seed, **config):

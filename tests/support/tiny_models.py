@@ -41,14 +41,11 @@ DEFAULT_SHAPES = {
     "smollm3": dict(n_vocab=83, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, max_seq=128),
 }
 
-# The same for k-quants: dim, n_heads * head_dim and ffn_dim multiples of 256 (gemma3's and qwen3's
-# q widths still differ from dim).
+# The same shapes widened for k-quants, whose matrix inputs are multiples of 256: dim 256, four times
+# the head width, a wider ffn (gemma3's and qwen3's q widths still differ from dim).
 KQUANT_SHAPES = {
-    "llama": dict(n_vocab=67, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, max_seq=128),
-    "qwen2": dict(n_vocab=71, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768, max_seq=128),
-    "gemma3": dict(n_vocab=73, dim=256, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=128, ffn_dim=512, max_seq=128),
-    "qwen3": dict(n_vocab=79, dim=256, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=128, ffn_dim=512, max_seq=128),
-    "smollm3": dict(n_vocab=83, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256, max_seq=128),
+    arch: dict(DEFAULT_SHAPES[arch], dim=256, head_dim=4 * DEFAULT_SHAPES[arch]["head_dim"], ffn_dim=ffn_dim)
+    for arch, ffn_dim in (("llama", 512), ("qwen2", 768), ("gemma3", 512), ("qwen3", 512), ("smollm3", 256))
 }
 
 # Hyperparameters each architecture's real models use; any can be overridden by keyword.
@@ -105,18 +102,11 @@ def _check_shape(arch, weight_type, shape):
         raise ValueError(f"tiny {arch}: n_heads {shape['n_heads']} is not a multiple of n_kv_heads {shape['n_kv_heads']}")
     if shape["head_dim"] % 2:
         raise ValueError(f"tiny {arch}: head_dim {shape['head_dim']} must be even for RoPE")
-    if weight_type in QUANTIZED:
-        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
-                  "ffn_dim": shape["ffn_dim"]}
-        for key, value in inputs.items():
-            if value % 32:
-                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 32 for {weight_type}")
-    if weight_type in KQUANTS:
-        inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"],
-                  "ffn_dim": shape["ffn_dim"]}
-        for key, value in inputs.items():
-            if value % 256:
-                raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of 256 for {weight_type}")
+    block = 256 if weight_type in KQUANTS else 32 if weight_type in QUANTIZED else 1  # weights per block
+    inputs = {"dim": shape["dim"], "n_heads*head_dim": shape["n_heads"] * shape["head_dim"], "ffn_dim": shape["ffn_dim"]}
+    for key, value in inputs.items():
+        if value % block:
+            raise ValueError(f"tiny {arch}: {key} = {value} must be a multiple of {block} for {weight_type}")
 
 
 def tiny_model_container(arch, *, seed, weight_type="f32", **overrides):
