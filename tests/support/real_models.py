@@ -22,8 +22,10 @@ def real_model(name, type="q4_0"):
     return models.pull(name, progress=False, type_name=type)
 
 
+@functools.lru_cache(maxsize=None)
 def source_gguf(name):
-    """The checked GGUF the real model's files are converted from (downloaded if need be)."""
+    """The checked GGUF the real model's files are converted from (downloaded if need be); its sha256
+    (up to 490 MB read) is checked once per test process."""
     return models.fetch_source(name, progress=False)
 
 

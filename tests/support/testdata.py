@@ -1,11 +1,12 @@
 """llama.cpp's tokenizer test vectors: vocabulary-only GGUFs with .inp/.out pairs, in
 tests/data/vocab (tests/data/README.md gives their source and licence).
 
-Converted .mlt files are cached beside the GGUF cache, keyed by the GGUF and the converter's
-source, so only the first run pays gguf-py's slow parse of a 280000-merge vocabulary.
+Converted .mlt files are cached beside the GGUF cache, keyed by the GGUF's content and the
+tokenizer converter's fingerprint (models.converter_fingerprints), so only the first run on a
+machine pays gguf-py's slow parse of a 280000-merge vocabulary: not every clone or worktree again.
 """
 
-import hashlib
+import functools
 import pathlib
 
 import gguf
@@ -35,16 +36,16 @@ def vocab_cases(name):
     return [(text, [int(x) for x in line.split()]) for text, line in zip(texts, lines)]
 
 
-def _converter_digest():
-    return hashlib.sha256(pathlib.Path(convert_tokenizer.__file__).read_bytes()).hexdigest()[:16]
+@functools.lru_cache(maxsize=None)
+def _content_digest(path):
+    return models.sha256_of(path)[:12]
 
 
 def converted_mlt(gguf_path, label):
-    """The .mlt of a GGUF's vocabulary, converted once per GGUF and converter version."""
-    gguf_path = pathlib.Path(gguf_path)
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = models.krafla_home() / "testdata" / "mlt" / f"{label}-{key}-{_converter_digest()}.mlt"
+    """The .mlt of a GGUF's vocabulary, converted once per GGUF content and converter version."""
+    gguf_path = pathlib.Path(gguf_path).resolve()
+    key = f"{_content_digest(gguf_path)}-{models.converter_fingerprints()['tokenizer']}"
+    out = models.krafla_home() / "testdata" / "mlt" / f"{label}-{key}.mlt"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         formats.write(out, convert_tokenizer.container_from_gguf(gguf.GGUFReader(gguf_path)))
