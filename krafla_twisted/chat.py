@@ -150,6 +150,7 @@ class Template:
     default_system = None    # the official template's system prompt when a conversation has none
     stop_markers = ()        # end-of-turn and end-of-text markers, as special tokens or text
     system_turn = True       # a system message after the first renders as its own turn
+    stops_at_eos = False     # the tokenizer's EOS token ends a reply too (formats that end turns with </s>)
     tool_format = None       # the name of the template's tool-call format (krafla_twisted.tools), None: none
 
     @property
@@ -158,12 +159,15 @@ class Template:
         return tuple(self.stop_markers)
 
     def stop_token_ids(self, tokenizer):
-        """Ids of this template's stop markers that are single tokens in `tokenizer`."""
+        """Ids of this template's stop markers that are single tokens in `tokenizer` (and its EOS
+        token, for templates that stop at it)."""
         ids = set()
         for marker in self.stop_markers:
             token = tokenizer.token_id(marker)
             if token is not None:
                 ids.add(token)
+        if self.stops_at_eos and tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+            ids.add(tokenizer.eos_id)
         return frozenset(ids)
 
     def segments(self, messages, system=None, tools=None):
@@ -463,13 +467,8 @@ class Llama2Template(Template):
     bos_text = "<s>"
     eos_text = "</s>"
     stop_markers = ("</s>",)
+    stops_at_eos = True
     system_turn = False
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
 
     def _write(self, out, system_prompt, messages, continue_last):
         if not messages:
@@ -495,12 +494,7 @@ class ZephyrTemplate(Template):
     name = "zephyr"
     eos_text = "</s>"
     stop_markers = ("</s>",)
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
+    stops_at_eos = True
 
     def _write(self, out, system_prompt, messages, continue_last):
         if system_prompt is not None:
@@ -694,13 +688,8 @@ class MistralTemplate(Template):
     bos_text = "<s>"
     eos_text = "</s>"
     stop_markers = ("</s>",)
+    stops_at_eos = True
     system_turn = False
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
 
     def _write(self, out, system_prompt, messages, continue_last):
         for index, message in enumerate(messages):
