@@ -53,6 +53,11 @@ class CompletionRequest:
     tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
     parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
 
+    @property
+    def requires_call(self):
+        """The reply must be a tool call: tools are given and tool_choice is "required" or a function's name."""
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
 
 def parse_json_body(body):
     """The request body as a JSON object, or InvalidRequest."""
