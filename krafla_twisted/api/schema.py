@@ -206,6 +206,12 @@ def _sampling(body):
     )
 
 
+def _generation_fields(body):
+    """The fields both endpoints read the same way (in this order, after the messages or the prompt)."""
+    return {"max_tokens": _max_tokens(body), "sampling": _sampling(body), "stop": _stop(body),
+            "logit_bias": _logit_bias(body)}
+
+
 def _max_tokens(body):
     # max_completion_tokens is the newer name; when both are set it wins, as in OpenAI's API.
     newer = _integer(body, "max_completion_tokens", 1)
@@ -284,12 +290,9 @@ def parse_chat_request(body):
     return CompletionRequest(
         kind="chat",
         messages=_messages(body),
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
-        stop=_stop(body),
+        **_generation_fields(body),
         stream=stream,
         include_usage=include_usage,
-        logit_bias=_logit_bias(body),
         logprobs=(top_logprobs or 0) if logprobs else None,
         response_format=_response_format(body),
         tools=tools,
@@ -529,12 +532,9 @@ def parse_completion_request(body, n_vocab):
         kind="text",
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
-        stop=_stop(body),
+        **_generation_fields(body),
         stream=stream,
         include_usage=include_usage,
-        logit_bias=_logit_bias(body),
         logprobs=None if logprobs is None or logprobs is False else int(logprobs),
     )
 
