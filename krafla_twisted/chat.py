@@ -506,14 +506,20 @@ class GemmaTemplate(Template):
             out.text("model\n")
 
 
-class Llama2Template(Template):
+class EndsAtEosTemplate(Template):
+    """A format whose replies end with `</s>` (llama2, zephyr, mistral): that text, or the
+    tokenizer's EOS token, ends a reply."""
+
+    eos_text = "</s>"
+    stop_markers = ("</s>",)
+    stops_at_eos = True
+
+
+class Llama2Template(EndsAtEosTemplate):
     """Llama 2 chat: `<s>[INST] <<SYS>>\\nS\\n<</SYS>>\\n\\nU [/INST] A </s>`, with [INST] as text."""
 
     name = "llama2"
     bos_text = "<s>"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
-    stops_at_eos = True
     system_turn = False
 
     def _write(self, out, system_prompt, messages, continue_last):
@@ -534,13 +540,10 @@ class Llama2Template(Template):
                 out.text(f"[INST] {content.strip()} [/INST]")
 
 
-class ZephyrTemplate(Template):
+class ZephyrTemplate(EndsAtEosTemplate):
     """Zephyr / TinyLlama chat: `<|user|>\\nU</s>\\n<|assistant|>\\n`, the role tags as text."""
 
     name = "zephyr"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
-    stops_at_eos = True
 
     def _write(self, out, system_prompt, messages, continue_last):
         if system_prompt is not None:
@@ -681,7 +684,7 @@ class Qwen3Template(ChatMLTemplate):
                 self._think(out, "")
 
 
-class MistralTemplate(Template):
+class MistralTemplate(EndsAtEosTemplate):
     """Mistral's v3 (Tekken) format, as Mistral Nemo's template writes it: `<s>[INST]U[/INST]A</s>`;
     a system message goes before the last user message, and only when that message ends the
     conversation (a conversation ending with an assistant message drops it, as the official
@@ -689,9 +692,6 @@ class MistralTemplate(Template):
 
     name = "mistral"
     bos_text = "<s>"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
-    stops_at_eos = True
     system_turn = False
 
     def _write(self, out, system_prompt, messages, continue_last):
