@@ -97,10 +97,6 @@ class Backend:
     def complete(self, completion, on_text, cancelled, on_logprobs=None):
         """Generate the reply for a validated request. This must be called in the worker thread."""
         param = "messages" if completion.kind == "chat" else "prompt"
-        bad = next((t for t in completion.logit_bias if t >= self.n_vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {self.n_vocab - 1})",
-                                 param="logit_bias")
         try:
             prompt = self.prompt(completion)
         except chat.ChatError as e:

@@ -206,10 +206,10 @@ def _sampling(body):
     )
 
 
-def _generation_fields(body):
+def _generation_fields(body, n_vocab):
     """The fields both endpoints read the same way (in this order, after the messages or the prompt)."""
     return {"max_tokens": _max_tokens(body), "sampling": _sampling(body), "stop": _stop(body),
-            "logit_bias": _logit_bias(body)}
+            "logit_bias": _logit_bias(body, n_vocab)}
 
 
 def _max_tokens(body):
@@ -265,8 +265,9 @@ def _common_checks(body):
         raise Unsupported(f"'n' must be 1: this server makes one reply per request; got {n}", param="n")
 
 
-def parse_chat_request(body):
-    """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field)."""
+def parse_chat_request(body, n_vocab):
+    """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field);
+    logit_bias's token ids are checked against the vocabulary size."""
     _common_checks(body)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -290,7 +291,7 @@ def parse_chat_request(body):
     return CompletionRequest(
         kind="chat",
         messages=_messages(body),
-        **_generation_fields(body),
+        **_generation_fields(body, n_vocab),
         stream=stream,
         include_usage=include_usage,
         logprobs=(top_logprobs or 0) if logprobs else None,
@@ -301,9 +302,8 @@ def parse_chat_request(body):
     )
 
 
-def _logit_bias(body):
-    """OpenAI's logit_bias: {"token id": bias from -100 to 100}; ids are checked against the
-    vocabulary when the request runs (the model's size is the backend's)."""
+def _logit_bias(body, n_vocab):
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100}, each id below `n_vocab`."""
     value = body.get("logit_bias")
     if value is None:
         return {}
@@ -322,6 +322,10 @@ def _logit_bias(body):
             raise InvalidRequest(f"'logit_bias[{key}]' must be a number from -100 to 100; got {json.dumps(bias)}",
                                  param="logit_bias")
         out[token] = float(bias)
+    bad = next((token for token in out if token >= n_vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {n_vocab - 1})",
+                             param="logit_bias")
     return out
 
 
@@ -506,7 +510,8 @@ def _content(content, where):
 
 
 def parse_completion_request(body, n_vocab):
-    """A validated text completion request; token ids are checked against the vocabulary size."""
+    """A validated text completion request; token ids (the prompt's, logit_bias's) are checked
+    against the vocabulary size."""
     _common_checks(body)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
@@ -532,7 +537,7 @@ def parse_completion_request(body, n_vocab):
         kind="text",
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
-        **_generation_fields(body),
+        **_generation_fields(body, n_vocab),
         stream=stream,
         include_usage=include_usage,
         logprobs=None if logprobs is None or logprobs is False else int(logprobs),
