@@ -150,6 +150,7 @@ class Template:
     default_system = None    # the official template's system prompt when a conversation has none
     stop_markers = ()        # end-of-turn and end-of-text markers, as special tokens or text
     system_turn = True       # a system message after the first renders as its own turn
+    stops_at_eos = False     # the tokenizer's EOS token ends a reply too (formats that end turns with </s>)
     tool_format = None       # the name of the template's tool-call format (krafla_twisted.tools), None: none
 
     @property
@@ -158,12 +159,15 @@ class Template:
         return tuple(self.stop_markers)
 
     def stop_token_ids(self, tokenizer):
-        """Ids of this template's stop markers that are single tokens in `tokenizer`."""
+        """Ids of this template's stop markers that are single tokens in `tokenizer` (and its EOS
+        token, for templates that stop at it)."""
         ids = set()
         for marker in self.stop_markers:
             token = tokenizer.token_id(marker)
             if token is not None:
                 ids.add(token)
+        if self.stops_at_eos and tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+            ids.add(tokenizer.eos_id)
         return frozenset(ids)
 
     def segments(self, messages, system=None, tools=None):
@@ -253,40 +257,102 @@ def _merge_text(segments):
     return merged
 
 
-class ChatMLTemplate(Template):
-    """`<|im_start|>role\\ncontent<|im_end|>\\n` turns (chatml, qwen, smollm)."""
+class TurnTemplate(Template):
+    """A format of role turns: `_open` starts one, `turn_end` and a newline close it, and the
+    generation prompt is an open assistant turn. `_write` writes a plain conversation (a system
+    prompt first, as a turn of its own); templates with more to write (tools, reasoning) build on
+    `_turn`, `_reply`, `_open` and `_close`."""
+
+    turn_end = None
+
+    def _open(self, out, role):
+        raise NotImplementedError
+
+    def _close(self, out):
+        out.special(self.turn_end)
+        out.text("\n")
+
+    def _turn(self, out, role, content):
+        self._open(out, role)
+        out.text(content)
+        self._close(out)
+
+    def _reply(self, out, content, keep_open=False):
+        """An assistant turn; `keep_open` leaves it open for the reply to continue."""
+        self._open(out, "assistant")
+        out.content(content)
+        if not keep_open:
+            self._close(out)
+
+    def _keeps_system(self, content):
+        """Whether a system prompt or message with this content is written (None never is)."""
+        return content is not None
+
+    def _write(self, out, system_prompt, messages, continue_last):
+        if self._keeps_system(system_prompt):
+            self._turn(out, "system", system_prompt)
+        for index, message in enumerate(messages):
+            if message.role == "assistant":
+                self._reply(out, message.content, keep_open=continue_last and index == len(messages) - 1)
+            elif message.role != "system" or self._keeps_system(message.content):
+                self._turn(out, message.role, message.content)
+        if not continue_last:
+            self._open(out, "assistant")
+
+
+class ChatMLTemplate(TurnTemplate):
+    """`<|im_start|>role\\ncontent<|im_end|>\\n` turns (chatml, qwen, smollm, and the turns of qwen3,
+    qwen3.5 and smollm3)."""
 
     stop_markers = ("<|im_end|>",)
+    turn_end = "<|im_end|>"
 
     def __init__(self, name, default_system=None, stop_markers=("<|im_end|>",)):
         self.name = name
         self.default_system = default_system
         self.stop_markers = stop_markers
 
-    def _write(self, out, system_prompt, messages, continue_last):
-        if system_prompt is not None:
-            self._turn(out, "system", system_prompt)
-        for index, message in enumerate(messages):
-            last = index == len(messages) - 1
-            if message.role == "assistant":
-                out.special("<|im_start|>")
-                out.text("assistant\n")
-                out.content(message.content)
-                if not (last and continue_last):
-                    out.special("<|im_end|>")
-                    out.text("\n")
-            else:
-                self._turn(out, message.role, message.content)
-        if not continue_last:
+    def _open(self, out, role):
+        out.special("<|im_start|>")
+        out.text(role + "\n")
+
+    def _tool_response(self, out, messages, index, content, opens):
+        """A tool's result in `<tool_response>` tags (Qwen2.5, Qwen3.5): consecutive results share
+        one user turn, which `opens` starts; the last of them closes it."""
+        if opens:
             out.special("<|im_start|>")
-            out.text("assistant\n")
+            out.text("user")
+        out.text(f"\n<tool_response>\n{content}\n</tool_response>")
+        if index == len(messages) - 1 or messages[index + 1].role != "tool":
+            self._close(out)
 
     @staticmethod
-    def _turn(out, role, content):
-        out.special("<|im_start|>")
-        out.text(f"{role}\n{content}")
-        out.special("<|im_end|>")
-        out.text("\n")
+    def _think(out, reasoning, after="\n\n"):
+        """A think block holding `reasoning` (empty: the closed block of a no-thinking mode)."""
+        out.special("<think>")
+        out.text("\n" + reasoning + "\n")
+        out.special("</think>")
+        out.text(after)
+
+
+def _split_reasoning(content):
+    """(reasoning, answer) of an assistant message whose reasoning ends at `</think>`, as the Qwen3
+    templates split it; ("", content) when it has none."""
+    if "</think>" not in content:
+        return "", content
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, content.split("</think>")[-1].lstrip("\n")
+
+
+def _last_query(messages, strip):
+    """The index of the last user message that is not a tool response, or None (`strip`: the
+    content is trimmed before the test, as Qwen3.5's template does)."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        text = message.content.strip() if strip else message.content
+        if message.role == "user" and not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
+            return index
+    return None
 
 
 QWEN_TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -312,44 +378,28 @@ class QwenTemplate(ChatMLTemplate):
 
     def _write(self, out, system_prompt, messages, continue_last, tools=()):
         if tools:
-            out.special("<|im_start|>")
-            out.text("system\n" + (system_prompt if system_prompt is not None else QWEN_SYSTEM) + QWEN_TOOLS_HEADER)
+            self._open(out, "system")
+            out.text((system_prompt if system_prompt is not None else QWEN_SYSTEM) + QWEN_TOOLS_HEADER)
             for tool in tools:
                 out.text("\n" + tool_json(tool))
             out.text(QWEN_TOOLS_FOOTER)
-            out.special("<|im_end|>")
-            out.text("\n")
+            self._close(out)
         elif system_prompt is not None:
             self._turn(out, "system", system_prompt)
         for index, message in enumerate(messages):
-            last = index == len(messages) - 1
             if message.role == "tool":
-                if index == 0 or messages[index - 1].role != "tool":
-                    out.special("<|im_start|>")
-                    out.text("user")
-                out.text(f"\n<tool_response>\n{message.content}\n</tool_response>")
-                if last or messages[index + 1].role != "tool":
-                    out.special("<|im_end|>")
-                    out.text("\n")
-            elif message.role == "assistant" and message.tool_calls:
-                calls = "\n".join(qwen_tool_call_text(call) for call in message.tool_calls)
-                out.special("<|im_start|>")
-                out.text("assistant\n")
-                out.content(message.content + "\n" + calls if message.content else calls)
-                out.special("<|im_end|>")
-                out.text("\n")
+                self._tool_response(out, messages, index, message.content,
+                                    opens=index == 0 or messages[index - 1].role != "tool")
             elif message.role == "assistant":
-                out.special("<|im_start|>")
-                out.text("assistant\n")
-                out.content(message.content)
-                if not (last and continue_last):
-                    out.special("<|im_end|>")
-                    out.text("\n")
+                content = message.content
+                if message.tool_calls:
+                    calls = "\n".join(qwen_tool_call_text(call) for call in message.tool_calls)
+                    content = content + "\n" + calls if content else calls
+                self._reply(out, content, keep_open=continue_last and index == len(messages) - 1)
             else:
                 self._turn(out, message.role, message.content)
         if not continue_last:
-            out.special("<|im_start|>")
-            out.text("assistant\n")
+            self._open(out, "assistant")
 
 
 LLAMA3_TOOLS_PROMPT = ("Given the following functions, please respond with a JSON for a function call with its proper "
@@ -456,20 +506,21 @@ class GemmaTemplate(Template):
             out.text("model\n")
 
 
-class Llama2Template(Template):
+class EndsAtEosTemplate(Template):
+    """A format whose replies end with `</s>` (llama2, zephyr, mistral): that text, or the
+    tokenizer's EOS token, ends a reply."""
+
+    eos_text = "</s>"
+    stop_markers = ("</s>",)
+    stops_at_eos = True
+
+
+class Llama2Template(EndsAtEosTemplate):
     """Llama 2 chat: `<s>[INST] <<SYS>>\\nS\\n<</SYS>>\\n\\nU [/INST] A </s>`, with [INST] as text."""
 
     name = "llama2"
     bos_text = "<s>"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
     system_turn = False
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
 
     def _write(self, out, system_prompt, messages, continue_last):
         if not messages:
@@ -489,18 +540,10 @@ class Llama2Template(Template):
                 out.text(f"[INST] {content.strip()} [/INST]")
 
 
-class ZephyrTemplate(Template):
+class ZephyrTemplate(EndsAtEosTemplate):
     """Zephyr / TinyLlama chat: `<|user|>\\nU</s>\\n<|assistant|>\\n`, the role tags as text."""
 
     name = "zephyr"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
 
     def _write(self, out, system_prompt, messages, continue_last):
         if system_prompt is not None:
@@ -521,7 +564,7 @@ class ZephyrTemplate(Template):
             out.text("<|assistant|>\n")
 
 
-class Qwen35Template(Template):
+class Qwen35Template(ChatMLTemplate):
     """Qwen3.5: chatml turns with trimmed contents; assistant messages after the last user query
     carry a `<think>` block (their reasoning, split off at `</think>`), earlier ones only their
     answer. The generation prompt opens a think block, or with -nothink an empty, closed one."""
@@ -536,71 +579,45 @@ class Qwen35Template(Template):
 
     def _write(self, out, system_prompt, messages, continue_last, tools=()):
         if tools:
-            out.special("<|im_start|>")
-            out.text("system\n" + QWEN35_TOOLS_HEADER)
+            self._open(out, "system")
+            out.text(QWEN35_TOOLS_HEADER)
             for tool in tools:
                 out.text("\n" + tool_json(tool))
             out.text(QWEN35_TOOLS_FOOTER)
             if system_prompt is not None and system_prompt.strip():
                 out.text("\n\n" + system_prompt.strip())
-            out.special("<|im_end|>")
-            out.text("\n")
+            self._close(out)
         elif system_prompt is not None:
-            ChatMLTemplate._turn(out, "system", system_prompt.strip())
-        last_query = None
-        for index in range(len(messages) - 1, -1, -1):
-            message = messages[index]
-            if message.role == "user":
-                text = message.content.strip()
-                if not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
-                    last_query = index
-                    break
+            self._turn(out, "system", system_prompt.strip())
+        last_query = _last_query(messages, strip=True)
         if last_query is None:
             raise ChatError(f"the {self.name} template needs a user message")
         for index, message in enumerate(messages):
             content = message.content.strip()
             if message.role == "user":
-                ChatMLTemplate._turn(out, "user", content)
+                self._turn(out, "user", content)
                 continue
             if message.role == "tool":
                 previous = messages[index - 1].role if index else ("system" if system_prompt is not None else None)
-                if previous is not None and previous != "tool":
-                    out.special("<|im_start|>")
-                    out.text("user")
-                out.text(f"\n<tool_response>\n{content}\n</tool_response>")
-                if index == len(messages) - 1 or messages[index + 1].role != "tool":
-                    out.special("<|im_end|>")
-                    out.text("\n")
+                self._tool_response(out, messages, index, content, opens=previous is not None and previous != "tool")
                 continue
-            reasoning = ""
-            if "</think>" in content:
-                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                content = content.split("</think>")[-1].lstrip("\n")
-            reasoning = reasoning.strip()
-            out.special("<|im_start|>")
-            out.text("assistant\n")
+            reasoning, content = _split_reasoning(content)
+            self._open(out, "assistant")
             if index > last_query:
-                out.special("<think>")
-                out.text("\n" + reasoning + "\n")
-                out.special("</think>")
-                out.text("\n\n")
+                self._think(out, reasoning.strip())
             if message.tool_calls:
                 calls = "\n".join(qwen35_tool_call_text(call) for call in message.tool_calls)
                 content = content + "\n\n" + calls if content.strip() else content + calls
             out.content(content)
-            if index == len(messages) - 1 and continue_last:
-                continue
-            out.special("<|im_end|>")
-            out.text("\n")
+            if not (index == len(messages) - 1 and continue_last):
+                self._close(out)
         if not continue_last:
-            out.special("<|im_start|>")
-            out.text("assistant\n")
-            out.special("<think>")
-            out.text("\n")
-            if not self.thinking:
+            self._open(out, "assistant")
+            if self.thinking:
+                out.special("<think>")
                 out.text("\n")
-                out.special("</think>")
-                out.text("\n\n")
+            else:
+                self._think(out, "")
 
 
 QWEN35_TOOLS_HEADER = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
@@ -630,7 +647,7 @@ def qwen35_tool_call_text(call):
     return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
 
 
-class Qwen3Template(Template):
+class Qwen3Template(ChatMLTemplate):
     """Qwen3: chatml turns kept as written; an assistant message after the last user query gets a
     `<think>` block when it is the last message or has reasoning (split off at `</think>`),
     earlier ones only their answer. The generation prompt is the bare assistant header, or with
@@ -644,47 +661,30 @@ class Qwen3Template(Template):
 
     def _write(self, out, system_prompt, messages, continue_last):
         if system_prompt is not None:
-            ChatMLTemplate._turn(out, "system", system_prompt)
-        last_query = len(messages) - 1
-        for index in range(len(messages) - 1, -1, -1):
-            message = messages[index]
-            if message.role == "user" and not (message.content.startswith("<tool_response>")
-                                               and message.content.endswith("</tool_response>")):
-                last_query = index
-                break
+            self._turn(out, "system", system_prompt)
+        last_query = _last_query(messages, strip=False)
+        if last_query is None:
+            last_query = len(messages) - 1
         for index, message in enumerate(messages):
             if message.role != "assistant":
-                ChatMLTemplate._turn(out, message.role, message.content)
+                self._turn(out, message.role, message.content)
                 continue
-            content, reasoning = message.content, ""
-            if "</think>" in content:
-                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                content = content.split("</think>")[-1].lstrip("\n")
+            reasoning, content = _split_reasoning(message.content)
             last = index == len(messages) - 1
-            out.special("<|im_start|>")
-            out.text("assistant\n")
+            self._open(out, "assistant")
             if index > last_query and (last or reasoning):
-                out.special("<think>")
-                out.text("\n" + reasoning.strip("\n") + "\n")
-                out.special("</think>")
-                out.text("\n\n")
+                self._think(out, reasoning.strip("\n"))
                 content = content.lstrip("\n")
             out.content(content)
-            if last and continue_last:
-                continue
-            out.special("<|im_end|>")
-            out.text("\n")
+            if not (last and continue_last):
+                self._close(out)
         if not continue_last:
-            out.special("<|im_start|>")
-            out.text("assistant\n")
+            self._open(out, "assistant")
             if not self.thinking:
-                out.special("<think>")
-                out.text("\n\n")
-                out.special("</think>")
-                out.text("\n\n")
+                self._think(out, "")
 
 
-class MistralTemplate(Template):
+class MistralTemplate(EndsAtEosTemplate):
     """Mistral's v3 (Tekken) format, as Mistral Nemo's template writes it: `<s>[INST]U[/INST]A</s>`;
     a system message goes before the last user message, and only when that message ends the
     conversation (a conversation ending with an assistant message drops it, as the official
@@ -692,15 +692,7 @@ class MistralTemplate(Template):
 
     name = "mistral"
     bos_text = "<s>"
-    eos_text = "</s>"
-    stop_markers = ("</s>",)
     system_turn = False
-
-    def stop_token_ids(self, tokenizer):
-        ids = set(super().stop_token_ids(tokenizer))
-        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-            ids.add(tokenizer.eos_id)
-        return frozenset(ids)
 
     def _write(self, out, system_prompt, messages, continue_last):
         for index, message in enumerate(messages):
@@ -722,40 +714,21 @@ class MistralTemplate(Template):
                     out.eos()
 
 
-class Phi3Template(Template):
-    """Phi-3 / Phi-3.5: `<|role|>\ncontent<|end|>\n` turns with the tags as special tokens; an
+class Phi3Template(TurnTemplate):
+    """Phi-3 / Phi-3.5: `<|role|>\\ncontent<|end|>\\n` turns with the tags as special tokens; an
     empty system message is left out."""
 
     name = "phi3"
     eos_text = "<|endoftext|>"
     stop_markers = ("<|end|>", "<|endoftext|>")
+    turn_end = "<|end|>"
 
-    def _write(self, out, system_prompt, messages, continue_last):
-        if system_prompt:
-            self._turn(out, "system", system_prompt)
-        for index, message in enumerate(messages):
-            if message.role == "system":
-                if message.content:
-                    self._turn(out, "system", message.content)
-            elif message.role == "user":
-                self._turn(out, "user", message.content)
-            else:
-                out.special("<|assistant|>")
-                out.text("\n")
-                out.content(message.content)
-                if not (index == len(messages) - 1 and continue_last):
-                    out.special("<|end|>")
-                    out.text("\n")
-        if not continue_last:
-            out.special("<|assistant|>")
-            out.text("\n")
-
-    @staticmethod
-    def _turn(out, role, content):
+    def _open(self, out, role):
         out.special(f"<|{role}|>")
-        out.text("\n" + content)
-        out.special("<|end|>")
         out.text("\n")
+
+    def _keeps_system(self, content):
+        return bool(content)
 
 
 SMOLLM3_THINK_SYSTEM = (
@@ -774,7 +747,7 @@ SMOLLM3_THINK_SYSTEM = (
 SMOLLM3_NOTHINK_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
 
 
-class SmolLM3Template(Template):
+class SmolLM3Template(ChatMLTemplate):
     """SmolLM3: chatml turns after a system header (metadata, the reasoning mode and the custom
     instructions, or a default prompt for the mode). `/think` or `/no_think` in the system
     message picks the mode and is removed from it; -nothink starts in /no_think, where every
@@ -797,33 +770,24 @@ class SmolLM3Template(Template):
             instructions = system_prompt.replace("/no_think", "").replace("/think", "").rstrip()
         if not instructions:
             instructions = SMOLLM3_THINK_SYSTEM if thinking else SMOLLM3_NOTHINK_SYSTEM
-        out.special("<|im_start|>")
-        out.text("system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\n"
-                 f"Reasoning Mode: {'/think' if thinking else '/no_think'}\n\n"
-                 f"## Custom Instructions\n\n{instructions}\n\n")
-        out.special("<|im_end|>")
-        out.text("\n")
+        self._turn(out, "system", "## Metadata\n\nKnowledge Cutoff Date: June 2025\n"
+                   f"Reasoning Mode: {'/think' if thinking else '/no_think'}\n\n"
+                   f"## Custom Instructions\n\n{instructions}\n\n")
         for index, message in enumerate(messages):
             if message.role == "user":
-                ChatMLTemplate._turn(out, "user", message.content)
+                self._turn(out, "user", message.content)
                 continue
             self._assistant_header(out, thinking)
             out.content(message.content.lstrip("\n"))
             if not (index == len(messages) - 1 and continue_last):
-                out.special("<|im_end|>")
-                out.text("\n")
+                self._close(out)
         if not continue_last:
             self._assistant_header(out, thinking)
 
-    @staticmethod
-    def _assistant_header(out, thinking):
-        out.special("<|im_start|>")
-        out.text("assistant\n")
+    def _assistant_header(self, out, thinking):
+        self._open(out, "assistant")
         if not thinking:
-            out.special("<think>")
-            out.text("\n\n")
-            out.special("</think>")
-            out.text("\n")
+            self._think(out, "", after="\n")
 
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

@@ -36,35 +36,42 @@ def _arguments(value):
     return value if isinstance(value, dict) else None
 
 
-class QwenFormat:
-    """Qwen2.5 (Hermes style): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one
-    per call, separated by newlines."""
+class ToolFormat:
+    """What the formats share: the grammar of a reply that is a call of one of the tools (each
+    format writes a tool's call rule in `_call_rule`), and calls read out of a reply by a pattern
+    (`_call` and `_read`)."""
 
-    name = "qwen"
-    trigger = "<tool_call>"
-    parallel = True
-    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
+    parallel = True     # whether a reply may hold several calls, one per line
 
     def grammar(self, tools, only=None, parallel=True, thinking=False):
+        """Lark text for a reply that is a call of one of `tools` (only `only`, if given); several
+        calls, a line each, with `parallel` where the format allows it; with `thinking`, reasoning
+        (no `<` in it) and `</think>` come first."""
         rules = []
         names = []
         for index, tool in enumerate(tools):
             if only is not None and tool_name(tool) != only:
                 continue
-            head = '<tool_call>\n{"name": "' + tool_name(tool) + '", "arguments": '
-            rules.append(f"call{index}: {_literal(head)} args{index} {_literal(chr(125) + chr(10) + '</tool_call>')}")
-            rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
+            rules.append(f"call{index}: {self._call_rule(index, tool, rules)}")
             names.append(f"call{index}")
-        calls = " | ".join(names)
-        start = f'start: call ("\\n" call)*' if parallel and self.parallel else "start: call"
-        return "\n".join([start, f"call: {calls}", *rules])
+        start = 'start: call ("\\n" call)*' if parallel and self.parallel else "start: call"
+        if thinking:
+            start = start.replace("start: ", 'start: REASONING "</think>\\n\\n" ')
+            rules.append("REASONING: /[^<]*/")
+        return "\n".join([start, "call: " + " | ".join(names), *rules])
+
+    def _call_rule(self, index, tool, rules):
+        """The Lark expression of a call of `tool` (adding the rules it needs to `rules`)."""
+        raise NotImplementedError
 
     def parse(self, text, tools=()):
+        """(content, calls): every match of `_call` that `_read` makes a ToolCall of is a call and
+        leaves the content; the content is None when nothing but whitespace is left."""
         calls = []
         kept = []
         position = 0
         for match in self._call.finditer(text):
-            call = self._read(match.group(1))
+            call = self._read(match, tools)
             if call is None:
                 continue
             kept.append(text[position:match.start()])
@@ -73,10 +80,29 @@ class QwenFormat:
         kept.append(text[position:])
         return _content("".join(kept) if calls else text), calls
 
+
+def _json_call_rule(index, tool, rules, head, tail):
+    """A call written as `head`, the arguments as one JSON object, `tail`."""
+    rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
+    return f"{_literal(head)} args{index} {_literal(tail)}"
+
+
+class QwenFormat(ToolFormat):
+    """Qwen2.5 (Hermes style): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one
+    per call, separated by newlines."""
+
+    name = "qwen"
+    trigger = "<tool_call>"
+    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
+
+    def _call_rule(self, index, tool, rules):
+        head = '<tool_call>\n{"name": "' + tool_name(tool) + '", "arguments": '
+        return _json_call_rule(index, tool, rules, head, "}\n</tool_call>")
+
     @staticmethod
-    def _read(body):
+    def _read(match, tools=()):
         try:
-            value = json.loads(body)
+            value = json.loads(match.group(1))
         except ValueError:
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -87,24 +113,15 @@ class QwenFormat:
     text = staticmethod(qwen_tool_call_text)
 
 
-class Llama3Format:
+class Llama3Format(ToolFormat):
     """Llama 3.1: the whole reply is `{"name": N, "parameters": {...}}` (one call per turn)."""
 
     name = "llama3"
     trigger = "{"
     parallel = False
 
-    def grammar(self, tools, only=None, parallel=False, thinking=False):
-        rules = []
-        names = []
-        for index, tool in enumerate(tools):
-            if only is not None and tool_name(tool) != only:
-                continue
-            head = '{"name": "' + tool_name(tool) + '", "parameters": '
-            rules.append(f"call{index}: {_literal(head)} args{index} {_literal(chr(125))}")
-            rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
-            names.append(f"call{index}")
-        return "\n".join(["start: call", "call: " + " | ".join(names), *rules])
+    def _call_rule(self, index, tool, rules):
+        return _json_call_rule(index, tool, rules, '{"name": "' + tool_name(tool) + '", "parameters": ', "}")
 
     def parse(self, text, tools=()):
         stripped = text.strip()
@@ -123,7 +140,7 @@ class Llama3Format:
     text = staticmethod(llama3_tool_call_text)
 
 
-class Qwen35Format:
+class Qwen35Format(ToolFormat):
     """Qwen3.5 (Qwen3-Coder's XML): `<tool_call>\n<function=N>\n<parameter=K>\nVALUE\n</parameter>\n
     ...</function>\n</tool_call>`; a value is raw text for a string parameter, JSON otherwise.
 
@@ -134,35 +151,23 @@ class Qwen35Format:
 
     name = "qwen3.5"
     trigger = "<tool_call>"
-    parallel = True
     _call = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)</function>\s*(?:</tool_call>|\Z)", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
-    def grammar(self, tools, only=None, parallel=True, thinking=False):
-        rules = []
-        names = []
-        for index, tool in enumerate(tools):
-            if only is not None and tool_name(tool) != only:
-                continue
-            schema = parameters_schema(tool)
-            properties = schema.get("properties") or {}
-            required = [name for name in schema.get("required", []) if name in properties]
-            optional = [name for name in properties if name not in required]
-            parts = []
-            for number, name in enumerate(required + optional):
-                rule = f"p{index}_{number}"
-                value = self._value_rule(properties[name], f"{rule}_json", rules)
-                rules.append(f"{rule}: {_literal('<parameter=' + name + '>' + chr(10))} {value}")
-                parts.append(rule if name in required else f"{rule}?")
-            head = _literal(f"<tool_call>\n<function={tool_name(tool)}>\n")
-            tail = _literal("</function>\n</tool_call>")
-            rules.append(f"call{index}: {head} {' '.join(parts)} {tail}")
-            names.append(f"call{index}")
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        if thinking:
-            start = start.replace("start: ", 'start: REASONING "</think>\\n\\n" ')
-            rules.append("REASONING: /[^<]*/")
-        return "\n".join([start, "call: " + " | ".join(names), *rules])
+    def _call_rule(self, index, tool, rules):
+        schema = parameters_schema(tool)
+        properties = schema.get("properties") or {}
+        required = [name for name in schema.get("required", []) if name in properties]
+        optional = [name for name in properties if name not in required]
+        parts = []
+        for number, name in enumerate(required + optional):
+            rule = f"p{index}_{number}"
+            value = self._value_rule(properties[name], f"{rule}_json", rules)
+            rules.append(f"{rule}: {_literal('<parameter=' + name + '>' + chr(10))} {value}")
+            parts.append(rule if name in required else f"{rule}?")
+        head = _literal(f"<tool_call>\n<function={tool_name(tool)}>\n")
+        tail = _literal("</function>\n</tool_call>")
+        return f"{head} {' '.join(parts)} {tail}"
 
     @staticmethod
     def _value_rule(schema, json_name, rules):
@@ -175,23 +180,17 @@ class Qwen35Format:
         rules.append(f"{json_name}: {json_rule(schema)}")
         return f"{json_name} {closing}"
 
-    def parse(self, text, tools=()):
-        types = {tool_name(t): (parameters_schema(t).get("properties") or {}) for t in tools
-                 if isinstance(t, dict) and isinstance(t.get("function"), dict)}
-        calls = []
-        kept = []
-        position = 0
-        for match in self._call.finditer(text):
-            name = match.group(1).strip()
-            arguments = {}
-            for key, raw in self._parameter.findall(match.group(2)):
-                key = key.strip()
-                arguments[key] = self._value(raw, types.get(name, {}).get(key, {}))
-            kept.append(text[position:match.start()])
-            position = match.end()
-            calls.append(ToolCall(name, arguments))
-        kept.append(text[position:])
-        return _content("".join(kept) if calls else text), calls
+    def _read(self, match, tools=()):
+        name = match.group(1).strip()
+        # the parameter schemas of the named tool (the last of that name), which say which values are strings
+        called = next((t for t in reversed(tools) if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                       and tool_name(t) == name), None)
+        types = (parameters_schema(called).get("properties") or {}) if called is not None else {}
+        arguments = {}
+        for key, raw in self._parameter.findall(match.group(2)):
+            key = key.strip()
+            arguments[key] = self._value(raw, types.get(key, {}))
+        return ToolCall(name, arguments)
 
     @staticmethod
     def _value(raw, schema):

@@ -114,6 +114,19 @@ class RefusalTests(unittest.TestCase):
             response, _ = self.harness.fetch("POST", "/v1/chat/completions", dict(base, **harmless))
             self.assertEqual(response.code, 200, harmless)
 
+    def test_logit_bias_ids_outside_the_vocabulary(self):
+        """A logit_bias id at the model's vocabulary size is a 400 on logit_bias from both endpoints,
+        refused before the request reaches the engine; the last id of the vocabulary is accepted."""
+        n_vocab = self.harness.backend.n_vocab
+        for path, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            calls = len(self.harness.backend.calls)
+            error = self.refused(path, dict(base, logit_bias={str(n_vocab): 1}), "logit_bias")
+            self.assertIn(f"token {n_vocab},", error["message"])
+            self.assertEqual(len(self.harness.backend.calls), calls, path)
+            response, _ = self.harness.fetch("POST", path, dict(base, logit_bias={str(n_vocab - 1): 1}))
+            self.assertEqual(response.code, 200, path)
+
     def test_completion_refusals(self):
         """echo, suffix, best_of above 1, logprobs above 5, n above 1 and several prompts are refused for completions."""
         for extra, param in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),

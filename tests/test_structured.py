@@ -211,7 +211,7 @@ class LogprobTests:
         logits at that step (computed again here from Session.eval), before bias and grammar."""
         request = parse_chat_request({"messages": ASK_WEATHER, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
                                       "logit_bias": {"1": 5}, "response_format": {"type": "json_object"}, "seed": 1,
-                                      "temperature": 0.8})
+                                      "temperature": 0.8}, backend.n_vocab)
         result = backend.complete(request, on_text=None, cancelled=lambda: False)
         prompt = list(backend.prompt(request).tokens)
         backend.runtime.reset()
@@ -266,7 +266,7 @@ class ReproducibilityTests:
         same from a cold cache, from a warm one (the same prompt again) and after a reset."""
         for body in ({"messages": ASK_WEATHER, "response_format": schema_format(PERSON)},
                      {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": "required"}):
-            request = parse_chat_request(dict(body, max_tokens=40, temperature=0.9, seed=1234))
+            request = parse_chat_request(dict(body, max_tokens=40, temperature=0.9, seed=1234), backend.n_vocab)
             replies = []
             for reset in (True, False, True):
                 if reset:

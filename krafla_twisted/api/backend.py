@@ -70,9 +70,8 @@ class Backend:
     def constraint(self, completion):
         """The grammar.Constraint a request's response_format or tool_choice asks for, or None.
         This must be called in the worker thread (a tokenizer's first grammar builds its vocabulary)."""
-        choice = completion.tool_choice
-        if completion.tools and choice not in ("auto", "none"):
-            only = None if choice == "required" else choice
+        if completion.requires_call:
+            only = None if completion.tool_choice == "required" else completion.tool_choice
             # Qwen3.5's generation prompt leaves the reply inside a think block: reasoning comes first.
             thinking = bool(getattr(self.template, "thinking", False))
             text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
@@ -98,10 +97,6 @@ class Backend:
     def complete(self, completion, on_text, cancelled, on_logprobs=None):
         """Generate the reply for a validated request. This must be called in the worker thread."""
         param = "messages" if completion.kind == "chat" else "prompt"
-        bad = next((t for t in completion.logit_bias if t >= self.n_vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {self.n_vocab - 1})",
-                                 param="logit_bias")
         try:
             prompt = self.prompt(completion)
         except chat.ChatError as e:
@@ -132,7 +127,7 @@ class Backend:
         except generate.ContextLengthExceeded as e:
             raise ContextTooLong(str(e), param=param) from None
         except grammar.GrammarError as e:
-            param = "tools" if completion.tools and completion.tool_choice not in ("auto", "none") else "response_format"
+            param = "tools" if completion.requires_call else "response_format"
             raise InvalidRequest(f"the reply's grammar failed: {e}", param=param) from None
         except ValueError as e:
             # The request was validated; what the renderer or the engine still refuses (a chat the template

@@ -202,7 +202,7 @@ class Completions(Endpoint):
                     "This server has no chat template, so it answers only /v1/completions; start it with --chat TEMPLATE",
                     code="chat_not_available",
                 )
-            completion = parse_chat_request(body)
+            completion = parse_chat_request(body, backend.n_vocab)
         else:
             completion = parse_completion_request(body, backend.n_vocab)
         self.api.admit()

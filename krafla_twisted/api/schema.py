@@ -53,6 +53,11 @@ class CompletionRequest:
     tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
     parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
 
+    @property
+    def requires_call(self):
+        """The reply must be a tool call: tools are given and tool_choice is "required" or a function's name."""
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
 
 def parse_json_body(body):
     """The request body as a JSON object, or InvalidRequest."""
@@ -201,6 +206,12 @@ def _sampling(body):
     )
 
 
+def _generation_fields(body, n_vocab):
+    """The fields both endpoints read the same way (in this order, after the messages or the prompt)."""
+    return {"max_tokens": _max_tokens(body), "sampling": _sampling(body), "stop": _stop(body),
+            "logit_bias": _logit_bias(body, n_vocab)}
+
+
 def _max_tokens(body):
     # max_completion_tokens is the newer name; when both are set it wins, as in OpenAI's API.
     newer = _integer(body, "max_completion_tokens", 1)
@@ -254,8 +265,9 @@ def _common_checks(body):
         raise Unsupported(f"'n' must be 1: this server makes one reply per request; got {n}", param="n")
 
 
-def parse_chat_request(body):
-    """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field)."""
+def parse_chat_request(body, n_vocab):
+    """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field);
+    logit_bias's token ids are checked against the vocabulary size."""
     _common_checks(body)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -279,12 +291,9 @@ def parse_chat_request(body):
     return CompletionRequest(
         kind="chat",
         messages=_messages(body),
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
-        stop=_stop(body),
+        **_generation_fields(body, n_vocab),
         stream=stream,
         include_usage=include_usage,
-        logit_bias=_logit_bias(body),
         logprobs=(top_logprobs or 0) if logprobs else None,
         response_format=_response_format(body),
         tools=tools,
@@ -293,9 +302,8 @@ def parse_chat_request(body):
     )
 
 
-def _logit_bias(body):
-    """OpenAI's logit_bias: {"token id": bias from -100 to 100}; ids are checked against the
-    vocabulary when the request runs (the model's size is the backend's)."""
+def _logit_bias(body, n_vocab):
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100}, each id below `n_vocab`."""
     value = body.get("logit_bias")
     if value is None:
         return {}
@@ -314,6 +322,10 @@ def _logit_bias(body):
             raise InvalidRequest(f"'logit_bias[{key}]' must be a number from -100 to 100; got {json.dumps(bias)}",
                                  param="logit_bias")
         out[token] = float(bias)
+    bad = next((token for token in out if token >= n_vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {n_vocab - 1})",
+                             param="logit_bias")
     return out
 
 
@@ -498,7 +510,8 @@ def _content(content, where):
 
 
 def parse_completion_request(body, n_vocab):
-    """A validated text completion request; token ids are checked against the vocabulary size."""
+    """A validated text completion request; token ids (the prompt's, logit_bias's) are checked
+    against the vocabulary size."""
     _common_checks(body)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
@@ -524,12 +537,9 @@ def parse_completion_request(body, n_vocab):
         kind="text",
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
-        stop=_stop(body),
+        **_generation_fields(body, n_vocab),
         stream=stream,
         include_usage=include_usage,
-        logit_bias=_logit_bias(body),
         logprobs=None if logprobs is None or logprobs is False else int(logprobs),
     )
 
