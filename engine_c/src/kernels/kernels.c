@@ -142,9 +142,7 @@ static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
         return kr_fail(err, KR_ERR_ARGUMENT,
                        "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K",
                        type, kr_type_name(type) ? kr_type_name(type) : "unknown");
-    if (kr_is_kquant(type)) return check_count("cols", cols, KR_QK_K, err);
-    const int blocks = type == KR_Q8_0 || type == KR_Q4_0 || type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1;
-    return check_count("cols", cols, blocks ? KR_QK : 1, err);
+    return check_count("cols", cols, kr_kernel_type_block(type), err);
 }
 
 // n floats (a multiple of 256) -> n/256 q8_K blocks (kr_block_q8_K, 292 bytes).
