@@ -45,7 +45,16 @@ static_assert(sizeof(kr_block_q5_1) == 2 + 2 + 4 + 16, "q5_1 block size");
 
 // q4_1, q5_0 or q5_1.
 static inline int kr_legacy_type(int32_t type) { return type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1; }
-size_t kr_legacy_block_bytes(int32_t type);  // 20, 22, 24
+
+// The shape of a block of the family: a minimum (q4_1, q5_1), fifth bits (q5_0, q5_1), the
+// offset subtracted from the unsigned quants (q5_0 16, the others 0), and the bytes: d, [m], [qh],
+// then 16 bytes of nibbles (20, 22, 24).
+static inline int kr_legacy_has_min(int32_t type) { return type == KR_Q4_1 || type == KR_Q5_1; }
+static inline int kr_legacy_has_fifth(int32_t type) { return type == KR_Q5_0 || type == KR_Q5_1; }
+static inline int32_t kr_legacy_offset(int32_t type) { return type == KR_Q5_0 ? 16 : 0; }
+static inline size_t kr_legacy_block_bytes(int32_t type) {
+    return sizeof(kr_f16) * (size_t)(1 + kr_legacy_has_min(type)) + 4 * (size_t)kr_legacy_has_fifth(type) + KR_QK / 2;
+}
 
 // One row of n weights to floats: d * q + m (two roundings, as ggml and gguf-py), d * (q - 16).
 void kr_dequantize_legacy_row(int32_t type, const void *row, float *out, int64_t n);
@@ -60,7 +69,14 @@ float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *
 // scales (16 bytes), [q4_1, q5_1: their 8 f16 minimums (16 bytes)], [q5_0, q5_1: their fifth bits
 // (32 bytes: int32 lane r is row r, byte k of it holds in bit p the fifth bit of element 4p + k)],
 // then the 4 chunks of nibbles exactly as q4_0's (chunk i: bytes 4i..4i+3 of each row).
-size_t kr_legacy_group_block_bytes(int32_t type);  // 8 blocks: 160, 176, 192
+// Where a group block keeps its parts, from its start: the scales at 0, the minimums at 16, then
+// the fifth bits and the nibbles. A group block is 8 blocks' bytes.
+static inline size_t kr_legacy_group_block_bytes(int32_t type) { return KR_PACK_ROWS * kr_legacy_block_bytes(type); }
+#define KR_LEGACY_PACKED_MINS (2 * KR_PACK_ROWS)
+static inline size_t kr_legacy_packed_fifth(int32_t type) { return 2 * KR_PACK_ROWS * (size_t)(1 + kr_legacy_has_min(type)); }
+static inline size_t kr_legacy_packed_nibbles(int32_t type) {
+    return kr_legacy_packed_fifth(type) + 4 * KR_PACK_ROWS * (size_t)kr_legacy_has_fifth(type);
+}
 void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows, int64_t cols);
 void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);

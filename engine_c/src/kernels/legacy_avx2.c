@@ -44,9 +44,6 @@ KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
     return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
-KR_INLINE int has_min(int32_t type) { return type != KR_Q5_0; }
-KR_INLINE int has_fifth(int32_t type) { return type != KR_Q4_1; }
-
 // ---------------------------------------------------------------------------------------------
 // File layout: R <= 4 rows x T <= 4 tokens. Per block each row's 32 quants are unpacked into
 // bytes in element order; each (row, token) pair's 32 products are summed, 4 rows' sums added up
@@ -55,11 +52,11 @@ KR_INLINE int has_fifth(int32_t type) { return type != KR_Q4_1; }
 
 // The block's quants (0..15 or 0..31) as 32 bytes in element order.
 KR_INLINE __m256i unpack_quants(const int32_t type, const char *block) {
-    const size_t nibbles_at = type == KR_Q4_1 ? 4 : type == KR_Q5_0 ? 6 : 8;
+    const size_t nibbles_at = kr_legacy_block_bytes(type) - KR_QK / 2;
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + nibbles_at)));
     const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     __m256i q = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
-    if (has_fifth(type)) {
+    if (kr_legacy_has_fifth(type)) {
         int32_t qh;
         __builtin_memcpy(&qh, block + nibbles_at - 4, 4);
         // byte j <- byte j / 8 of qh, then bit j % 8 of it as 0x10
@@ -88,7 +85,7 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
             if (next) _mm_prefetch(next + r * w_stride + (size_t)b * w_block, _MM_HINT_T0);
             quants[r] = unpack_quants(type, block);
             scales[r] = f16_to_f32(((const kr_f16 *)block)[0]);
-            if (has_min(type)) mins[r] = f16_to_f32(((const kr_f16 *)block)[1]);
+            if (kr_legacy_has_min(type)) mins[r] = f16_to_f32(((const kr_f16 *)block)[1]);
         }
         const __m128 w_scale = _mm_loadu_ps(scales), w_min = _mm_loadu_ps(mins);
 #pragma GCC unroll 4
@@ -101,10 +98,10 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
                 lanes[r] = r < R ? widen_add(_mm256_setzero_si256(), isum_add(_mm256_setzero_si256(), quants[r], av))
                                  : _mm256_setzero_si256();
             __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
-            if (type == KR_Q5_0) sums = _mm_sub_epi32(sums, _mm_set1_epi32(16 * ab->sum));  // the offset of 16
+            if (kr_legacy_offset(type)) sums = _mm_sub_epi32(sums, _mm_set1_epi32(kr_legacy_offset(type) * ab->sum));
             const __m128 a_scale = _mm_set1_ps(ab->d);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, a_scale), _mm_cvtepi32_ps(sums), acc[t]);
-            if (has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
+            if (kr_legacy_has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
         }
     }
 #pragma GCC unroll 4
@@ -179,12 +176,11 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 
 // Chunk i's low (high = 0) or high (high = 1) quants of one group, 8 rows x 4 bytes.
 KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, const int i, const int high) {
-    const size_t fifth_at = 2 * KR_PACK_ROWS * (type == KR_Q5_1 ? 2 : 1);
-    const size_t nibbles_at = type == KR_Q4_1 ? 4 * KR_PACK_ROWS : type == KR_Q5_0 ? 6 * KR_PACK_ROWS : 8 * KR_PACK_ROWS;
+    const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
     if (high) chunk = _mm256_srli_epi16(chunk, 4);
-    if (!has_fifth(type)) return _mm256_and_si256(chunk, low4);
+    if (!kr_legacy_has_fifth(type)) return _mm256_and_si256(chunk, low4);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
     const int p = 4 * high + i;  // bit p of each byte -> bit 4
     const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
@@ -217,7 +213,6 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
                           size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
                           const char *next) {
     const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
-    const size_t mins_at = 2 * KR_PACK_ROWS;
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int g = 0; g < G; g++)
@@ -240,7 +235,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
         (void)wide;
 #else
-        if (type == KR_Q4_1) {  // 8 steps of nibbles fit int16
+        if (!kr_legacy_has_fifth(type)) {  // 8 steps of nibbles fit int16
             packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
             packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
 #pragma GCC unroll 2
@@ -267,14 +262,16 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         for (int g = 0; g < G; g++) {
             const char *gb = group_block + g * group_stride;
             const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
-            const __m256 w_min = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + mins_at))) : w_scale;
+            const __m256 w_min =
+                kr_legacy_has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + KR_LEGACY_PACKED_MINS))) : w_scale;
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 const __m256 a_scale = _mm256_set1_ps(ab[t]->d);
                 __m256i s = sums[g][t];
-                if (type == KR_Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * ab[t]->sum));  // the offset of 16
+                if (kr_legacy_offset(type)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(kr_legacy_offset(type) * ab[t]->sum));
                 acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(s), acc[g][t]);
-                if (has_min(type)) acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
+                if (kr_legacy_has_min(type))
+                    acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
             }
         }
     }
@@ -364,7 +361,7 @@ void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int
     if (row_begin >= row_end) return;
     const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
     const size_t a_stride = kr_activation_row_bytes(type, cols);
-    const int q5 = type != KR_Q4_1;
+    const int q5 = kr_legacy_has_fifth(type);
     const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
     int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
