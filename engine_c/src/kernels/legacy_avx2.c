@@ -1,8 +1,9 @@
-// legacy_avx2.c: the q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
+// legacy_avx2.c: the q4_0, q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
 //
-// Each output goes through legacy_ref.c's sequence of float operations (legacy.h): per block, the
-// exact integer sum of the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1
-// and q5_1 a second one, m_w times d_a * sum(a) (exact in float). The integer sums are
+// Each output goes through legacy_ref.c's sequence of float operations (legacy.h; for q4_0
+// quant_ref.c's, the same with no minimum and an offset of 8): per block, the exact integer sum of
+// the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1 and q5_1 a second one,
+// m_w times d_a * sum(a) (exact in float). The integer sums are
 // exact however they are formed, so the tiles below may put 4 or 8 rows side by side and give the
 // same bits. The ISA=avx512 build compiles this file too, with VNNI for the integer sums, and takes
 // the one-token packed tile from legacy_avx512.c.
@@ -128,6 +129,10 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
 static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride, int64_t n_blocks,
                  float *out, int64_t out_stride, const char *next) {
     switch (type) {
+    case KR_Q4_0:
+#define CALL_Q40(r, t) tile_rows(KR_Q4_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+        KR_LEGACY_TILE_SHAPES(CALL_Q40)
+        break;
     case KR_Q4_1:
 #define CALL_Q41(r, t) tile_rows(KR_Q4_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
         KR_LEGACY_TILE_SHAPES(CALL_Q41)
@@ -168,7 +173,7 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 
 // ---------------------------------------------------------------------------------------------
 // Packed layout (legacy.h): G <= 2 groups of 8 rows x T <= 4 tokens, the lanes of a vector being a
-// group's 8 rows, as kernels_avx2.c's q4_0 tiles. A step multiplies one 32-byte chunk (8 rows x 4
+// group's 8 rows, as kernels_avx2.c's q8_0 tiles. A step multiplies one 32-byte chunk (8 rows x 4
 // quants) by 4 activation bytes broadcast to every lane. Chunk i's low nibbles are elements
 // 4i..4i+3 and its high nibbles 16+4i..16+4i+3; their fifth bits are bit p = i (low) and p = 4 + i
 // (high) of each byte of the group's 32 bytes of fifth bits, moved to bit 4 with one shift and one
@@ -292,7 +297,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 }
 
 // Tile shape, groups x tokens, for several tokens (the build can override them to measure others;
-// the bits are the same whatever the tile): q4_1 as q4_0, 2 x 2 in AVX2 and 2 x 4 in the avx512
+// the bits are the same whatever the tile): q4_0 and q4_1, 2 x 2 in AVX2 and 2 x 4 in the avx512
 // build; the 5-bit types 1 x 4 in AVX2 (their sums take twice the int16 registers, and unpacking
 // the fifth bits is shared by more tokens: 1.3x 2 x 2 at 512 tokens) and 2 x 4 with VNNI. One
 // token: 2 x 1.
@@ -335,6 +340,10 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
     }
 #endif
     switch (type) {
+    case KR_Q4_0:
+#define CALL_G40(g, t) group_tile(KR_Q4_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+        KR_LEGACY_GROUP_SHAPES(CALL_G40)
+        break;
     case KR_Q4_1:
 #define CALL_G41(g, t) group_tile(KR_Q4_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
         KR_LEGACY_GROUP_SHAPES(CALL_G41)
