@@ -15,10 +15,8 @@
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
+#include "kernels/tiles_avx2.h"
 #include <math.h>
-
-#define KR_INLINE static inline __attribute__((always_inline))
 
 // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), as kr_lanes_sum.
 KR_INLINE float hsum8(__m256 v) {
@@ -26,8 +24,6 @@ KR_INLINE float hsum8(__m256 v) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-
-KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
 
 // ---------------------------------------------------------------------------------------------
 // f16 rows
@@ -120,19 +116,6 @@ KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
-
-// 4 activation bytes (elements at..at+3) in every int32 lane.
-KR_INLINE __m256i broadcast4(const int8_t *q) {
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
-KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
 
 // ---------------------------------------------------------------------------------------------
 // q8_0 matmul tiles, file layout: R <= 4 rows x T <= 4 tokens. Per block, each (row, token)
@@ -317,21 +300,6 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
         }
 }
 
-// One tile of any shape up to 4x4 (the loops above need R and T as constants: one instance per
-// shape, chosen here).
-#define KR_TILE_SHAPES(CALL) \
-    switch (R * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
-    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
-    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
-    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
-    default: break; \
-    }
-
 // `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
 // alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
@@ -420,15 +388,6 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 #define KR_PACKED_TOKENS 2
 #endif
 #endif
-
-#define KR_GROUP_SHAPES(CALL) \
-    switch (G * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    default: break; \
-    }
 
 static void packed_tile(int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride, int64_t cols,
                         float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {

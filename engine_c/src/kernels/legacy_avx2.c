@@ -11,9 +11,7 @@
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
-
-#define KR_INLINE static inline __attribute__((always_inline))
+#include "kernels/tiles_avx2.h"
 
 // ---------------------------------------------------------------------------------------------
 // Integer sums of unsigned quants u (0..31) times signed activations s (-127..127), 4 products per
@@ -29,21 +27,6 @@ KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) {
     return _mm256_add_epi32(wide, _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
 }
 #endif
-
-KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
-
-// 4 activation bytes (elements at..at+3) in every int32 lane.
-KR_INLINE __m256i broadcast4(const int8_t *q) {
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
-KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
 
 // ---------------------------------------------------------------------------------------------
 // File layout: R <= 4 rows x T <= 4 tokens. Per block each row's 32 quants are unpacked into
@@ -113,37 +96,24 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
     }
 }
 
-#define KR_LEGACY_TILE_SHAPES(CALL) \
-    switch (R * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
-    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
-    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
-    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
-    default: break; \
-    }
-
 static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride, int64_t n_blocks,
                  float *out, int64_t out_stride, const char *next) {
     switch (type) {
     case KR_Q4_0:
 #define CALL_Q40(r, t) tile_rows(KR_Q4_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q40)
+        KR_TILE_SHAPES(CALL_Q40)
         break;
     case KR_Q4_1:
 #define CALL_Q41(r, t) tile_rows(KR_Q4_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q41)
+        KR_TILE_SHAPES(CALL_Q41)
         break;
     case KR_Q5_0:
 #define CALL_Q50(r, t) tile_rows(KR_Q5_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q50)
+        KR_TILE_SHAPES(CALL_Q50)
         break;
     default:
 #define CALL_Q51(r, t) tile_rows(KR_Q5_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q51)
+        KR_TILE_SHAPES(CALL_Q51)
         break;
     }
 }
@@ -322,15 +292,6 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #define KR_LEGACY_Q5_TOKENS 4
 #endif
 
-#define KR_LEGACY_GROUP_SHAPES(CALL) \
-    switch (G * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    default: break; \
-    }
-
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                         int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
 #if defined(KR_HAVE_AVX512)
@@ -342,19 +303,19 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
     switch (type) {
     case KR_Q4_0:
 #define CALL_G40(g, t) group_tile(KR_Q4_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G40)
+        KR_GROUP_SHAPES(CALL_G40)
         break;
     case KR_Q4_1:
 #define CALL_G41(g, t) group_tile(KR_Q4_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G41)
+        KR_GROUP_SHAPES(CALL_G41)
         break;
     case KR_Q5_0:
 #define CALL_G50(g, t) group_tile(KR_Q5_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G50)
+        KR_GROUP_SHAPES(CALL_G50)
         break;
     default:
 #define CALL_G51(g, t) group_tile(KR_Q5_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G51)
+        KR_GROUP_SHAPES(CALL_G51)
         break;
     }
 }

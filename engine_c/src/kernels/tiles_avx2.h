@@ -1,0 +1,54 @@
+// tiles_avx2.h: the pieces the AVX2 matmul tiles of kernels_avx2.c (q8_0, float weights) and
+// legacy_avx2.c (q4_0, q4_1, q5_0, q5_1) share: scalar f16, activation broadcast, the horizontal
+// sums of 4 rows, and the switches that pick one instance of a tile per shape. None of them does
+// float arithmetic, so they decide no bits. Internal; only included where KR_HAVE_AVX2 is defined.
+#ifndef KRAFLA_KERNELS_TILES_AVX2_H
+#define KRAFLA_KERNELS_TILES_AVX2_H
+
+#include "kernels/kernels.h"
+
+#include <immintrin.h>
+
+#define KR_INLINE static inline __attribute__((always_inline))
+
+KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
+
+// 4 activation bytes (elements at..at+3) in every int32 lane.
+KR_INLINE __m256i broadcast4(const int8_t *q) {
+    int32_t v;
+    __builtin_memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
+KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// One tile of any shape up to R = 4 rows x T = 4 tokens (file layout), or G = 2 groups of 8 rows x
+// T = 4 tokens (packed): the tiles' loops need the shape as constants, so one instance per shape,
+// chosen here. CALL(r, t) / CALL(g, t) calls the instance.
+#define KR_TILE_SHAPES(CALL) \
+    switch (R * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
+    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
+    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
+    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
+    default: break; \
+    }
+
+#define KR_GROUP_SHAPES(CALL) \
+    switch (G * 8 + T) { \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
+    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
+    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
+    default: break; \
+    }
+
+#endif
