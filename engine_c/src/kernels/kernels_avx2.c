@@ -334,10 +334,6 @@ static int tile_rows(int32_t weight_type, int64_t n_tokens) {
 }
 static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
-// Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each row tile
-// finds them there; the weights are read once per block.
-#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
-
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1: legacy_avx2.c
@@ -389,9 +385,10 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 #endif
 #endif
 
-static void packed_tile(int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride, int64_t cols,
-                        float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
-#define CALL_GQ8(g, t) group_tile(g, t, w, group_stride, a, a_stride, cols / KR_QK, out, out_stride, keep_begin, keep_end, next)
+static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
+                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+    (void)weight_type;  // q8_0
+#define CALL_GQ8(g, t) group_tile(g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
     KR_GROUP_SHAPES(CALL_GQ8)
 }
 
@@ -405,38 +402,13 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
         kr_matmul_packed_kquant_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
-    if (!kr_packable(weight_type) || row_begin >= grouped) {  // the rows past the last group are in file layout
+    if (!kr_packable(weight_type)) {  // float weights: the file layout
         kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    if (row_end > grouped) {
-        kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, grouped, row_end);
-        row_end = grouped;
-    }
-    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols);
-    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;  // cols 0: no blocks
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        // Groups outside, tokens inside: a tile's weights stay in L1 while the block's tokens pass over them.
-        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
-            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
-            const int64_t first = g0 * KR_PACK_ROWS;
-            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
-            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                packed_tile(G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
-                            cols, out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
-            }
-        }
-    }
+    kr_matmul_packed_tiles_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,
+                                max_groups, max_tokens, packed_tile, kr_matmul_avx2);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -118,9 +118,6 @@ static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, con
     }
 }
 
-// Tokens in blocks whose prepared activations fit in L2, as kernels_avx2.c's matmul.
-#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
-
 void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                            int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t w_stride = kr_weight_row_bytes(type, cols), a_stride = kr_activation_row_bytes(type, cols);
@@ -322,38 +319,11 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
 
 void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                   int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
-    if (row_end > grouped) {  // the rows past the last group are in file layout
-        const int64_t first = row_begin > grouped ? row_begin : grouped;
-        kr_matmul_legacy_avx2(type, w, cols, prepared, n_tokens, out, out_stride, first, row_end);
-        row_end = grouped;
-    }
-    if (row_begin >= row_end) return;
-    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
-    const size_t a_stride = kr_activation_row_bytes(type, cols);
     const int q5 = kr_legacy_has_fifth(type);
     const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
-            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
-            const int64_t first = g0 * KR_PACK_ROWS;
-            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
-            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                packed_tile(type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
-                            cols / KR_QK, out + t0 * out_stride + first, out_stride, keep_begin, keep_end,
-                            t0 == b0 ? next : NULL);
-            }
-        }
-    }
+    kr_matmul_packed_tiles_avx2(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups,
+                                max_tokens, packed_tile, kr_matmul_legacy_avx2);
 }
 
 #else
