@@ -121,15 +121,10 @@ def _ptr(array):
 def row_bytes(type_name, cols):
     """Bytes of one row of `cols` weights of type_name in the file layout."""
     _weight_type(type_name)
-    if type_name in SUPER_BLOCK_BYTES:
-        if cols % SUPER_BLOCK:
-            raise ValueError(f"{type_name} rows need a multiple of {SUPER_BLOCK} columns, got {cols}")
-        return cols // SUPER_BLOCK * SUPER_BLOCK_BYTES[type_name]
-    if type_name in BLOCK_BYTES:
-        if cols % BLOCK:
-            raise ValueError(f"{type_name} rows need a multiple of {BLOCK} columns, got {cols}")
-        return cols // BLOCK * BLOCK_BYTES[type_name]
-    return formats.TENSOR_TYPES_BY_NAME[type_name].nbytes((cols,))
+    tensor_type = formats.TENSOR_TYPES_BY_NAME[type_name]
+    if cols % tensor_type.block:
+        raise ValueError(f"{type_name} rows need a multiple of {tensor_type.block} columns, got {cols}")
+    return tensor_type.nbytes((cols,))
 
 
 def f16_to_f32(bits, impl="dispatch"):

@@ -295,11 +295,11 @@ class LegacyTinyModelTests:
 
 
 class EmptyRowsTests:
-    @pytest.mark.parametrize("type_name", ("q8_0", "q4_0") + LEGACY_TYPES)
+    @pytest.mark.parametrize("type_name", ("q8_0", "q4_0") + LEGACY_TYPES + kernels.KQUANTS)
     @pytest.mark.parametrize("impl", ["reference", "avx2", "dispatch"])
     def test_zero_columns_give_zeros(self, type_name, impl):
         """A matrix of 0 columns (no blocks) multiplies to zeros, file layout and packed, with whole
-        groups of 8 rows and a rest: no division by the empty rows' size."""
+        groups of 8 rows and a rest: no division by the empty rows' size (the k-quant tiles too)."""
         if impl == "avx2":
             avx2_or_skip()
         empty, x = np.zeros(0, np.uint8), np.zeros((3, 0), np.float32)

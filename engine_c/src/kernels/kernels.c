@@ -142,9 +142,13 @@ static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
         return kr_fail(err, KR_ERR_ARGUMENT,
                        "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K",
                        type, kr_type_name(type) ? kr_type_name(type) : "unknown");
-    if (kr_is_kquant(type)) return check_count("cols", cols, KR_QK_K, err);
-    const int blocks = type == KR_Q8_0 || type == KR_Q4_0 || type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1;
-    return check_count("cols", cols, blocks ? KR_QK : 1, err);
+    return check_count("cols", cols, kr_kernel_type_block(type), err);
+}
+
+static int check_packable(int32_t type, kr_error *err) {
+    if (kr_packable(type)) return KR_OK;
+    return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d",
+                   type);
 }
 
 // n floats (a multiple of 256) -> n/256 q8_K blocks (kr_block_q8_K, 292 bytes).
@@ -206,10 +210,8 @@ int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t
     int status = check_weight_type(weight_type, cols, err);
     if (!status) status = check_count("rows", rows, 1, err);
     if (!status) status = check_pointers(weights, packed, err);
+    if (!status) status = check_packable(weight_type, err);
     if (status) return status;
-    if (!kr_packable(weight_type))
-        return kr_fail(err, KR_ERR_ARGUMENT,
-                       "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d", weight_type);
     kr_pack_rows(weight_type, weights, packed, rows, cols);
     kr_ok(err);
     return KR_OK;
@@ -262,9 +264,7 @@ int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t 
     if (!status) status = check_pointers(weights, x, err);
     if (!status) status = check_pointers(best_seconds, best_seconds, err);
     if (!status && repeat < 1) status = kr_fail(err, KR_ERR_ARGUMENT, "repeat must be >= 1, got %d", repeat);
-    if (!status && packed && !kr_packable(weight_type))
-        status = kr_fail(err, KR_ERR_ARGUMENT,
-                         "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d", weight_type);
+    if (!status && packed) status = check_packable(weight_type, err);
     if (status) return status;
     uint64_t out_count;
     if (kr_mul_overflows((uint64_t)rows, (uint64_t)n_tokens, &out_count))

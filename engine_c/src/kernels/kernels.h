@@ -65,11 +65,14 @@ void kr_f32_to_f16_row_ref(const float *x, kr_f16 *y, int64_t n);
 void kr_f16_to_f32_row_avx2(const kr_f16 *x, float *y, int64_t n);
 void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n);
 
-// The weight types kr_matmul and kr_dequantize_row handle (f32, f16, bf16, q8_0, q4_0, and q4_1,
-// q5_0, q5_1 in legacy.h's files): check a
-// tensor's type with this where it enters; the kernels themselves do not check.
+// The weight types kr_matmul and kr_dequantize_row handle (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+// q5_1 and the k-quants; quant_ref.c's table): check a tensor's type with this where it enters;
+// the kernels themselves do not check.
 int kr_kernel_type_supported(int32_t type);
-// Bytes of one weight row of `cols` (cols a multiple of 32 for the quantized types), 0 for other types.
+// Weights per block of such a type (1 for f32, f16, bf16; 32; KR_QK_K for the k-quants): a row's
+// columns are a multiple of it. 0 for other types.
+int64_t kr_kernel_type_block(int32_t type);
+// Bytes of one weight row of `cols` (a multiple of the type's block), 0 for other types.
 size_t kr_weight_row_bytes(int32_t type, int64_t cols);
 
 // Quantize n floats (n a multiple of 32) to q8_0 exactly as ggml's quantize_row_q8_0_ref:
@@ -182,7 +185,7 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // layout (packed caches carry it): KR_PACK_LAYOUT.
 #define KR_PACK_ROWS 8
 #define KR_PACK_LAYOUT 2
-int kr_packable(int32_t weight_type);  // q4_0, q8_0, and q4_1, q5_0, q5_1 (legacy.h's layout)
+int kr_packable(int32_t weight_type);  // q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and the k-quants
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
 // kr_matmul on a packed matrix (of all `rows`), bit for bit the same results; other types: kr_matmul.

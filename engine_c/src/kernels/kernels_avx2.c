@@ -7,20 +7,16 @@
 // tokens, and every (token, row) output still goes through the same sequence of operations as when
 // computed alone, so the result never depends on n_tokens or on [row_begin, row_end). Tokens go in
 // L2-sized blocks and the next row tile is prefetched; neither changes any arithmetic. The
-// ISA=avx512 build compiles this same file, swaps the integer block sums for VNNI ones and runs
-// one token's q4_0 packed tiles 16 rows at a time (kernels_avx512.c).
+// ISA=avx512 build compiles this same file and swaps the integer block sums for VNNI ones. q4_0
+// weights go to legacy_avx2.c's tiles, which serve the whole family of q4_0, q4_1, q5_0 and q5_1
+// (legacy.h).
 #include "kernels/kernels.h"
 #include "kernels/legacy.h"
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
+#include "kernels/tiles_avx2.h"
 #include <math.h>
-#if defined(KR_HAVE_AVX512)
-#include "kernels/kernels_avx512.h"
-#endif
-
-#define KR_INLINE static inline __attribute__((always_inline))
 
 // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), as kr_lanes_sum.
 KR_INLINE float hsum8(__m256 v) {
@@ -28,8 +24,6 @@ KR_INLINE float hsum8(__m256 v) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-
-KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
 
 // ---------------------------------------------------------------------------------------------
 // f16 rows
@@ -110,58 +104,29 @@ void kr_quantize_row_q8_sum_avx2(const float *x, kr_block_q8_sum *y, int64_t n) 
 
 // ---------------------------------------------------------------------------------------------
 // Integer block sums. A quantized dot product is exact integers per block (kernels.h), so these
-// only have to be exact: 4 products per int32 lane, from unsigned weight bytes u and signed
-// activation bytes s. The ISA=avx512 build has VNNI, which multiplies, adds 4 neighbours and
-// accumulates in int32 in one instruction; AVX2 multiplies and adds pairs into int16 (maddubs) and
-// widens them (madd).
-//   isum_add:      q4_0 steps (u <= 15), int16 pairs in AVX2: 8 steps add up to at most
-//                  8 * 2 * 15 * 127 = 30480, below int16's 32767; isum_lanes widens them at the end.
-//   isum_add_wide: q8_0 steps (u <= 128: 2 * 128 * 127 = 32512 fits one maddubs, not two), widened
-//                  every step.
-// Activations are in [-127, 127] (kr_quantize_row_q8_0 never makes -128).
+// only have to be exact: 4 products per int32 lane, from unsigned weight bytes u (q8_0's
+// magnitudes, u <= 128) and signed activation bytes s (in [-127, 127]: kr_quantize_row_q8_0 never
+// makes -128). The ISA=avx512 build has VNNI, which multiplies, adds 4 neighbours and accumulates
+// in int32 in one instruction; AVX2 multiplies and adds pairs into int16 (maddubs: 2 * 128 * 127 =
+// 32512 fits one step, not two) and widens them (madd) every step.
 #if defined(KR_HAVE_AVX512)
-#define isum_add kr_isum_add_avx512  // kernels_avx512.h
-#define isum_lanes kr_isum_lanes_avx512
-#define isum_add_wide kr_isum_add_wide_avx512
+KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
-KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
-KR_INLINE __m256i isum_lanes(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 KR_INLINE __m256i isum_add_wide(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
 
-// q4_0 nibbles as unsigned bytes 0..15 in element order (low nibbles, then high nibbles).
-KR_INLINE __m256i q4_0_nibbles(const char *quants) {
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quants));
-    const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
-}
-
-// 4 activation bytes (elements at..at+3) in every int32 lane.
-KR_INLINE __m256i broadcast4(const int8_t *q) {
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
-KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
 // ---------------------------------------------------------------------------------------------
-// Quantized matmul tiles, file layout: R <= 4 rows x T <= 4 tokens. Per block, each (row, token)
+// q8_0 matmul tiles, file layout: R <= 4 rows x T <= 4 tokens. Per block, each (row, token)
 // pair's integer sum (lanes added up for 4 rows at once), then for each token the 4 rows' fused
 // multiply-adds in the lanes of one 128-bit vector: acc = fma(d_w * d_a, sum, acc), block after
 // block. `w` points at the tile's first row, `a` at its first token's prepared row; out relative
 // to the tile. Used without packing, for the rows past a packed matrix's last group of 8, and for
 // q8_0 keys in attention.
-KR_INLINE void tile_quant_rows(const int is_q4, const int R, const int T, const char *w, size_t w_stride, const char *a,
-                               size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
-    const size_t w_block = is_q4 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
-    const size_t a_block = is_q4 ? sizeof(kr_block_q8_sum) : sizeof(kr_block_q8_0);
+KR_INLINE void tile_q8_0_rows(const int R, const int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                              int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
+    const size_t w_block = sizeof(kr_block_q8_0), a_block = sizeof(kr_block_q8_0);
     __m128 acc[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
@@ -172,30 +137,21 @@ KR_INLINE void tile_quant_rows(const int is_q4, const int R, const int T, const 
         for (int r = 0; r < R; r++) {
             const char *block = w + r * w_stride + (size_t)b * w_block;
             if (next) _mm_prefetch(next + r * w_stride + (size_t)b * w_block, _MM_HINT_T0);
-            weights[r] = is_q4 ? q4_0_nibbles(block + 2) : _mm256_loadu_si256((const __m256i *)(block + 2));
+            weights[r] = _mm256_loadu_si256((const __m256i *)(block + 2));
             scales[r] = f16_to_f32(*(const kr_f16 *)block);
         }
         const __m128 w_scale = _mm_loadu_ps(scales);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const char *block = a + t * a_stride + (size_t)b * a_block;
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(block + (is_q4 ? 8 : 2)));
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(block + 2));
             __m256i lanes[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                if (r >= R) lanes[r] = _mm256_setzero_si256();
-                else if (is_q4) lanes[r] = isum_lanes(isum_add(_mm256_setzero_si256(), weights[r], av));
-                else lanes[r] = isum_add_wide(_mm256_setzero_si256(), _mm256_abs_epi8(weights[r]), _mm256_sign_epi8(av, weights[r]));
-            }
-            __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
-            float a_scale;
-            if (is_q4) {
-                const kr_block_q8_sum *ab = (const kr_block_q8_sum *)block;
-                sums = _mm_sub_epi32(sums, _mm_set1_epi32(8 * ab->sum));  // the nibbles' offset of 8
-                a_scale = ab->d;
-            } else {
-                a_scale = f16_to_f32(((const kr_block_q8_0 *)block)->d);
-            }
+            for (int r = 0; r < 4; r++)
+                lanes[r] = r < R ? isum_add_wide(_mm256_setzero_si256(), _mm256_abs_epi8(weights[r]), _mm256_sign_epi8(av, weights[r]))
+                                 : _mm256_setzero_si256();
+            const __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
+            const float a_scale = f16_to_f32(((const kr_block_q8_0 *)block)->d);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, _mm_set1_ps(a_scale)), _mm_cvtepi32_ps(sums), acc[t]);
         }
     }
@@ -208,13 +164,12 @@ KR_INLINE void tile_quant_rows(const int is_q4, const int R, const int T, const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantized matmul tiles, packed layout (kernels.h): G <= 2 groups of 8 rows x T <= 4 tokens. The
+// q8_0 matmul tiles, packed layout (kernels.h): G <= 2 groups of 8 rows x T <= 4 tokens. The
 // lanes of a vector are a group's 8 rows: each step multiplies a 32-byte chunk (8 rows x 4 weights)
 // by 4 activation bytes broadcast to every lane, and each block ends with one fused multiply-add
 // for 8 outputs. acc[g][t] are the outputs of rows 8g..8g+7 of the tile for token t.
 // `group_stride` is the distance between two groups (8 rows of the file), `next` the group after
 // the tile (prefetched alongside, NULL if none).
-#define Q4_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q4_0))  // 144 bytes: 16 of scales, 4 chunks
 #define Q8_GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q8_0))  // 272 bytes: 16 of scales, 8 chunks
 
 // The end of a block in a packed tile: acc[g][t] += (group g's 8 scales * token t's scale) * sums[g][t].
@@ -226,51 +181,6 @@ KR_INLINE void finish_block(const int G, const int T, const char *group_block, s
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale[t]), _mm256_cvtepi32_ps(sums[g][t]), acc[g][t]);
-    }
-}
-
-KR_INLINE void group_tile_q4_0(const int G, const int T, const char *w, size_t group_stride, const char *a,
-                               size_t a_stride, int64_t n_blocks, __m256 acc[2][4], const char *next) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const char *group_block = w + (size_t)b * Q4_GROUP_BLOCK;
-        __m256i sums[2][4];
-#pragma GCC unroll 4
-        for (int g = 0; g < G; g++)
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) sums[g][t] = _mm256_setzero_si256();
-        if (next) {
-            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK, _MM_HINT_T0);
-            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK + 64, _MM_HINT_T0);
-            _mm_prefetch(next + (size_t)b * Q4_GROUP_BLOCK + 128, _MM_HINT_T0);
-        }
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            __m256i low[2], high[2];
-#pragma GCC unroll 2
-            for (int g = 0; g < G; g++) {
-                const __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + g * group_stride + 16 + 32 * i));
-                low[g] = _mm256_and_si256(chunk, low4);
-                high[g] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
-            }
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) {
-                const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-                const __m256i a_low = broadcast4(ab->q + 4 * i), a_high = broadcast4(ab->q + 16 + 4 * i);
-#pragma GCC unroll 2
-                for (int g = 0; g < G; g++) sums[g][t] = isum_add(isum_add(sums[g][t], low[g], a_low), high[g], a_high);
-            }
-        }
-        __m256 a_scale[4];
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            const kr_block_q8_sum *ab = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-            a_scale[t] = _mm256_set1_ps(ab->d);
-            const __m256i offset = _mm256_set1_epi32(8 * ab->sum);  // the nibbles' offset of 8
-#pragma GCC unroll 2
-            for (int g = 0; g < G; g++) sums[g][t] = _mm256_sub_epi32(isum_lanes(sums[g][t]), offset);
-        }
-        finish_block(G, T, group_block, group_stride, a_scale, sums, acc);
     }
 }
 
@@ -311,7 +221,7 @@ KR_INLINE void group_tile_q8_0(const int G, const int T, const char *w, size_t g
 
 // One packed tile: computes the G x 8 rows for T tokens and stores the rows of [keep_begin,
 // keep_end) (relative to the tile's first row: a row range may start or end inside a group).
-KR_INLINE void group_tile(const int is_q4, const int G, const int T, const char *w, size_t group_stride, const char *a,
+KR_INLINE void group_tile(const int G, const int T, const char *w, size_t group_stride, const char *a,
                           size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
                           const char *next) {
     __m256 acc[2][4];
@@ -319,8 +229,7 @@ KR_INLINE void group_tile(const int is_q4, const int G, const int T, const char 
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[g][t] = _mm256_setzero_ps();
-    if (is_q4) group_tile_q4_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
-    else group_tile_q8_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
+    group_tile_q8_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
 #pragma GCC unroll 2
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
@@ -391,32 +300,13 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
         }
 }
 
-// One tile of any shape up to 4x4 (the loops above need R and T as constants: one instance per
-// shape, chosen here).
-#define KR_TILE_SHAPES(CALL) \
-    switch (R * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
-    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
-    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
-    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
-    default: break; \
-    }
-
 // `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
 // alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
                  int64_t cols, float *out, int64_t out_stride, const char *next) {
     switch (weight_type) {
-    case KR_Q4_0:
-#define CALL_Q4(r, t) tile_quant_rows(1, r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_Q4)
-        break;
     case KR_Q8_0:
-#define CALL_Q8(r, t) tile_quant_rows(0, r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q8(r, t) tile_q8_0_rows(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q8)
         break;
     case KR_F32:
@@ -435,22 +325,18 @@ static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stri
     }
 }
 
-// Tile shape, rows x tokens: 4x4 for the file layout's quantized tiles (their 4 rows' sums are
-// added up together); 3x4 for the float ones at several tokens (their weight conversion takes
+// Tile shape, rows x tokens: 4x4 for the file layout's q8_0 tiles (their 4 rows' sums are added
+// up together); 3x4 for the float ones at several tokens (their weight conversion takes
 // registers too), 4x1 at one token (more independent FMA chains).
 static int tile_rows(int32_t weight_type, int64_t n_tokens) {
-    if (weight_type == KR_Q4_0 || weight_type == KR_Q8_0) return 4;
+    if (weight_type == KR_Q8_0) return 4;
     return n_tokens == 1 ? 4 : 3;
 }
 static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
-// Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each row tile
-// finds them there; the weights are read once per block.
-#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
-
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    if (kr_legacy_type(weight_type)) {  // q4_1, q5_0, q5_1: legacy_avx2.c
+    if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1: legacy_avx2.c
         kr_matmul_legacy_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
@@ -481,7 +367,7 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed weights (kr_pack_rows; owner: speed): the group tiles above over whole groups of 8 rows,
+// Packed q8_0 weights (kr_pack_rows; owner: speed): the group tiles above over whole groups of 8 rows,
 // the file layout's tiles over the rows past the last group. Tile shape, groups x tokens
 // (measured with krafla bench, pp512 at one thread): KR_PACKED_GROUPS x KR_PACKED_TOKENS for
 // several tokens, 2 x 2 for AVX2 and 2 x 4 for ISA=avx512 (2 x 2 ran 1.04x faster than 2 x 3 and
@@ -499,36 +385,16 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 #endif
 #endif
 
-#define KR_GROUP_SHAPES(CALL) \
-    switch (G * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    default: break; \
-    }
-
-static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t group_stride, const char *a,
-                        size_t a_stride, int64_t cols, float *out, int64_t out_stride, int keep_begin, int keep_end,
-                        const char *next) {
-#if defined(KR_HAVE_AVX512)
-    if (weight_type == KR_Q4_0 && G == 2 && T == 1) {
-        kr_pair_tile_q4_0_avx512(w, group_stride, a, cols / KR_QK, out, keep_begin, keep_end, next);
-        return;
-    }
-#endif
-    if (weight_type == KR_Q4_0) {
-#define CALL_GQ4(g, t) group_tile(1, g, t, w, group_stride, a, a_stride, cols / KR_QK, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_GQ4)
-    } else {
-#define CALL_GQ8(g, t) group_tile(0, g, t, w, group_stride, a, a_stride, cols / KR_QK, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_GQ8)
-    }
+static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
+                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+    (void)weight_type;  // q8_0
+#define CALL_GQ8(g, t) group_tile(g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+    KR_GROUP_SHAPES(CALL_GQ8)
 }
 
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    if (kr_legacy_type(weight_type)) {  // q4_1, q5_0, q5_1: legacy_avx2.c
+    if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1: legacy_avx2.c
         kr_matmul_packed_legacy_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
@@ -536,38 +402,13 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
         kr_matmul_packed_kquant_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
-    if (!kr_packable(weight_type) || row_begin >= grouped) {  // the rows past the last group are in file layout
+    if (!kr_packable(weight_type)) {  // float weights: the file layout
         kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    if (row_end > grouped) {
-        kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, grouped, row_end);
-        row_end = grouped;
-    }
-    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols);
-    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;  // cols 0: no blocks
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        // Groups outside, tokens inside: a tile's weights stay in L1 while the block's tokens pass over them.
-        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
-            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
-            const int64_t first = g0 * KR_PACK_ROWS;
-            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
-            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                packed_tile(weight_type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
-                            cols, out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
-            }
-        }
-    }
+    kr_matmul_packed_tiles_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,
+                                max_groups, max_tokens, packed_tile, kr_matmul_avx2);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ static void packed_groups(int32_t weight_type, const char *w, size_t group_strid
     const int64_t n_blocks = cols / KR_QK_K;
     const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
     const int max_tokens = n_tokens == 1 ? 1 : KR_KQUANT_TOKENS;
-    int64_t block_tokens = (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride);
+    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;  // cols 0: no blocks
     block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {

@@ -14,6 +14,11 @@
 // to f16). So any kernel that keeps this sequence gives the same bits.
 // legacy_ref.c holds the references (suffix _ref), legacy_avx2.c the AVX2 tiles (suffix _avx2,
 // with 256-bit VNNI sums in an ISA=avx512 build), legacy_avx512.c the 512-bit tiles of that build.
+//
+// q4_0 (kernels.h) is the family's plain member: no minimum, no fifth bits, an offset of 8 as
+// q5_0's 16, and its packed layout (kernels.h, "Packed weights") is the one below without those
+// parts. So the AVX2 and AVX-512 tiles serve it too (kr_legacy_tiled); its reference stays
+// quant_ref.c's.
 #ifndef KRAFLA_KERNELS_LEGACY_H
 #define KRAFLA_KERNELS_LEGACY_H
 
@@ -45,7 +50,18 @@ static_assert(sizeof(kr_block_q5_1) == 2 + 2 + 4 + 16, "q5_1 block size");
 
 // q4_1, q5_0 or q5_1.
 static inline int kr_legacy_type(int32_t type) { return type == KR_Q4_1 || type == KR_Q5_0 || type == KR_Q5_1; }
-size_t kr_legacy_block_bytes(int32_t type);  // 20, 22, 24
+// These and q4_0: the types the tiles of legacy_avx2.c and legacy_avx512.c multiply.
+static inline int kr_legacy_tiled(int32_t type) { return type == KR_Q4_0 || kr_legacy_type(type); }
+
+// The shape of a block of the family (q4_0 included): a minimum (q4_1, q5_1), fifth bits (q5_0,
+// q5_1), the offset subtracted from the unsigned quants (q4_0 8, q5_0 16, the others 0), and the
+// bytes: d, [m], [qh], then 16 bytes of nibbles (18, 20, 22, 24).
+static inline int kr_legacy_has_min(int32_t type) { return type == KR_Q4_1 || type == KR_Q5_1; }
+static inline int kr_legacy_has_fifth(int32_t type) { return type == KR_Q5_0 || type == KR_Q5_1; }
+static inline int32_t kr_legacy_offset(int32_t type) { return type == KR_Q4_0 ? 8 : type == KR_Q5_0 ? 16 : 0; }
+static inline size_t kr_legacy_block_bytes(int32_t type) {
+    return sizeof(kr_f16) * (size_t)(1 + kr_legacy_has_min(type)) + 4 * (size_t)kr_legacy_has_fifth(type) + KR_QK / 2;
+}
 
 // One row of n weights to floats: d * q + m (two roundings, as ggml and gguf-py), d * (q - 16).
 void kr_dequantize_legacy_row(int32_t type, const void *row, float *out, int64_t n);
@@ -60,13 +76,20 @@ float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *
 // scales (16 bytes), [q4_1, q5_1: their 8 f16 minimums (16 bytes)], [q5_0, q5_1: their fifth bits
 // (32 bytes: int32 lane r is row r, byte k of it holds in bit p the fifth bit of element 4p + k)],
 // then the 4 chunks of nibbles exactly as q4_0's (chunk i: bytes 4i..4i+3 of each row).
-size_t kr_legacy_group_block_bytes(int32_t type);  // 8 blocks: 160, 176, 192
+// Where a group block keeps its parts, from its start: the scales at 0, the minimums at 16, then
+// the fifth bits and the nibbles (q4_0: nibbles at 16). A group block is 8 blocks' bytes.
+static inline size_t kr_legacy_group_block_bytes(int32_t type) { return KR_PACK_ROWS * kr_legacy_block_bytes(type); }
+#define KR_LEGACY_PACKED_MINS (2 * KR_PACK_ROWS)
+static inline size_t kr_legacy_packed_fifth(int32_t type) { return 2 * KR_PACK_ROWS * (size_t)(1 + kr_legacy_has_min(type)); }
+static inline size_t kr_legacy_packed_nibbles(int32_t type) {
+    return kr_legacy_packed_fifth(type) + 4 * KR_PACK_ROWS * (size_t)kr_legacy_has_fifth(type);
+}
 void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows, int64_t cols);
 void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 
-// AVX2 (and the avx512 build's VNNI): file layout and packed. kr_matmul_avx2 / kr_matmul_packed_avx2
-// hand these types over.
+// AVX2 (and the avx512 build's VNNI): file layout and packed, for the kr_legacy_tiled types.
+// kr_matmul_avx2 / kr_matmul_packed_avx2 hand these types over.
 void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                            int64_t out_stride, int64_t row_begin, int64_t row_end);
 void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,

@@ -1,8 +1,9 @@
-// legacy_avx2.c: the q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
+// legacy_avx2.c: the q4_0, q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
 //
-// Each output goes through legacy_ref.c's sequence of float operations (legacy.h): per block, the
-// exact integer sum of the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1
-// and q5_1 a second one, m_w times d_a * sum(a) (exact in float). The integer sums are
+// Each output goes through legacy_ref.c's sequence of float operations (legacy.h; for q4_0
+// quant_ref.c's, the same with no minimum and an offset of 8): per block, the exact integer sum of
+// the 32 products, then one fused multiply-add with d_w * d_a, and for q4_1 and q5_1 a second one,
+// m_w times d_a * sum(a) (exact in float). The integer sums are
 // exact however they are formed, so the tiles below may put 4 or 8 rows side by side and give the
 // same bits. The ISA=avx512 build compiles this file too, with VNNI for the integer sums, and takes
 // the one-token packed tile from legacy_avx512.c.
@@ -10,9 +11,7 @@
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
-
-#define KR_INLINE static inline __attribute__((always_inline))
+#include "kernels/tiles_avx2.h"
 
 // ---------------------------------------------------------------------------------------------
 // Integer sums of unsigned quants u (0..31) times signed activations s (-127..127), 4 products per
@@ -29,24 +28,6 @@ KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) {
 }
 #endif
 
-KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
-
-// 4 activation bytes (elements at..at+3) in every int32 lane.
-KR_INLINE __m256i broadcast4(const int8_t *q) {
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// The 8 int32 lane sums of 4 vectors, added up per vector: {sum v0, sum v1, sum v2, sum v3}.
-KR_INLINE __m128i sum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
-KR_INLINE int has_min(int32_t type) { return type != KR_Q5_0; }
-KR_INLINE int has_fifth(int32_t type) { return type != KR_Q4_1; }
-
 // ---------------------------------------------------------------------------------------------
 // File layout: R <= 4 rows x T <= 4 tokens. Per block each row's 32 quants are unpacked into
 // bytes in element order; each (row, token) pair's 32 products are summed, 4 rows' sums added up
@@ -55,11 +36,11 @@ KR_INLINE int has_fifth(int32_t type) { return type != KR_Q4_1; }
 
 // The block's quants (0..15 or 0..31) as 32 bytes in element order.
 KR_INLINE __m256i unpack_quants(const int32_t type, const char *block) {
-    const size_t nibbles_at = type == KR_Q4_1 ? 4 : type == KR_Q5_0 ? 6 : 8;
+    const size_t nibbles_at = kr_legacy_block_bytes(type) - KR_QK / 2;
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + nibbles_at)));
     const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     __m256i q = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
-    if (has_fifth(type)) {
+    if (kr_legacy_has_fifth(type)) {
         int32_t qh;
         __builtin_memcpy(&qh, block + nibbles_at - 4, 4);
         // byte j <- byte j / 8 of qh, then bit j % 8 of it as 0x10
@@ -88,7 +69,7 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
             if (next) _mm_prefetch(next + r * w_stride + (size_t)b * w_block, _MM_HINT_T0);
             quants[r] = unpack_quants(type, block);
             scales[r] = f16_to_f32(((const kr_f16 *)block)[0]);
-            if (has_min(type)) mins[r] = f16_to_f32(((const kr_f16 *)block)[1]);
+            if (kr_legacy_has_min(type)) mins[r] = f16_to_f32(((const kr_f16 *)block)[1]);
         }
         const __m128 w_scale = _mm_loadu_ps(scales), w_min = _mm_loadu_ps(mins);
 #pragma GCC unroll 4
@@ -101,10 +82,10 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
                 lanes[r] = r < R ? widen_add(_mm256_setzero_si256(), isum_add(_mm256_setzero_si256(), quants[r], av))
                                  : _mm256_setzero_si256();
             __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
-            if (type == KR_Q5_0) sums = _mm_sub_epi32(sums, _mm_set1_epi32(16 * ab->sum));  // the offset of 16
+            if (kr_legacy_offset(type)) sums = _mm_sub_epi32(sums, _mm_set1_epi32(kr_legacy_offset(type) * ab->sum));
             const __m128 a_scale = _mm_set1_ps(ab->d);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, a_scale), _mm_cvtepi32_ps(sums), acc[t]);
-            if (has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
+            if (kr_legacy_has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
         }
     }
 #pragma GCC unroll 4
@@ -115,39 +96,27 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
     }
 }
 
-#define KR_LEGACY_TILE_SHAPES(CALL) \
-    switch (R * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    case 3 * 8 + 1: CALL(3, 1); break; case 3 * 8 + 2: CALL(3, 2); break; \
-    case 3 * 8 + 3: CALL(3, 3); break; case 3 * 8 + 4: CALL(3, 4); break; \
-    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
-    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
-    default: break; \
-    }
-
 static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride, int64_t n_blocks,
                  float *out, int64_t out_stride, const char *next) {
     switch (type) {
+    case KR_Q4_0:
+#define CALL_Q40(r, t) tile_rows(KR_Q4_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+        KR_TILE_SHAPES(CALL_Q40)
+        break;
     case KR_Q4_1:
 #define CALL_Q41(r, t) tile_rows(KR_Q4_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q41)
+        KR_TILE_SHAPES(CALL_Q41)
         break;
     case KR_Q5_0:
 #define CALL_Q50(r, t) tile_rows(KR_Q5_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q50)
+        KR_TILE_SHAPES(CALL_Q50)
         break;
     default:
 #define CALL_Q51(r, t) tile_rows(KR_Q5_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_LEGACY_TILE_SHAPES(CALL_Q51)
+        KR_TILE_SHAPES(CALL_Q51)
         break;
     }
 }
-
-// Tokens in blocks whose prepared activations fit in L2, as kernels_avx2.c's matmul.
-#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
 
 void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                            int64_t out_stride, int64_t row_begin, int64_t row_end) {
@@ -171,7 +140,7 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 
 // ---------------------------------------------------------------------------------------------
 // Packed layout (legacy.h): G <= 2 groups of 8 rows x T <= 4 tokens, the lanes of a vector being a
-// group's 8 rows, as kernels_avx2.c's q4_0 tiles. A step multiplies one 32-byte chunk (8 rows x 4
+// group's 8 rows, as kernels_avx2.c's q8_0 tiles. A step multiplies one 32-byte chunk (8 rows x 4
 // quants) by 4 activation bytes broadcast to every lane. Chunk i's low nibbles are elements
 // 4i..4i+3 and its high nibbles 16+4i..16+4i+3; their fifth bits are bit p = i (low) and p = 4 + i
 // (high) of each byte of the group's 32 bytes of fifth bits, moved to bit 4 with one shift and one
@@ -179,12 +148,11 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 
 // Chunk i's low (high = 0) or high (high = 1) quants of one group, 8 rows x 4 bytes.
 KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, const int i, const int high) {
-    const size_t fifth_at = 2 * KR_PACK_ROWS * (type == KR_Q5_1 ? 2 : 1);
-    const size_t nibbles_at = type == KR_Q4_1 ? 4 * KR_PACK_ROWS : type == KR_Q5_0 ? 6 * KR_PACK_ROWS : 8 * KR_PACK_ROWS;
+    const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
     if (high) chunk = _mm256_srli_epi16(chunk, 4);
-    if (!has_fifth(type)) return _mm256_and_si256(chunk, low4);
+    if (!kr_legacy_has_fifth(type)) return _mm256_and_si256(chunk, low4);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
     const int p = 4 * high + i;  // bit p of each byte -> bit 4
     const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
@@ -217,7 +185,6 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
                           size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
                           const char *next) {
     const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
-    const size_t mins_at = 2 * KR_PACK_ROWS;
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int g = 0; g < G; g++)
@@ -240,7 +207,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
         (void)wide;
 #else
-        if (type == KR_Q4_1) {  // 8 steps of nibbles fit int16
+        if (!kr_legacy_has_fifth(type)) {  // 8 steps of nibbles fit int16
             packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
             packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
 #pragma GCC unroll 2
@@ -267,14 +234,16 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         for (int g = 0; g < G; g++) {
             const char *gb = group_block + g * group_stride;
             const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
-            const __m256 w_min = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + mins_at))) : w_scale;
+            const __m256 w_min =
+                kr_legacy_has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + KR_LEGACY_PACKED_MINS))) : w_scale;
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 const __m256 a_scale = _mm256_set1_ps(ab[t]->d);
                 __m256i s = sums[g][t];
-                if (type == KR_Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * ab[t]->sum));  // the offset of 16
+                if (kr_legacy_offset(type)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(kr_legacy_offset(type) * ab[t]->sum));
                 acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(s), acc[g][t]);
-                if (has_min(type)) acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
+                if (kr_legacy_has_min(type))
+                    acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
             }
         }
     }
@@ -295,7 +264,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 }
 
 // Tile shape, groups x tokens, for several tokens (the build can override them to measure others;
-// the bits are the same whatever the tile): q4_1 as q4_0, 2 x 2 in AVX2 and 2 x 4 in the avx512
+// the bits are the same whatever the tile): q4_0 and q4_1, 2 x 2 in AVX2 and 2 x 4 in the avx512
 // build; the 5-bit types 1 x 4 in AVX2 (their sums take twice the int16 registers, and unpacking
 // the fifth bits is shared by more tokens: 1.3x 2 x 2 at 512 tokens) and 2 x 4 with VNNI. One
 // token: 2 x 1.
@@ -320,15 +289,6 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #define KR_LEGACY_Q5_TOKENS 4
 #endif
 
-#define KR_LEGACY_GROUP_SHAPES(CALL) \
-    switch (G * 8 + T) { \
-    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
-    case 1 * 8 + 3: CALL(1, 3); break; case 1 * 8 + 4: CALL(1, 4); break; \
-    case 2 * 8 + 1: CALL(2, 1); break; case 2 * 8 + 2: CALL(2, 2); break; \
-    case 2 * 8 + 3: CALL(2, 3); break; case 2 * 8 + 4: CALL(2, 4); break; \
-    default: break; \
-    }
-
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                         int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
 #if defined(KR_HAVE_AVX512)
@@ -338,55 +298,32 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
     }
 #endif
     switch (type) {
+    case KR_Q4_0:
+#define CALL_G40(g, t) group_tile(KR_Q4_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+        KR_GROUP_SHAPES(CALL_G40)
+        break;
     case KR_Q4_1:
 #define CALL_G41(g, t) group_tile(KR_Q4_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G41)
+        KR_GROUP_SHAPES(CALL_G41)
         break;
     case KR_Q5_0:
 #define CALL_G50(g, t) group_tile(KR_Q5_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G50)
+        KR_GROUP_SHAPES(CALL_G50)
         break;
     default:
 #define CALL_G51(g, t) group_tile(KR_Q5_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_LEGACY_GROUP_SHAPES(CALL_G51)
+        KR_GROUP_SHAPES(CALL_G51)
         break;
     }
 }
 
 void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                   int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
-    if (row_end > grouped) {  // the rows past the last group are in file layout
-        const int64_t first = row_begin > grouped ? row_begin : grouped;
-        kr_matmul_legacy_avx2(type, w, cols, prepared, n_tokens, out, out_stride, first, row_end);
-        row_end = grouped;
-    }
-    if (row_begin >= row_end) return;
-    const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, cols);
-    const size_t a_stride = kr_activation_row_bytes(type, cols);
-    const int q5 = type != KR_Q4_1;
+    const int q5 = kr_legacy_has_fifth(type);
     const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
-            const int G = (int)(group_end - g0 < max_groups ? group_end - g0 : max_groups);
-            const int64_t first = g0 * KR_PACK_ROWS;
-            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
-            const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                packed_tile(type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
-                            cols / KR_QK, out + t0 * out_stride + first, out_stride, keep_begin, keep_end,
-                            t0 == b0 ? next : NULL);
-            }
-        }
-    }
+    kr_matmul_packed_tiles_avx2(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups,
+                                max_tokens, packed_tile, kr_matmul_legacy_avx2);
 }
 
 #else

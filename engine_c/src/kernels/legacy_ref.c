@@ -9,15 +9,6 @@
 #include <math.h>
 #include <string.h>
 
-size_t kr_legacy_block_bytes(int32_t type) {
-    switch (type) {
-    case KR_Q4_1: return sizeof(kr_block_q4_1);
-    case KR_Q5_0: return sizeof(kr_block_q5_0);
-    case KR_Q5_1: return sizeof(kr_block_q5_1);
-    default: return 0;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // One block's pieces
 
@@ -105,52 +96,38 @@ float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *
 // ---------------------------------------------------------------------------------------------
 // Packed layout (legacy.h)
 
-size_t kr_legacy_group_block_bytes(int32_t type) { return KR_PACK_ROWS * kr_legacy_block_bytes(type); }
-
-// Offsets inside a group's block: the scales at 0, the minimums, the fifth bits, the nibbles.
-typedef struct {
-    size_t mins, fifth, nibbles;
-} group_offsets;
-
-static group_offsets offsets_of(int32_t type) {
-    const size_t scales = 2 * KR_PACK_ROWS;
-    const size_t mins = type == KR_Q5_0 ? 0 : 2 * KR_PACK_ROWS;
-    const size_t fifth = type == KR_Q4_1 ? 0 : 4 * KR_PACK_ROWS;
-    return (group_offsets){scales, scales + mins, scales + mins + fifth};
-}
-
-// Row r's block `block` (file form) into its place in the group's block.
+// Row r's block `block` (file form) into its place in the group's block (legacy.h's offsets).
 static void pack_block(int32_t type, const void *block, int r, char *group_block) {
-    const group_offsets at = offsets_of(type);
+    const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const block_parts p = parts_of(type, block);
     memcpy(group_block + 2 * r, &p.d, 2);
-    if (p.has_min) memcpy(group_block + at.mins + 2 * r, &p.m, 2);
+    if (p.has_min) memcpy(group_block + KR_LEGACY_PACKED_MINS + 2 * r, &p.m, 2);
     if (p.qh) {
         const uint32_t high = fifth_bits(p.qh);
         for (int k = 0; k < 4; k++) {
             uint8_t byte = 0;
             for (int bit = 0; bit < 8; bit++) byte |= (uint8_t)(((high >> (4 * bit + k)) & 1) << bit);
-            group_block[at.fifth + 4 * r + k] = (char)byte;
+            group_block[fifth_at + 4 * r + k] = (char)byte;
         }
     }
-    for (int i = 0; i < 4; i++) memcpy(group_block + at.nibbles + 32 * i + 4 * r, p.nibbles + 4 * i, 4);
+    for (int i = 0; i < 4; i++) memcpy(group_block + nibbles_at + 32 * i + 4 * r, p.nibbles + 4 * i, 4);
 }
 
 // The inverse: row r's block back in file form.
 static void unpack_block(int32_t type, const char *group_block, int r, void *block) {
-    const group_offsets at = offsets_of(type);
+    const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     kr_f16 d, m = 0;
     uint8_t nibbles[KR_QK / 2], qh[4] = {0};
     memcpy(&d, group_block + 2 * r, 2);
-    if (type != KR_Q5_0) memcpy(&m, group_block + at.mins + 2 * r, 2);
-    if (type != KR_Q4_1) {
+    if (kr_legacy_has_min(type)) memcpy(&m, group_block + KR_LEGACY_PACKED_MINS + 2 * r, 2);
+    if (kr_legacy_has_fifth(type)) {
         uint32_t high = 0;
         for (int k = 0; k < 4; k++)
             for (int bit = 0; bit < 8; bit++)
-                high |= (uint32_t)(((uint8_t)group_block[at.fifth + 4 * r + k] >> bit) & 1) << (4 * bit + k);
+                high |= (uint32_t)(((uint8_t)group_block[fifth_at + 4 * r + k] >> bit) & 1) << (4 * bit + k);
         for (int k = 0; k < 4; k++) qh[k] = (uint8_t)(high >> (8 * k));
     }
-    for (int i = 0; i < 4; i++) memcpy(nibbles + 4 * i, group_block + at.nibbles + 32 * i + 4 * r, 4);
+    for (int i = 0; i < 4; i++) memcpy(nibbles + 4 * i, group_block + nibbles_at + 32 * i + 4 * r, 4);
     switch (type) {
     case KR_Q4_1: {
         kr_block_q4_1 *b = block;

@@ -172,41 +172,56 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
     }
 }
 
-int kr_kernel_type_supported(int32_t type) {
-    return type == KR_F32 || type == KR_F16 || type == KR_BF16 || type == KR_Q8_0 || type == KR_Q4_0 ||
-           kr_legacy_type(type) || kr_is_kquant(type);
-}
+// ---------------------------------------------------------------------------------------------
+// The weight types the kernels multiply, in one table: weights and bytes per block, the prepared
+// activations their matmul reads, and whether kr_pack_rows packs them. A type without an entry
+// (block 0) has no kernels.
+
+typedef enum { ACTIVATIONS_F32, ACTIVATIONS_Q8_0, ACTIVATIONS_Q8_SUM, ACTIVATIONS_Q8_K } activation_kind;
+
+static const struct {
+    int32_t block;
+    uint32_t block_bytes;
+    activation_kind activations;
+    bool packable;
+} KERNEL_TYPES[KR_TYPE_COUNT] = {
+    [KR_F32] = {1, sizeof(float), ACTIVATIONS_F32, false},
+    [KR_F16] = {1, sizeof(kr_f16), ACTIVATIONS_F32, false},
+    [KR_BF16] = {1, sizeof(uint16_t), ACTIVATIONS_F32, false},
+    [KR_Q8_0] = {KR_QK, sizeof(kr_block_q8_0), ACTIVATIONS_Q8_0, true},
+    // q4_0 and its family (legacy.h) take the same prepared blocks
+    [KR_Q4_0] = {KR_QK, sizeof(kr_block_q4_0), ACTIVATIONS_Q8_SUM, true},
+    [KR_Q4_1] = {KR_QK, sizeof(kr_block_q4_1), ACTIVATIONS_Q8_SUM, true},
+    [KR_Q5_0] = {KR_QK, sizeof(kr_block_q5_0), ACTIVATIONS_Q8_SUM, true},
+    [KR_Q5_1] = {KR_QK, sizeof(kr_block_q5_1), ACTIVATIONS_Q8_SUM, true},
+    [KR_Q4_K] = {KR_QK_K, sizeof(kr_block_q4_K), ACTIVATIONS_Q8_K, true},
+    [KR_Q5_K] = {KR_QK_K, sizeof(kr_block_q5_K), ACTIVATIONS_Q8_K, true},
+    [KR_Q6_K] = {KR_QK_K, sizeof(kr_block_q6_K), ACTIVATIONS_Q8_K, true},
+};
+
+int64_t kr_kernel_type_block(int32_t type) { return type >= 0 && type < KR_TYPE_COUNT ? KERNEL_TYPES[type].block : 0; }
+
+int kr_kernel_type_supported(int32_t type) { return kr_kernel_type_block(type) != 0; }
 
 size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
-    switch (type) {
-    case KR_F32: return (size_t)cols * 4;
-    case KR_F16:
-    case KR_BF16: return (size_t)cols * 2;
-    case KR_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
-    case KR_Q4_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q4_0);
-    case KR_Q4_1:
-    case KR_Q5_0:
-    case KR_Q5_1: return (size_t)(cols / KR_QK) * kr_legacy_block_bytes(type);
-    case KR_Q4_K:
-    case KR_Q5_K:
-    case KR_Q6_K: return (size_t)(cols / KR_QK_K) * kr_kquant_block_bytes(type);
-    default: return 0;
-    }
+    const int64_t block = kr_kernel_type_block(type);
+    return block ? (size_t)(cols / block) * KERNEL_TYPES[type].block_bytes : 0;
 }
+
+int kr_packable(int32_t weight_type) { return kr_kernel_type_supported(weight_type) && KERNEL_TYPES[weight_type].packable; }
 
 // ---------------------------------------------------------------------------------------------
 // Prepared activations
 
+static activation_kind activations_of(int32_t weight_type) {
+    return kr_kernel_type_supported(weight_type) ? KERNEL_TYPES[weight_type].activations : ACTIVATIONS_F32;
+}
+
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
-    switch (weight_type) {
-    case KR_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
-    case KR_Q4_0:
-    case KR_Q4_1:  // q4_1, q5_0, q5_1 (legacy.h) take the same prepared blocks as q4_0
-    case KR_Q5_0:
-    case KR_Q5_1: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_sum);
-    case KR_Q4_K:
-    case KR_Q5_K:
-    case KR_Q6_K: return (size_t)(cols / KR_QK_K) * sizeof(kr_block_q8_K);
+    switch (activations_of(weight_type)) {
+    case ACTIVATIONS_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
+    case ACTIVATIONS_Q8_SUM: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_sum);
+    case ACTIVATIONS_Q8_K: return (size_t)(cols / KR_QK_K) * sizeof(kr_block_q8_K);
     default: return (size_t)cols * sizeof(float);
     }
 }
@@ -231,12 +246,15 @@ void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n) {
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                                  int64_t token_begin, int64_t token_end, const kr_quantizers *quantize) {
     const size_t row_bytes = kr_activation_row_bytes(weight_type, cols);
+    const activation_kind kind = activations_of(weight_type);
     for (int64_t t = token_begin; t < token_end; t++) {
         char *dst = (char *)prepared + (size_t)t * row_bytes;
-        if (weight_type == KR_Q8_0) quantize->q8_0(x + t * cols, (kr_block_q8_0 *)dst, cols);
-        else if (weight_type == KR_Q4_0 || kr_legacy_type(weight_type)) quantize->q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols);
-        else if (kr_is_kquant(weight_type)) quantize->q8_K(x + t * cols, (kr_block_q8_K *)dst, cols);
-        else memcpy(dst, x + t * cols, row_bytes);
+        switch (kind) {
+        case ACTIVATIONS_Q8_0: quantize->q8_0(x + t * cols, (kr_block_q8_0 *)dst, cols); break;
+        case ACTIVATIONS_Q8_SUM: quantize->q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols); break;
+        case ACTIVATIONS_Q8_K: quantize->q8_K(x + t * cols, (kr_block_q8_K *)dst, cols); break;
+        default: memcpy(dst, x + t * cols, row_bytes); break;
+        }
     }
 }
 
@@ -443,10 +461,6 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
 
 // ---------------------------------------------------------------------------------------------
 // Packed weights (kernels.h, "Packed weights"; owner: speed)
-
-int kr_packable(int32_t weight_type) {
-    return weight_type == KR_Q4_0 || weight_type == KR_Q8_0 || kr_legacy_type(weight_type) || kr_is_kquant(weight_type);
-}
 
 // Where row r (of a whole group) keeps quant byte j of block b in the packed layout, relative to the
 // group's block: after the 8 scales, chunk j / 4, row r, byte j % 4.
