@@ -274,13 +274,13 @@ def resident_bytes(pid):
 
 
 @contextlib.contextmanager
-def serving(cmd, port, logs, name, env=None):
+def serving(cmd, port, logs, name):
     """A server process started with `cmd`, its output in logs/name.log, once its /health answers;
     stopped on the way out (errors and Ctrl-C included)."""
     log_path = logs / f"{name}.log"
     log("+", " ".join(str(c) for c in cmd))
     with open(log_path, "wb") as out:
-        server = subprocess.Popen([str(c) for c in cmd], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         try:
             wait_healthy(server, port, timeout=300)
