@@ -279,10 +279,50 @@ def engine_seconds(port):
     return total
 
 
+def chat_body(content, max_tokens):
+    """The JSON body of a streamed greedy chat completion of one user message, usage in its last event."""
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "stream": True,
+                       "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "temperature": 0}).encode()
+
+
+def stream_event(line):
+    """(content deltas, usage or None) of one line of a streamed chat completion's server-sent events."""
+    line = line.strip()
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return 0, None
+    event = json.loads(line[6:])
+    contents = sum(1 for choice in event.get("choices", []) if choice.get("delta", {}).get("content"))
+    return contents, event.get("usage") or None
+
+
+def wait_healthy(server, port, timeout=120):
+    """Poll GET /health until it answers 200; SystemExit if the process `server` ends or `timeout`
+    seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if http_get(port, "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not start (exit status {server.poll()})")
+        time.sleep(0.2)
+
+
+def stop_server(server):
+    """SIGTERM, then SIGKILL if the process is still there after 30 s."""
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def streamed_chat(port, content, max_tokens):
     """(time to first content, seconds from first to last content, content chunks, usage, total seconds)."""
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "stream": True,
-                       "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "temperature": 0}).encode()
+    body = chat_body(content, max_tokens)
     start = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -292,18 +332,13 @@ def streamed_chat(port, content, max_tokens):
     first = last = None
     chunks, usage = 0, None
     for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if event.get("usage"):
-            usage = event["usage"]
-        for choice in event.get("choices", []):
-            if choice.get("delta", {}).get("content"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                chunks += 1
+        contents, event_usage = stream_event(raw.decode())
+        usage = event_usage or usage
+        if contents:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            chunks += contents
     total = time.perf_counter() - start
     conn.close()
     if first is None:
@@ -322,16 +357,7 @@ def server_figures(library, isa, pulled, args):
     server = subprocess.Popen([str(c) for c in cmd], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if http_get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start (exit status {server.poll()})")
-            time.sleep(0.2)
+        wait_healthy(server, port)
         streamed_chat(port, "Warm up.", 8)
         results = []
         for i in range(args.server_requests):
@@ -346,12 +372,7 @@ def server_figures(library, isa, pulled, args):
                             "tokens": tokens, "total": total})
         return {key: statistics.median(r[key] for r in results) for key in results[0]}
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
 
 
 def print_server_table(rows, args):
