@@ -294,12 +294,22 @@ class Runtime:
         return self.session.n_ctx
 
     def choose_slot(self, prompt):
-        """The free slot for `prompt`: the one whose cache shares the longest prefix with it, then the
-        least recently used; None when every slot is busy. It is marked busy until release_slot."""
+        """The free slot for `prompt`, marked busy until release_slot; None when every slot is busy.
+
+        The slot whose cache shares the longest prefix with the prompt, then the least recently used
+        (an unused one first). A prefix counts only if it is at least half of what the slot holds:
+        otherwise a new chat, sharing just the chat template's header with a conversation in a
+        slot, would take that slot and lose the conversation's cache while another slot is free
+        to lose less."""
         free = [slot for slot in self.slots if not slot.busy]
         if not free:
             return None
-        best = max(free, key=lambda slot: (slot.common_prefix(prompt), -slot.last_used, -slot.index))
+
+        def reused(slot):
+            common = slot.common_prefix(prompt)
+            return common if 2 * common >= len(slot.cached) else 0
+
+        best = max(free, key=lambda slot: (reused(slot), -slot.last_used, -slot.index))
         best.busy = True
         return best
 

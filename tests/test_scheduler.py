@@ -192,6 +192,18 @@ class SlotChoiceTests:
             fresh = self.run(runtime, scheduler, [50, 51])  # no prefix anywhere: slot 2 was used longest ago
             assert (fresh.slot.index, fresh.result.cached_tokens) == (2, 0)
 
+    def test_short_prefix_does_not_evict_a_longer_cache(self, tmp_path):
+        """A prompt that keeps less than half of a slot's cache (say, only a chat template's header) takes
+        the least recently used slot instead, so the longer cache survives for its own follow-up."""
+        with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
+            runtime = self.runtime(model, parallel=2)
+            scheduler = Scheduler(runtime)
+            conversation = self.run(runtime, scheduler, list(range(1, 11)))
+            other = self.run(runtime, scheduler, [1, 2, 50])
+            assert (conversation.slot.index, other.slot.index, other.result.cached_tokens) == (0, 1, 0)
+            follow_up = self.run(runtime, scheduler, list(range(1, 11)) + list(conversation.result.tokens[:1]) + [60])
+            assert (follow_up.slot.index, follow_up.result.cached_tokens) == (0, 11)
+
     def test_busy_slots_not_chosen(self, tmp_path):
         """Requests running side by side each hold their own slot; one more waits until a slot is free,
         then takes the one with its prefix."""

@@ -35,8 +35,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
+    # --parallel 1, the original's one reply at a time (QueueTests, CacheTests' one cache);
+    # tests/test_server_concurrency.py runs several slots.
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--cors", ORIGIN,
-                             "--log-queue"])
+                             "--log-queue", "--parallel", "1"])
     process.start()
     yield process
     # twistd ends by re-raising SIGTERM on itself once shut down, so the status is -SIGTERM.
