@@ -107,7 +107,10 @@ class EngineWorker:
         while scheduler is not None and scheduler.busy and not self._queued:
             for generation in scheduler.step():
                 d, pending = self._running.pop(generation)
-                self._conclude(d, lambda: pending.conclude(generation))
+                if generation.slot is None:  # cancelled while it waited for a slot: skipped, as a queued job
+                    self.call_in_reactor(d.callback, None)
+                else:
+                    self._conclude(d, lambda: pending.conclude(generation))
 
     def _start(self, job, d):
         if job.cancelled:
