@@ -28,12 +28,8 @@ SHARED = ("You are a careful assistant who answers in full sentences and never u
 
 
 @pytest.fixture(scope="module")
-def model():
-    return real_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def server(model):
+def server():
+    model = real_model("smollm2-135m")
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--metrics",
                              "--parallel", str(PARALLEL), "--ctx", "1024"]).start()
     yield process
