@@ -89,6 +89,23 @@ class Scheduler:
             ended.append(generation)
         return ended
 
+    def abandon(self, error):
+        """End every generation, waiting or active, with `error` (a bug in a step: no request may hang);
+        returns them, their slots free again and their caches forgotten."""
+        ended = list(self.waiting) + self.active
+        for generation in self.active:
+            try:
+                generation.slot.reset()
+            except Exception:
+                pass  # the slot's session is what failed: its cache is already unusable
+            self.runtime.release_slot(generation.slot)
+        for generation in ended:
+            if not generation.done:
+                generation.fail(error)
+        self.waiting.clear()
+        self.active = []
+        return ended
+
     def _admit(self):
         while self.waiting:
             generation = self.waiting[0]

@@ -122,6 +122,7 @@ class FakeGeneration:
         self.name, self.steps, self.cancelled = name, steps, cancelled
         self.slot = None
         self.result = None
+        self.error = None
 
 
 class CountingScheduler:

@@ -222,3 +222,22 @@ class SlotChoiceTests:
             assert made[2].slot is made[0].slot  # the free one: made[1] still ran when made[2] got a slot
             assert made[2].result.cached_tokens == 2  # all 3 cached; the last runs again for its logits
             assert sum(scheduler.batch_histogram) == scheduler.steps and scheduler.batch_histogram[2] > 0
+
+
+class AbandonTests:
+    def test_a_failing_step_ends_every_generation(self, tmp_path):
+        """When a step fails outside any one generation (a bug), abandon() ends the running and the waiting
+        generations with the error, frees their slots and forgets the caches they left half written."""
+        with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
+            runtime = Runtime(model, LetterTokenizer(model.n_vocab), ctx=64, parallel=1)
+            scheduler = Scheduler(runtime)
+            made = [Generation(runtime, [1, 2, 3], max_tokens=8) for _ in range(2)]
+            for generation in made:
+                scheduler.add(generation)
+            scheduler.step()
+            error = RuntimeError("a bug")
+            ended = scheduler.abandon(error)
+            assert sorted(map(id, ended)) == sorted(map(id, made))
+            assert all(g.done and g.error is error for g in made)
+            assert not scheduler.busy and not runtime.slots[0].busy
+            assert runtime.slots[0].cached == [] and runtime.session.n_tokens == 0

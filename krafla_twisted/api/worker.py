@@ -105,9 +105,15 @@ class EngineWorker:
         self._start(job, d)
         scheduler = self.scheduler
         while scheduler is not None and scheduler.busy and not self._queued:
-            for generation in scheduler.step():
+            try:
+                ended = scheduler.step()
+            except Exception as e:  # a bug: every reply in the batch ends with it rather than hang
+                log.failure("a forward step failed")
+                ended = scheduler.abandon(e)
+            for generation in ended:
                 d, pending = self._running.pop(generation)
-                if generation.slot is None:  # cancelled while it waited for a slot: skipped, as a queued job
+                if generation.slot is None and generation.error is None:
+                    # Cancelled while it waited for a slot: skipped, as a queued job is.
                     self.call_in_reactor(d.callback, None)
                 else:
                     self._conclude(d, lambda: pending.conclude(generation))
