@@ -438,6 +438,7 @@ class Generation:
         self.finish = None
         self.result = None
         self.error = None           # set by a driver when evaluating this generation failed
+        self.skipped = False        # set by the scheduler when it was cancelled while every slot was busy
         self.started = time.perf_counter()
         self.prompt_seconds = 0.0
 

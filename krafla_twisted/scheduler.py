@@ -75,11 +75,13 @@ class Scheduler:
         """Admit what fits, run one forward step over every active generation, sample each; return the
         generations that ended (their slots are free again). A generation whose evaluation fails
         ends with `generation.error` set; the others go on."""
-        ended = [generation for generation in self.waiting if generation.cancelled()]
-        for generation in ended:
+        ended = self._admit()
+        for generation in [g for g in self.waiting if g.cancelled()]:
+            # Its client left while every slot was busy: it never started.
             self.waiting.remove(generation)
+            generation.skipped = True
             generation.cancel()
-        self._admit()
+            ended.append(generation)
         items = self._inputs()
         if items:
             self._evaluate(items)
@@ -107,17 +109,23 @@ class Scheduler:
         return ended
 
     def _admit(self):
-        while self.waiting:
-            generation = self.waiting[0]
+        """Give free slots to waiting generations in arrival order; returns those that ended at once
+        (cancelled before their first step: they report their prompt, as a cancelled prefill does,
+        and leave the slot's cache untouched)."""
+        ended = []
+        while self.waiting and any(not slot.busy for slot in self.runtime.slots):
+            generation = self.waiting.popleft()
+            if generation.cancelled():
+                generation.cancel()
+                ended.append(generation)
+                continue
             slot = self.runtime.choose_slot(generation.prompt)
-            if slot is None:
-                return
-            self.waiting.popleft()
             self.active.append(generation)
             try:
                 generation.attach(slot)
             except Exception as e:
                 generation.fail(e)
+        return ended
 
     def _inputs(self):
         """(generation, token ids, logits mode) of this step: one token per running reply, then

@@ -123,6 +123,7 @@ class FakeGeneration:
         self.slot = None
         self.result = None
         self.error = None
+        self.skipped = False
 
 
 class CountingScheduler:
@@ -143,6 +144,8 @@ class CountingScheduler:
     def step(self):
         ended = [g for g in self.waiting if g.cancelled()]
         self.waiting = [g for g in self.waiting if g not in ended]
+        for generation in ended:
+            generation.skipped = True
         while self.waiting and len(self.active) < self.parallel:
             generation = self.waiting.pop(0)
             generation.slot = "slot"

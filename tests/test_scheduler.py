@@ -241,3 +241,27 @@ class AbandonTests:
             assert all(g.done and g.error is error for g in made)
             assert not scheduler.busy and not runtime.slots[0].busy
             assert runtime.slots[0].cached == [] and runtime.session.n_tokens == 0
+
+    def test_cancelled_before_a_slot(self, tmp_path):
+        """A generation whose client leaves while every slot is busy is skipped (it never starts); one that
+        leaves before its first step while a slot is free ends as a cancelled prompt (its prompt counted,
+        no reply) and leaves the slot's cache as it was."""
+        with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
+            runtime = Runtime(model, LetterTokenizer(model.n_vocab), ctx=64, parallel=1)
+            scheduler = Scheduler(runtime)
+            gone = []
+            running = Generation(runtime, [1, 2, 3], max_tokens=4)
+            waiting = Generation(runtime, [4, 5], max_tokens=4, cancelled=lambda: "waiting" in gone)
+            scheduler.add(running)
+            scheduler.add(waiting)
+            scheduler.step()
+            gone.append("waiting")
+            assert scheduler.step() == [waiting] and waiting.skipped and waiting.slot is None
+            while scheduler.busy:
+                scheduler.step()
+            cached = list(runtime.slots[0].cached)
+            late = Generation(runtime, [1, 2, 9], max_tokens=4, cancelled=lambda: True)
+            scheduler.add(late)
+            assert scheduler.step() == [late] and not late.skipped
+            assert (late.result.finish_reason, late.result.prompt_tokens, late.result.completion_tokens) == ("cancelled", 3, 0)
+            assert runtime.slots[0].cached == cached

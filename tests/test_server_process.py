@@ -156,7 +156,7 @@ class StartupTests:
             (model_args + ["--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
             (model_args + ["--parallel", "0"], "--parallel must be 1 to 256"),
             # 256 slots of 8192 positions: 90 GiB of f32 KV cache for SmolLM2, more than this machine has
-            (model_args + ["--parallel", "256", "--ctx", "8192"], "--parallel 256 x --ctx 8192 needs 90.0 GiB of KV cache"),
+            (model_args + ["--parallel", "256", "--ctx", "8192"], "--parallel 256 x --ctx 8192 needs 90.0 GiB"),
         )
         from krafla_twisted.startup import available_memory
         assert available_memory() < 90 * 2**30, "the KV-memory refusal below needs a machine with less memory"

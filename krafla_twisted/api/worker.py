@@ -112,8 +112,7 @@ class EngineWorker:
                 ended = scheduler.abandon(e)
             for generation in ended:
                 d, pending = self._running.pop(generation)
-                if generation.slot is None and generation.error is None:
-                    # Cancelled while it waited for a slot: skipped, as a queued job is.
+                if generation.skipped:  # cancelled while it waited for a slot: skipped, as a queued job is
                     self.call_in_reactor(d.callback, None)
                 else:
                     self._conclude(d, lambda: pending.conclude(generation))
