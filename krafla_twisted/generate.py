@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from krafla_twisted import chat, clib
+from krafla_twisted import chat, clib, header
 from krafla_twisted.sampler import Sampler
 
 
@@ -261,9 +261,9 @@ class Runtime:
         except clib.KraflaError as e:
             for slot in self.slots:
                 slot.session.close()
-            raise clib.KraflaError(f"cannot allocate the KV cache of slot {len(self.slots) + 1} of {parallel} "
-                                   f"(--parallel {parallel} x --ctx {ctx or 'the model max_seq'}, kv {kv}): {e}; "
-                                   "lower --parallel or --ctx, or use a smaller --kv type") from None
+            hint = "; lower --parallel or --ctx, or use a smaller --kv type" if e.status == header.KR_ERR_MEMORY else ""
+            raise clib.KraflaError(f"cannot make slot {len(self.slots) + 1} of {parallel} (--parallel {parallel}, "
+                                   f"--ctx {ctx or 'default'}, --kv {kv}): {e}{hint}", e.status) from None
         stops = set(tokenizer.eot_ids) if eos is None else {eos}
         if eos is None and tokenizer.eos_id is not None:
             stops.add(tokenizer.eos_id)

@@ -265,3 +265,17 @@ class AbandonTests:
             assert scheduler.step() == [late] and not late.skipped
             assert (late.result.finish_reason, late.result.prompt_tokens, late.result.completion_tokens) == ("cancelled", 3, 0)
             assert runtime.slots[0].cached == cached
+
+
+class RuntimeSlotsTests:
+    def test_a_slot_that_cannot_be_made_is_named(self, tmp_path):
+        """A session the engine refuses (here a context out of its range) stops the Runtime with an error naming
+        the slot and the options, and the slots already made are closed; parallel must be a positive integer."""
+        from krafla_twisted import clib
+
+        with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
+            with pytest.raises(clib.KraflaError, match=r"cannot make slot 1 of 3 \(--parallel 3, --ctx 2147483647, "
+                                                       r"--kv f32\): context 2147483647 is out of range"):
+                Runtime(model, LetterTokenizer(model.n_vocab), ctx=2**31 - 1, parallel=3)
+            with pytest.raises(ValueError, match="parallel must be an integer >= 1, not 0"):
+                Runtime(model, LetterTokenizer(model.n_vocab), parallel=0)
