@@ -435,7 +435,7 @@ class Generation:
         self.pieces = []
         self.token_logprobs = []
         self.reported = 0           # token_logprobs already given to on_logprobs
-        self.finish = None
+        self.decoder = self.stops = None  # made, with the sampler, once the prompt is in
         self.result = None
         self.error = None           # set by a driver when evaluating this generation failed
         self.skipped = False        # set by the scheduler when it was cancelled while every slot was busy
