@@ -201,6 +201,16 @@ class StopStringFilter:
 # Runtime: the loaded model, its sessions (slots) and the tokens in each
 
 
+# Bytes per cached value of each KV type (q8_0: blocks of 32 values, 32 bytes and a 2-byte scale).
+KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+def kv_cache_bytes(model, n_ctx, kv):
+    """The keys and values of one slot of `n_ctx` positions: layers x positions x 2 x KV heads x head_dim."""
+    values = 2 * model.n_layers * n_ctx * model.n_kv_heads * model.head_dim
+    return int(values * KV_VALUE_BYTES.get(kv, 4.0))
+
+
 class Slot:
     """One Session and the tokens whose keys and values are in it, kept between requests so the
     next prompt that shares a prefix with them evaluates only the rest. A slot serves one
@@ -275,6 +285,10 @@ class Runtime:
     @property
     def parallel(self):
         return len(self.slots)
+
+    @property
+    def kv_bytes_per_slot(self):
+        return kv_cache_bytes(self.model, self.n_ctx, self.kv)
 
     # The first slot: what `krafla run` (one sequence) and single-session tests look at.
     @property

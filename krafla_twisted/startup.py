@@ -63,16 +63,6 @@ def load_runtime(opts, *, progress=False, parallel=1):
         raise
 
 
-# Bytes per cached value of each KV type (q8_0: blocks of 32 values, 32 bytes and a 2-byte scale).
-KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
-
-
-def kv_cache_bytes(model, n_ctx, kv):
-    """The keys and values of one slot of `n_ctx` positions: layers x positions x 2 x KV heads x head_dim."""
-    values = 2 * model.n_layers * n_ctx * model.n_kv_heads * model.head_dim
-    return int(values * KV_VALUE_BYTES.get(kv, 4.0))
-
-
 def available_memory():
     """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
     try:
@@ -88,7 +78,7 @@ def available_memory():
 def check_kv_memory(model, config, parallel):
     """Refuse, naming the options, a --parallel x --ctx KV cache larger than the memory available now."""
     n_ctx = config["ctx"] or min(model.max_seq, header.KR_DEFAULT_MAX_CTX)
-    needed = parallel * kv_cache_bytes(model, n_ctx, config["kv"])
+    needed = parallel * generate.kv_cache_bytes(model, n_ctx, config["kv"])
     available = available_memory()
     if available is not None and needed > available:
         raise options.OptionError(

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import os
 
-from krafla_twisted import __version__, chat, engine, generate, grammar, startup, tools
+from krafla_twisted import __version__, chat, engine, generate, grammar, tools
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
 from krafla_twisted.scheduler import Pending, Scheduler
 
@@ -43,7 +43,7 @@ class Backend:
         (KV cache P x S MiB)`; T is followed by where it came from when --chat did not name it
         (`smollm (from the tokenizer file)`)."""
         model = self.runtime.model
-        slot_bytes = startup.kv_cache_bytes(model, self.n_ctx, self.runtime.kv)
+        slot_bytes = self.runtime.kv_bytes_per_slot
         template = self.template.name if self.template is not None else "none"
         source = getattr(self.runtime, "template_from", None)
         if source and source != "--chat":
