@@ -172,6 +172,7 @@ class Model(clib.OwnedHandle):
         known = formats.TENSOR_TYPES.get(raw.weight_type)
         self.weight_type = known.name if known else str(raw.weight_type)
         self.n_params = raw.n_params
+        self.n_layers, self.n_kv_heads, self.head_dim = raw.n_layers, raw.n_kv_heads, raw.head_dim
         self.n_bytes = raw.n_bytes
         with ContainerFile(self.path) as container:
             self.info = dict(container.metadata)

@@ -6,11 +6,13 @@ stop strings, UTF-8 pieces.
     result = Generator(runtime).generate(prompt.tokens, max_tokens=64, sampling=SamplingParams(),
                                          stop_strings=prompt.stop_strings, on_text=print)
 
-Everything here runs in one thread (the server's worker): the Runtime's session is not shared.
+Everything here runs in one thread (the server's worker): the Runtime's sessions (its slots) are
+not shared. A Generation is one reply as a state machine: Generator.generate runs one alone,
+krafla_twisted/scheduler.py runs many side by side, one slot each.
 This module knows neither command-line options nor downloads (krafla_twisted/startup.py turns
 those into a Runtime).
 
-KV prefix reuse: the Runtime remembers the tokens whose keys and values are in the session. A new
+KV prefix reuse: each slot remembers the tokens whose keys and values are in its session. A new
 prompt keeps their longest common prefix, truncates the rest and evaluates only the new tokens;
 the engine gives identical logits however a prefix got into the cache, so a warm request gets
 bitwise the reply a cold one gets.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from krafla_twisted import chat, clib
+from krafla_twisted import chat, clib, header
 from krafla_twisted.sampler import Sampler
 
 
@@ -196,21 +198,62 @@ class StopStringFilter:
 
 
 # ---------------------------------------------------------------------------------------------
-# Runtime: the loaded model, its session and the tokens in it
+# Runtime: the loaded model, its sessions (slots) and the tokens in each
+
+
+# Bytes per cached value of each KV type (q8_0: blocks of 32 values, 32 bytes and a 2-byte scale).
+KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+def kv_cache_bytes(model, n_ctx, kv):
+    """The keys and values of one slot of `n_ctx` positions: layers x positions x 2 x KV heads x head_dim."""
+    values = 2 * model.n_layers * n_ctx * model.n_kv_heads * model.head_dim
+    return int(values * KV_VALUE_BYTES.get(kv, 4.0))
+
+
+class Slot:
+    """One Session and the tokens whose keys and values are in it, kept between requests so the
+    next prompt that shares a prefix with them evaluates only the rest. A slot serves one
+    generation at a time; `last_used` orders the free slots for reuse (least recently used first)."""
+
+    def __init__(self, session, index=0):
+        self.session = session
+        self.index = index
+        self.cached = []            # token ids whose KV is in the session, in order
+        self.cached_logits = None   # logits after the last of them, when known
+        self.last_used = 0
+        self.busy = False
+
+    def common_prefix(self, prompt):
+        """How many leading tokens of `prompt` are in this slot's cache."""
+        common = 0
+        for cached, wanted in zip(self.cached, prompt):
+            if cached != wanted:
+                break
+            common += 1
+        return common
+
+    def reset(self):
+        """Forget the KV cache (the next prompt is evaluated from scratch)."""
+        self.session.truncate(0)
+        self.cached = []
+        self.cached_logits = None
 
 
 class Runtime:
-    """A Model, one Session over it, the Tokenizer, the chat Template (or None) and the defaults
-    a request falls back on (sampling, max_tokens, system prompt). It owns the model and closes
-    it in close()."""
+    """A Model, `parallel` Sessions over it (slots, each with its own KV cache), the Tokenizer, the
+    chat Template (or None) and the defaults a request falls back on (sampling, max_tokens, system
+    prompt). It owns the model and closes it in close()."""
 
     def __init__(self, model, tokenizer, template=None, *, ctx=None, kv="f32", batch=32, eos=None,
-                 sampling=SamplingParams(), max_tokens=0, system=None, threads=None):
+                 sampling=SamplingParams(), max_tokens=0, system=None, threads=None, parallel=1):
         if tokenizer.n_vocab != model.n_vocab:
             raise ValueError(f"the tokenizer has {tokenizer.n_vocab} tokens but the model {model.n_vocab}: "
                              "they do not belong together")
         if eos is not None and not 0 <= eos < model.n_vocab:
             raise ValueError(f"the end-of-reply token {eos} is not a token id of this model (0..{model.n_vocab - 1})")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel must be an integer >= 1, not {parallel!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
@@ -221,28 +264,82 @@ class Runtime:
         self.sampling = sampling.check()
         self.max_tokens = max_tokens
         self.system = system
-        self.session = model.session(ctx=ctx, kv=kv, batch=batch)
+        self.slots = []
+        try:
+            for index in range(parallel):
+                self.slots.append(Slot(model.session(ctx=ctx, kv=kv, batch=batch), index))
+        except clib.KraflaError as e:
+            for slot in self.slots:
+                slot.session.close()
+            hint = "; lower --parallel or --ctx, or use a smaller --kv type" if e.status == header.KR_ERR_MEMORY else ""
+            raise clib.KraflaError(f"cannot make slot {len(self.slots) + 1} of {parallel} (--parallel {parallel}, "
+                                   f"--ctx {ctx or 'default'}, --kv {kv}): {e}{hint}", e.status) from None
         stops = set(tokenizer.eot_ids) if eos is None else {eos}
         if eos is None and tokenizer.eos_id is not None:
             stops.add(tokenizer.eos_id)
         if template is not None:
             stops |= template.stop_token_ids(tokenizer)
         self.stop_token_ids = frozenset(stops)
-        self.cached = []            # token ids whose KV is in the session, in order
-        self.cached_logits = None   # logits after the last of them, when known
+        self._uses = 0
+
+    @property
+    def parallel(self):
+        return len(self.slots)
+
+    @property
+    def kv_bytes_per_slot(self):
+        return kv_cache_bytes(self.model, self.n_ctx, self.kv)
+
+    # The first slot: what `krafla run` (one sequence) and single-session tests look at.
+    @property
+    def session(self):
+        return self.slots[0].session
+
+    @property
+    def cached(self):
+        return self.slots[0].cached
+
+    @property
+    def cached_logits(self):
+        return self.slots[0].cached_logits
 
     @property
     def n_ctx(self):
         return self.session.n_ctx
 
+    def choose_slot(self, prompt):
+        """The free slot for `prompt`, marked busy until release_slot; None when every slot is busy.
+
+        The slot whose cache shares the longest prefix with the prompt, then the least recently used
+        (an unused one first). A prefix counts only if it is at least half of what the slot holds:
+        otherwise a new chat, sharing just the chat template's header with a conversation in a
+        slot, would take that slot and lose the conversation's cache while another slot is free
+        to lose less."""
+        free = [slot for slot in self.slots if not slot.busy]
+        if not free:
+            return None
+
+        def reused(slot):
+            common = slot.common_prefix(prompt)
+            return common if 2 * common >= len(slot.cached) else 0
+
+        best = max(free, key=lambda slot: (reused(slot), -slot.last_used, -slot.index))
+        best.busy = True
+        return best
+
+    def release_slot(self, slot):
+        self._uses += 1
+        slot.last_used = self._uses
+        slot.busy = False
+
     def reset(self):
-        """Forget the KV cache (the next prompt is evaluated from scratch)."""
-        self.session.truncate(0)
-        self.cached = []
-        self.cached_logits = None
+        """Forget every slot's KV cache (the next prompts are evaluated from scratch)."""
+        for slot in self.slots:
+            slot.reset()
 
     def close(self):
-        self.session.close()
+        for slot in self.slots:
+            slot.session.close()
         self.model.close()
         close_tokenizer = getattr(self.tokenizer, "close", None)
         if close_tokenizer:
@@ -294,29 +391,29 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, stop=(), too
 
 
 # ---------------------------------------------------------------------------------------------
-# Generator
+# Generation: one request's reply, step by step
 
 
-class Generator:
-    """Generates replies with a Runtime; see the module docstring for the rules."""
+class Generation:
+    """One request's reply as a state machine, so one driver can run it alone (Generator.generate)
+    and the scheduler (krafla_twisted/scheduler.py) can run many side by side in the same forward
+    steps. The arguments are Generator.generate's; the constructor checks them.
 
-    def __init__(self, runtime):
-        self.runtime = runtime
+        generation.attach(slot)                 # prefix reuse in a free Slot
+        while not generation.done:
+            tokens, mode = generation.next_input(budget)   # mode "none" (more prompt follows) or "last"
+            generation.feed(logits)             # after evaluating tokens in generation.slot.session
+        generation.result                       # a GenerationResult
 
-    def generate(self, prompt_tokens, *, max_tokens=None, sampling=None, stop_strings=(), on_text=None,
+    Every sampling, stop and emit rule lives here once: the engine gives a sequence's logits
+    bitwise whatever else shares its step and however its prompt was chunked, so the reply is the
+    same bytes however it is driven.
+    """
+
+    def __init__(self, runtime, prompt_tokens, *, max_tokens=None, sampling=None, stop_strings=(), on_text=None,
                  cancelled=lambda: False, on_prompt_progress=None, constraint=None, logit_bias=None,
                  logprobs=None, on_logprobs=None):
-        """Generate after `prompt_tokens`. max_tokens None or 0: until the context is full.
-        `on_text(piece)` gets the reply's text as it becomes final; `cancelled()` is asked
-        between tokens (and between prompt batches); `on_prompt_progress(done, total)` after
-        each prompt batch. Must be called in the thread that owns the runtime.
-
-        `constraint` (a grammar.Constraint) masks every step's logits and ends the reply when its
-        value is complete; `logit_bias` ({id: bias}) is added first. `logprobs` (None, or how many
-        alternatives, 0-20) records a TokenLogprob per reply token; `on_logprobs(entries)` gets
-        those of the tokens sampled since the last call, just before each `on_text`."""
-        runtime = self.runtime
-        session = runtime.session
+        self.runtime = runtime
         prompt = [int(t) for t in prompt_tokens]
         sampling = (sampling or runtime.sampling).check()
         if not prompt:
@@ -325,126 +422,235 @@ class Generator:
         bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
-        n_ctx = session.n_ctx
+        n_ctx = runtime.n_ctx
         if len(prompt) >= n_ctx:
             raise ContextLengthExceeded(len(prompt), n_ctx)
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
-        sampling = dataclasses.replace(sampling, seed=seed)
+        self.sampling = dataclasses.replace(sampling, seed=seed)
+        self.prompt = prompt
+        self.limit = n_ctx - len(prompt) if not max_tokens else min(n_ctx - len(prompt), max_tokens)
+        self.stop_strings = stop_strings
+        self.on_text = on_text
+        self.cancelled = cancelled
+        self.on_prompt_progress = on_prompt_progress
+        self.constraint = constraint
+        self.logit_bias = logit_bias
+        self.logprobs = logprobs
+        self.on_logprobs = on_logprobs
+        self.history_size = self.sampling.repeat_last_n if self.sampling.repeat_last_n >= 0 else n_ctx
+        self.slot = None
+        self.position = 0           # prompt tokens in the slot's cache
+        self.cached_count = 0
+        self.pending = ()           # the tokens handed out by next_input, not yet fed back
+        self.sampler = None
+        self.reply = []
+        self.pieces = []
+        self.token_logprobs = []
+        self.reported = 0           # token_logprobs already given to on_logprobs
+        self.decoder = self.stops = None  # made, with the sampler, once the prompt is in
+        self.result = None
+        self.error = None           # set by a driver when evaluating this generation failed
+        self.skipped = False        # set by the scheduler when it was cancelled while every slot was busy
+        self.started = time.perf_counter()
+        self.prompt_seconds = 0.0
 
-        started = time.perf_counter()
-        logits, cached_count = self._prefill(prompt, cancelled, on_prompt_progress)
-        prompt_seconds = time.perf_counter() - started
-        if logits is None:
-            return GenerationResult("", "cancelled", len(prompt), 0, cached_count, prompt_seconds, 0.0, (), seed)
+    @property
+    def done(self):
+        return self.result is not None
 
-        started = time.perf_counter()
-        decoder = runtime.tokenizer.streaming_decoder()
-        stops = StopStringFilter(stop_strings)
-        pieces, reply = [], []
-        limit = n_ctx - len(prompt)
-        if max_tokens:
-            limit = min(limit, max_tokens)
+    @property
+    def prefilling(self):
+        return self.sampler is None
 
-        token_logprobs = []
-        reported = [0]
-
-        def emit(text):
-            if text:
-                pieces.append(text)
-                if on_logprobs is not None and len(token_logprobs) > reported[0]:
-                    on_logprobs(tuple(token_logprobs[reported[0]:]))
-                    reported[0] = len(token_logprobs)
-                if on_text is not None:
-                    on_text(text)
-
-        history_size = sampling.repeat_last_n if sampling.repeat_last_n >= 0 else n_ctx
-        finish = None
-        with Sampler(sampling, n_vocab) as sampler:
-            while finish is None:
-                if cancelled():
-                    finish = "cancelled"
-                    break
-                history = runtime.cached[-history_size:] if history_size and sampling.repeat_penalty != 1.0 else ()
-                chosen_from = logits
-                if logit_bias:
-                    chosen_from = apply_logit_bias(logits, logit_bias)
-                if constraint is not None:
-                    chosen_from = constraint.mask(chosen_from if chosen_from is not logits else logits.copy())
-                token = sampler.sample(chosen_from, history)
-                if token in runtime.stop_token_ids:
-                    finish = "stop"
-                    break
-                if logprobs is not None:
-                    token_logprobs.append(token_logprob(logits, token, logprobs))
-                reply.append(token)
-                if constraint is not None:
-                    constraint.accept(token)
-                text, stopped = stops.push(decoder.push(token))
-                emit(text)
-                if stopped or (constraint is not None and constraint.done):
-                    finish = "stop"
-                    break
-                if len(reply) >= limit:
-                    finish = "length"
-                    break
-                logits = self._eval([token])
-        if not stops.stopped:
-            text, stopped = stops.push(decoder.flush())
-            emit(text)
-            if not stopped:
-                text, stopped = stops.finish()
-                emit(text)
-            if stopped:
-                finish = "stop"  # the held-back end of the reply held a stop string
-        if on_logprobs is not None and len(token_logprobs) > reported[0]:
-            on_logprobs(tuple(token_logprobs[reported[0]:]))
-        generation_seconds = time.perf_counter() - started
-        return GenerationResult("".join(pieces), finish, len(prompt), len(reply), cached_count, prompt_seconds,
-                                generation_seconds, tuple(reply), seed, tuple(token_logprobs))
-
-    def _eval(self, tokens):
-        runtime = self.runtime
-        logits = runtime.session.eval(tokens)
-        runtime.cached.extend(tokens)
-        runtime.cached_logits = logits
-        return logits
-
-    def _prefill(self, prompt, cancelled, on_progress):
-        """Bring the session to exactly `prompt`, reusing the cached common prefix. Returns the
-        logits after the prompt (None if cancelled) and how many prompt tokens came from the cache."""
-        runtime = self.runtime
-        session = runtime.session
-        common = 0
-        for cached, wanted in zip(runtime.cached, prompt):
-            if cached != wanted:
-                break
-            common += 1
-        if common == len(prompt) == len(runtime.cached) and runtime.cached_logits is not None:
-            if on_progress:
-                on_progress(len(prompt), len(prompt))
-            return runtime.cached_logits, common
+    def attach(self, slot):
+        """Bring `slot` to the longest prefix of the prompt it holds (the last prompt token always
+        runs again for its logits, unless they are cached). Must be called in the thread that owns
+        the runtime. Qwen3.5's linear attention cannot be cut back: a slot that would need it
+        starts over."""
+        self.slot = slot
+        self.started = time.perf_counter()
+        prompt = self.prompt
+        common = slot.common_prefix(prompt)
+        if common == len(prompt) == len(slot.cached) and slot.cached_logits is not None:
+            self.position = self.cached_count = common
+            self._prompt_done()
+            self._next_token(slot.cached_logits)
+            return
         if common == len(prompt):
             common -= 1  # the last prompt token runs again to give its logits
-        if common < session.n_tokens:
+        if common < slot.session.n_tokens:
             try:
-                session.truncate(common)
+                slot.session.truncate(common)
             except clib.KraflaError:
-                # Some states cannot be cut back (Qwen3.5's linear attention): start over.
-                runtime.reset()
+                slot.reset()
                 common = 0
-        del runtime.cached[common:]
-        runtime.cached_logits = None
-        logits = None
-        batch = max(1, runtime.batch)
-        position = common
-        while position < len(prompt):
-            if cancelled():
-                return None, common
-            step = prompt[position:position + batch]
-            logits = self._eval(step)
-            position += len(step)
-            if on_progress:
-                on_progress(position, len(prompt))
-        return logits, common
+        del slot.cached[common:]
+        slot.cached_logits = None
+        self.position = self.cached_count = common
+
+    def next_input(self, budget):
+        """(token ids, logits mode) to evaluate next in self.slot.session: up to `budget` prompt
+        tokens ("none" while more of the prompt follows, "last" for its end), or the last reply
+        token ("last"). The ids are empty when budget is 0 during the prompt. None once the
+        generation is over. Cancellation is noticed before each prompt chunk and before each
+        token is sampled."""
+        if self.result is not None:
+            return None
+        if self.prefilling:
+            if self.cancelled():
+                self._end("cancelled")
+                return None
+            chunk = self.prompt[self.position:self.position + max(0, budget)]
+            self.pending = chunk
+            return chunk, ("last" if self.position + len(chunk) == len(self.prompt) else "none")
+        self.pending = [self.reply[-1]]
+        return self.pending, "last"
+
+    def feed(self, logits):
+        """The session evaluated what next_input gave; `logits` are the last token's (None for "none")."""
+        slot = self.slot
+        slot.cached.extend(self.pending)
+        slot.cached_logits = logits
+        if self.prefilling:
+            self.position += len(self.pending)
+            if self.on_prompt_progress:
+                self.on_prompt_progress(self.position, len(self.prompt))
+            if self.position < len(self.prompt):
+                return
+            self._prompt_done()
+        self._next_token(logits)
+
+    def cancel(self):
+        """End now as cancelled (a driver noticed it before the generation got a slot)."""
+        if self.result is None:
+            self._end("cancelled")
+
+    def fail(self, error):
+        """Evaluating this generation failed: it is over, `error` is what its caller gets."""
+        self.error = error
+        self._close_sampler()
+        self.result = GenerationResult("", "cancelled", len(self.prompt), len(self.reply), self.cached_count,
+                                       self.prompt_seconds, 0.0, tuple(self.reply), self.sampling.seed)
+
+    def _prompt_done(self):
+        self.prompt_seconds = time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        self.decoder = self.runtime.tokenizer.streaming_decoder()
+        self.stops = StopStringFilter(self.stop_strings)
+        self.sampler = Sampler(self.sampling, self.runtime.model.n_vocab)
+
+    def _next_token(self, logits):
+        """Sample after `logits`, emit the text that is final, and end the reply when a rule says so."""
+        if self.cancelled():
+            return self._end("cancelled")
+        sampling = self.sampling
+        constraint = self.constraint
+        history = ()
+        if self.history_size and sampling.repeat_penalty != 1.0:
+            history = self.slot.cached[-self.history_size:]
+        chosen_from = logits
+        if self.logit_bias:
+            chosen_from = apply_logit_bias(logits, self.logit_bias)
+        if constraint is not None:
+            chosen_from = constraint.mask(chosen_from if chosen_from is not logits else logits.copy())
+        token = self.sampler.sample(chosen_from, history)
+        if token in self.runtime.stop_token_ids:
+            return self._end("stop")
+        if self.logprobs is not None:
+            self.token_logprobs.append(token_logprob(logits, token, self.logprobs))
+        self.reply.append(token)
+        if constraint is not None:
+            constraint.accept(token)
+        text, stopped = self.stops.push(self.decoder.push(token))
+        self._emit(text)
+        if stopped or (constraint is not None and constraint.done):
+            return self._end("stop")
+        if len(self.reply) >= self.limit:
+            return self._end("length")
+
+    def _emit(self, text):
+        if text:
+            self.pieces.append(text)
+            self._report_logprobs()
+            if self.on_text is not None:
+                self.on_text(text)
+
+    def _report_logprobs(self):
+        if self.on_logprobs is not None and len(self.token_logprobs) > self.reported:
+            self.on_logprobs(tuple(self.token_logprobs[self.reported:]))
+            self.reported = len(self.token_logprobs)
+
+    def _end(self, finish):
+        if self.prefilling:  # cancelled before the prompt was in
+            self.prompt_seconds = time.perf_counter() - self.started
+            self.result = GenerationResult("", finish, len(self.prompt), 0, self.cached_count, self.prompt_seconds,
+                                           0.0, (), self.sampling.seed)
+            return
+        if not self.stops.stopped:
+            text, stopped = self.stops.push(self.decoder.flush())
+            self._emit(text)
+            if not stopped:
+                text, stopped = self.stops.finish()
+                self._emit(text)
+            if stopped:
+                finish = "stop"  # the held-back end of the reply held a stop string
+        self._report_logprobs()
+        self._close_sampler()
+        self.result = GenerationResult("".join(self.pieces), finish, len(self.prompt), len(self.reply),
+                                       self.cached_count, self.prompt_seconds, time.perf_counter() - self.started,
+                                       tuple(self.reply), self.sampling.seed, tuple(self.token_logprobs))
+
+    def _close_sampler(self):
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator: one generation at a time
+
+
+class Generator:
+    """Generates replies with a Runtime, one at a time; see the module docstring for the rules."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def generate(self, prompt_tokens, **options):
+        """Generate after `prompt_tokens`. max_tokens None or 0: until the context is full.
+        `on_text(piece)` gets the reply's text as it becomes final; `cancelled()` is asked
+        between tokens (and between prompt batches); `on_prompt_progress(done, total)` after
+        each prompt batch. Must be called in the thread that owns the runtime.
+
+        `constraint` (a grammar.Constraint) masks every step's logits and ends the reply when its
+        value is complete; `logit_bias` ({id: bias}) is added first. `logprobs` (None, or how many
+        alternatives, 0-20) records a TokenLogprob per reply token; `on_logprobs(entries)` gets
+        those of the tokens sampled since the last call, just before each `on_text`.
+
+        The keywords are Generation's: max_tokens, sampling, stop_strings, on_text, cancelled,
+        on_prompt_progress, constraint, logit_bias, logprobs, on_logprobs."""
+        return run_alone(Generation(self.runtime, prompt_tokens, **options))
+
+
+def run_alone(generation):
+    """Drive `generation` to its end in a free slot of its runtime, one Session.eval per step
+    (prompt batches of runtime.batch tokens); returns its GenerationResult. Must be called in the
+    thread that owns the runtime."""
+    runtime = generation.runtime
+    slot = runtime.choose_slot(generation.prompt)
+    if slot is None:
+        raise RuntimeError("every slot of the runtime is busy")
+    try:
+        generation.attach(slot)
+        while True:
+            wanted = generation.next_input(max(1, runtime.batch))
+            if wanted is None:
+                break
+            generation.feed(slot.session.eval(wanted[0]))
+    except BaseException:
+        generation._close_sampler()
+        raise
+    finally:
+        runtime.release_slot(slot)
+    return generation.result

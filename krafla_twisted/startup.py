@@ -12,12 +12,12 @@ and --no-pack / --pack-cache become the Model's arguments. generate.py knows non
 
 import inspect
 
-from krafla_twisted import chat, chat_file, generate, options
+from krafla_twisted import chat, chat_file, generate, header, options
 
 
-def load_runtime(opts, *, progress=False):
+def load_runtime(opts, *, progress=False, parallel=1):
     """Load what the options name: `model` (a .mlb, or None for the default model) and the
-    ENGINE_OPTIONS. Raises ValueError (options.OptionError) for a bad value, clib.KraflaError for a
+    ENGINE_OPTIONS, with `parallel` slots (the server's --parallel; each its own KV cache). Raises ValueError (options.OptionError) for a bad value, clib.KraflaError for a
     bad file, models.PullError when the default model cannot be pulled."""
     from krafla_twisted.engine import Model
     from krafla_twisted.tokenizer import Tokenizer
@@ -52,7 +52,8 @@ def load_runtime(opts, *, progress=False):
         sampling = generate.SamplingParams(
             temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
             repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"])
-        runtime = generate.Runtime(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"],
+        check_kv_memory(model, config, parallel)
+        runtime = generate.Runtime(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], parallel=parallel,
                                    batch=config["batch"], eos=eos, sampling=sampling, max_tokens=config["max_tokens"],
                                    system=config["system"], threads=threads)
         runtime.template_from = template_from
@@ -60,6 +61,30 @@ def load_runtime(opts, *, progress=False):
     except BaseException:
         model.close()
         raise
+
+
+def available_memory():
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_memory(model, config, parallel):
+    """Refuse, naming the options, a --parallel x --ctx KV cache larger than the memory available now."""
+    n_ctx = config["ctx"] or min(model.max_seq, header.KR_DEFAULT_MAX_CTX)
+    needed = parallel * generate.kv_cache_bytes(model, n_ctx, config["kv"])
+    available = available_memory()
+    if available is not None and needed > available:
+        raise options.OptionError(
+            f"--parallel {parallel} x --ctx {n_ctx} needs {needed / 2**30:.1f} GiB of KV cache (kv {config['kv']}), "
+            f"but only {available / 2**30:.1f} GiB of memory is available: lower --parallel or --ctx, or use "
+            "--kv q8_0")
 
 
 def packing_arguments(model_class, config):

@@ -20,11 +20,13 @@ from twisted.python import usage
 
 from krafla_twisted import clib, options
 from krafla_twisted.api.resources import DEFAULT_MAX_QUEUE
+from krafla_twisted.scheduler import DEFAULT_PARALLEL
 
 log = Logger(namespace="krafla")
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
+MAX_PARALLEL = 256
 SHUTDOWN_GRACE_SECONDS = 5  # at SIGTERM, how long replies ended with an error get to reach their clients
 
 
@@ -48,8 +50,10 @@ class Options(usage.Options):
          "scheme://host[:port] as the browser sends it, e.g. http://localhost:3000 (comma-separated; * for any)."],
         ["allow-host", None, None, "Without an API key, also answer requests addressed to these DNS names "
          "(comma-separated; * for any); by default only localhost and IP addresses, against DNS rebinding."],
-        ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait behind the one being answered; more get 503 "
-         "with Retry-After.", int],
+        ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait beyond the ones being answered (one per "
+         "--parallel slot); more get 503 with Retry-After.", int],
+        ["parallel", None, DEFAULT_PARALLEL, "Replies generated side by side, batched in the same forward steps; each "
+         "is a slot with its own KV cache of --ctx tokens (memory: N x the KV cache). 1 answers one at a time.", int],
     ] + _ENGINE_PARAMETERS
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
@@ -104,6 +108,8 @@ class Options(usage.Options):
         self["cors"] = parse_cors(self["cors"]) if self["cors"] is not None else ()
         if self["max-queue"] < 0:
             raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
+        if not 1 <= self["parallel"] <= MAX_PARALLEL:
+            raise usage.UsageError(f"--parallel must be 1 to {MAX_PARALLEL}, not {self['parallel']}")
         clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))
@@ -231,7 +237,7 @@ class KraflaService(service.Service):
 
             log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
         try:
-            runtime = startup.load_runtime(config)
+            runtime = startup.load_runtime(config, parallel=config["parallel"])
         except (clib.KraflaError, OSError, ValueError, RuntimeError) as e:  # also OptionError, ChatError, PullError
             self._fail(f"cannot load the model: {e}")
         self.runtime = runtime
@@ -246,7 +252,8 @@ class KraflaService(service.Service):
         access = Access(config["api-key"], config["cors"], allowed_hosts=hosts)
         api = API(backend, self.worker, access, self.reactor, max_queue=config["max-queue"])
         self.api = api
-        counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0) if config.get("metrics") else None
+        counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0,
+                                   scheduler=backend.scheduler) if config.get("metrics") else None
         site = APISite(build_root(api, counters), self.reactor, metrics=counters)
         self.site = site
         host = config["host"]

@@ -65,13 +65,12 @@ class BackendTests:
             backend.complete(CompletionRequest(kind="text", prompt_text=""), on_text=None, cancelled=lambda: False)
         assert caught.value.param == "prompt"
 
-    def test_stop_strings_passed_on(self, backend, monkeypatch):
+    def test_stop_strings_passed_on(self, backend):
         """A chat's stop strings are the request's plus the template's; a text completion's only the request's."""
-        seen = []
-        monkeypatch.setattr(backend.generator, "generate", lambda prompt, **kwargs: seen.append(kwargs["stop_strings"]))
-        backend.complete(CompletionRequest(kind="chat", messages=({"role": "user", "content": "x"},), stop=("END",)),
-                         on_text=None, cancelled=lambda: False)
-        backend.complete(CompletionRequest(kind="text", prompt_text="x", stop=("END",)), on_text=None, cancelled=lambda: False)
+        seen = [backend.begin(CompletionRequest(kind="chat", messages=({"role": "user", "content": "x"},), stop=("END",)),
+                              on_text=None, cancelled=lambda: False).generation.stop_strings,
+                backend.begin(CompletionRequest(kind="text", prompt_text="x", stop=("END",)), on_text=None,
+                              cancelled=lambda: False).generation.stop_strings]
         assert seen == [("END",) + tuple(backend.template.stop_strings), ("END",)]
         assert "<end_of_turn>" in seen[0]
 

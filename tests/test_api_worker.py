@@ -113,3 +113,104 @@ class QueueLogTests(unittest.TestCase):
                 gate.clear()
             lines = [formatEvent(event) for event in events if event.get("log_namespace") == "krafla.queue"]
             self.assertEqual(lines, expected)
+
+
+class FakeGeneration:
+    """Stands for a generate.Generation: ends after `steps` scheduler steps, or when cancelled."""
+
+    def __init__(self, name, steps, cancelled):
+        self.name, self.steps, self.cancelled = name, steps, cancelled
+        self.slot = None
+        self.result = None
+        self.error = None
+        self.skipped = False
+
+
+class CountingScheduler:
+    """A scheduler of FakeGenerations with `parallel` slots; `log` records each step's members and
+    each plain job, in the order the worker thread ran them."""
+
+    def __init__(self, log, parallel=2):
+        self.log, self.parallel = log, parallel
+        self.waiting, self.active = [], []
+
+    @property
+    def busy(self):
+        return bool(self.waiting or self.active)
+
+    def add(self, generation):
+        self.waiting.append(generation)
+
+    def step(self):
+        ended = [g for g in self.waiting if g.cancelled()]
+        self.waiting = [g for g in self.waiting if g not in ended]
+        for generation in ended:
+            generation.skipped = True
+        while self.waiting and len(self.active) < self.parallel:
+            generation = self.waiting.pop(0)
+            generation.slot = "slot"
+            self.active.append(generation)
+        self.log.append(("step", tuple(g.name for g in self.active)))
+        for generation in list(self.active):
+            generation.steps -= 1
+            if generation.steps <= 0 or generation.cancelled():
+                generation.result = generation.name
+                self.active.remove(generation)
+                ended.append(generation)
+        return ended
+
+
+class SchedulingBackend:
+    def __init__(self, log):
+        self.scheduler = CountingScheduler(log)
+
+
+class ScheduledWorkerTests(unittest.TestCase):
+    def test_generations_step_together_and_jobs_run_between_steps(self):
+        """Completions handed to the scheduler (scheduler.Pending) run side by side in its steps; a plain job
+        (/tokenize) submitted while they step runs between two steps, not after the replies; each Deferred
+        fires with its conclude()'s result; a generation cancelled while it waits for a slot fires with None."""
+        from krafla_twisted.scheduler import Pending
+
+        log, results = [], {}
+        backend = SchedulingBackend(log)
+        second_step, tokenize_sent = threading.Event(), threading.Event()
+        step = backend.scheduler.step
+
+        def step_and_pause():
+            ended = step()
+            if sum(kind == "step" for kind, _ in log) == 2:
+                second_step.set()
+                tokenize_sent.wait(30)  # the worker thread holds here until the plain job is queued
+            return ended
+
+        backend.scheduler.step = step_and_pause
+
+        def pending(name, steps, cancelled=lambda: False):
+            generation = FakeGeneration(name, steps, cancelled)
+            return Job(lambda backend, is_cancelled: Pending(generation, lambda g: f"{g.result} done"))
+
+        worker = EngineWorker(ThreadlessReactor(), backend)
+        done = threading.Semaphore(0)
+
+        def submit(name, job):
+            worker.submit(job).addCallback(lambda result: results.__setitem__(name, result)).addBoth(
+                lambda _: done.release())
+
+        worker.start()
+        try:
+            submit("first", pending("first", 6))
+            submit("second", pending("second", 3))
+            submit("third", pending("third", 1, cancelled=lambda: True))
+            self.assertTrue(second_step.wait(30))
+            submit("tokenize", Job(lambda backend, cancelled: log.append(("job", "tokenize")) or "tokens"))
+            tokenize_sent.set()
+            for _ in range(4):
+                self.assertTrue(done.acquire(timeout=30))
+        finally:
+            worker.stop()
+        self.assertEqual(results, {"first": "first done", "second": "second done", "third": None, "tokenize": "tokens"})
+        self.assertIn(("step", ("first", "second")), log)
+        job_at = log.index(("job", "tokenize"))
+        self.assertEqual([kind for kind, _ in log[:job_at]], ["step", "step"], log)
+        self.assertIn(("step", ("first",)), log[job_at + 1:])

@@ -29,8 +29,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
+    # One slot: the queue gauges below need a request that waits (tests/test_server_concurrency.py has slots).
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--metrics",
-                             "--api-key", KEY]).start()
+                             "--api-key", KEY, "--parallel", "1"]).start()
     yield process
     process.stop()
 

@@ -208,3 +208,20 @@ class MetricsMemoryTests(unittest.TestCase):
         self.assertEqual(got[("krafla_requests_client_gone_total", (("endpoint", "completions"),))], 1)
         self.assertEqual(got[("krafla_completion_tokens_total", ())], 2)
         self.assertNotIn(("krafla_requests_total", (("endpoint", "completions"), ("status", "None"))), got)
+
+    def test_slots_and_batch_histogram(self):
+        """With a scheduler: the slots, the busy ones, the requests waiting beyond them (pending minus busy),
+        and the sequences per forward step as a Prometheus histogram (cumulative buckets 1..parallel,
+        +Inf, sum and count), as prometheus_client's parser reads them."""
+        from types import SimpleNamespace
+
+        scheduler = SimpleNamespace(parallel=4, slots_busy=3, steps=10, batch_tokens_total=70, last_batch_sequences=3,
+                                    batch_sequences_total=24, batch_histogram=[0, 2, 3, 1, 4])
+        got = samples(Metrics(pending=lambda: 5, scheduler=scheduler).render().decode("utf-8"))
+        self.assertEqual((got[("krafla_slots", ())], got[("krafla_slots_busy", ())]), (4, 3))
+        self.assertEqual((got[("krafla_requests_pending", ())], got[("krafla_requests_queued", ())]), (5, 2))
+        self.assertEqual((got[("krafla_batch_steps_total", ())], got[("krafla_batch_tokens_total", ())]), (10, 70))
+        self.assertEqual(got[("krafla_batch_sequences_last", ())], 3)
+        buckets = [got[("krafla_batch_sequences_bucket", (("le", le),))] for le in ("1", "2", "3", "4", "+Inf")]
+        self.assertEqual(buckets, [2, 5, 6, 10, 10])
+        self.assertEqual((got[("krafla_batch_sequences_sum", ())], got[("krafla_batch_sequences_count", ())]), (24, 10))

@@ -1,7 +1,8 @@
 """Hostile input, faults and load against a real `twistd krafla` process with the real SmolLM2 model.
 
 One server (context 256, an API key, --max-queue 0) takes the bad-input and HTTP batteries; after
-each class the server must still answer a health check and a real completion. Faults that need a
+each class the server must still answer a health check and a real completion. The queue-full and
+SIGTERM tests run with --parallel 1 and with --parallel 8. Faults that need a
 process of their own each start one: SIGTERM during a stream (daemonized, over a garbage pidfile),
 a stale pidfile, a log on a full disk. What needs a clock or exact interleavings is pinned in
 memory in test_hardening_http.py and test_fuzz_http.py.
@@ -38,6 +39,16 @@ def model():
 def server(model):
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--ctx", str(CTX),
                              "--api-key", KEY, "--max-queue", "0"]).start()
+    yield process
+    assert process.stop() in (0, -signal.SIGTERM), "\n".join(process.lines[-30:])
+
+
+@pytest.fixture(scope="module", params=[1, 8], ids=lambda n: f"parallel{n}")
+def queue_server(model, request):
+    """A server with --max-queue 0 and --parallel 1 or 8: its slots full, the next request is refused."""
+    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2", "--ctx", str(CTX),
+                             "--api-key", KEY, "--max-queue", "0", "--parallel", str(request.param)]).start()
+    process.parallel = request.param
     yield process
     assert process.stop() in (0, -signal.SIGTERM), "\n".join(process.lines[-30:])
 
@@ -281,22 +292,28 @@ class HTTPTests:
 
 
 class LoadTests:
-    """--max-queue 0: a request arriving while another runs is 503 with Retry-After, and the openai client retries."""
+    """--max-queue 0: a request arriving while every slot (--parallel 1 or 8) holds a reply is 503 with
+    Retry-After, and the openai client retries."""
 
-    def test_openai_client_retries_503(self, server):
-        """While a long reply runs, the openai library's request gets 503 and waits Retry-After; once the long
-        reply's client has left, a retry succeeds."""
+    def test_openai_client_retries_503(self, queue_server):
+        """While long replies fill every slot, the openai library's request gets 503 and waits Retry-After;
+        once the long replies' clients have left, a retry succeeds."""
         import openai
 
+        server = queue_server
         start = len(server.lines)
-        # A streamed reply to the end of the context, seen running (its first event) before the others.
+        # Streamed replies to the end of the context, each seen running (its first event) before the others.
         body = json.dumps({"prompt": "1,", "max_tokens": CTX - 8, "stream": True}).encode()
-        long_reply = socket.create_connection(("127.0.0.1", server.port), timeout=120)
-        long_reply.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                           + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        received = b""
-        while b"data: " not in received:
-            received += long_reply.recv(65536)
+        long_replies = []
+        for _ in range(server.parallel):
+            long_reply = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+            long_reply.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                               + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: " not in received:
+                received += long_reply.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200")
+            long_replies.append(long_reply)
         status, headers, content = treq_call("POST", server.url("/completions"), {"prompt": COUNTING, "max_tokens": 1}, AUTH)
         error = assert_error(status, json.loads(content), 503)
         assert error["code"] == "server_overloaded"
@@ -307,12 +324,12 @@ class LoadTests:
         retrying = threading.Thread(
             target=lambda: replies.append(client.completions.create(model="x", prompt=COUNTING, max_tokens=2)))
         retrying.start()
-        # The client's first try is refused too; then the long reply's client leaves, which frees the engine.
+        # The client's first try is refused too; then the long replies' clients leave, which frees the slots.
         server.wait_for(lambda line: "POST /v1/completions 503" in line, start=refused + 1)
-        long_reply.close()
+        for long_reply in long_replies:
+            long_reply.close()
         retrying.join(120)
         assert replies and replies[0].usage.completion_tokens == 2
-        assert received.startswith(b"HTTP/1.1 200")
         lines = server.lines[start:]
         assert any("POST /v1/completions 200" in line and "reply 2 tokens" in line for line in lines), lines
 
@@ -339,38 +356,46 @@ def wait_for_health(port, process, timeout=120):
 class FaultTests:
     """Processes of their own: SIGTERM mid-stream, pidfiles left behind, a full log disk, clients that leave."""
 
-    def test_sigterm_during_a_stream(self, model, tmp_path):
-        """Daemonized over a garbage pidfile: a SIGTERM while a stream runs ends it with an error event and
-        [DONE], a queued request gets 503, and the pidfile is removed."""
+    @pytest.mark.parametrize("parallel", [1, 8])
+    def test_sigterm_during_a_stream(self, model, tmp_path, parallel):
+        """Daemonized over a garbage pidfile, with --parallel 1 or 8: a SIGTERM while streams fill every
+        slot ends each with an error event and [DONE], a queued request gets 503, and the pidfile is removed."""
         pidfile, logfile = tmp_path / "krafla.pid", tmp_path / "krafla.log"
         pidfile.write_text("not a pid\n")
         result = subprocess.run(
             [TWISTD, "--pidfile", str(pidfile), "--logfile", str(logfile), "krafla", str(model.mlb), "-z", str(model.mlt),
-             "--port", "0", "-t", "1", "--log-queue"], capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
+             "--port", "0", "-t", "1", "--log-queue", "--parallel", str(parallel), "--ctx", "2048"],
+            capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "held no process id" in result.stderr
         match = wait_for_listening(logfile)
         port = int(match.group(3))
         pid = int(pidfile.read_text())
-        body = json.dumps({"prompt": COUNTING, "max_tokens": 4000, "stream": True}).encode()
-        stream = socket.create_connection(("127.0.0.1", port), timeout=60)
-        stream.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        received = b""
-        while received.count(b"data: ") < 3:
-            received += stream.recv(65536)
+        body = json.dumps({"prompt": COUNTING, "max_tokens": 2000, "stream": True}).encode()
+        streams, received = [], []
+        for _ in range(parallel):
+            stream = socket.create_connection(("127.0.0.1", port), timeout=60)
+            stream.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while got.count(b"data: ") < 3:
+                got += stream.recv(65536)
+            streams.append(stream)
+            received.append(got)
         queued_body = json.dumps({"prompt": "queued", "max_tokens": 4}).encode()
         queued = socket.create_connection(("127.0.0.1", port), timeout=60)
         queued.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                        % (len(queued_body), queued_body))
-        wait_for_log(logfile, re.compile(queue_line(2)))  # the stream runs and the second request waits behind it
+        wait_for_log(logfile, re.compile(queue_line(parallel + 1)))  # the streams run and one more request waits
         os.kill(pid, signal.SIGTERM)
-        received += read_to_close(stream)
+        for index, stream in enumerate(streams):
+            received[index] += read_to_close(stream)
+            stream.close()
         queued_reply = read_to_close(queued)
-        stream.close()
         queued.close()
-        blocks = [b for b in received.split(b"\r\n\r\n", 1)[1].split(b"\n") if b.startswith(b"data: ")]
-        assert blocks[-1] == b"data: [DONE]", blocks[-3:]
-        assert json.loads(blocks[-2][len(b"data: "):])["error"]["code"] == "server_shutting_down"
+        for got in received:
+            blocks = [b for b in got.split(b"\r\n\r\n", 1)[1].split(b"\n") if b.startswith(b"data: ")]
+            assert blocks[-1] == b"data: [DONE]", blocks[-3:]
+            assert json.loads(blocks[-2][len(b"data: "):])["error"]["code"] == "server_shutting_down"
         assert status_of(queued_reply) == 503
         assert b"server_shutting_down" in queued_reply
         wait_until_removed(pidfile)

@@ -110,13 +110,16 @@ class StartupTests:
     """The banner and refusals at start."""
 
     def test_banner(self, model):
-        """The banner names version, ISA, model, context of max_seq, chat, threads and kv; then the listening line."""
+        """The banner names version, ISA, model, context of max_seq, chat, threads, kv, and the slots with their
+        KV memory (--parallel's default 4); then the listening line."""
         server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "smollm", "-t", "1", "--ctx", "512"]).start()
         try:
             title = os.path.splitext(os.path.basename(str(model.mlb)))[0]
             banner = server.wait_for(lambda l: "# krafla " in l)
             isa = clib.load().kr_isa().decode()  # the server loads the same library (same environment)
             assert f"# krafla 0.7.0, isa {isa}: model {title}, context 512 of 8192, chat smollm, threads 1, kv f32" in banner
+            # SmolLM2-135M: 30 layers x 512 positions x keys and values x 3 KV heads x 64 x 4 bytes = 22.5 MiB a slot
+            assert banner.endswith(", kv f32, parallel 4 (KV cache 4 x 22.5 MiB)"), banner
             assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
         finally:
             server.stop()
@@ -151,7 +154,12 @@ class StartupTests:
             (model_args + ["--temperature", "-1"], "--temperature must be at least 0"),
             ([str(not_a_model), "-z", str(model.mlt)], "cannot load the model"),
             (model_args + ["--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
+            (model_args + ["--parallel", "0"], "--parallel must be 1 to 256"),
+            # 256 slots of 8192 positions: 90 GiB of f32 KV cache for SmolLM2, more than this machine has
+            (model_args + ["--parallel", "256", "--ctx", "8192"], "--parallel 256 x --ctx 8192 needs 90.0 GiB"),
         )
+        from krafla_twisted.startup import available_memory
+        assert available_memory() < 90 * 2**30, "the KV-memory refusal below needs a machine with less memory"
         try:
             for daemon in (False, True):
                 for args, message in cases:

@@ -5,22 +5,25 @@ UTF-8 pieces all live in generate/chat; this module only maps a validated reques
 their errors onto OpenAI's. It is the API's one way to the engine: nothing else under api/ imports
 the engine, the tokenizer or the C library.
 
-`complete`, `tokenize` and `detokenize` run in the worker thread only, like everything that touches
+`begin` (a completion for the scheduler), `complete` (one alone), `tokenize` and `detokenize` run
+in the worker thread only, like everything that touches
 the Runtime. The plain attributes (model_id, n_vocab, n_ctx, has_chat) are fixed at load and read by
 the I/O thread.
 """
 
+import contextlib
 import dataclasses
 import os
 
 from krafla_twisted import __version__, chat, engine, generate, grammar, tools
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
+from krafla_twisted.scheduler import Pending, Scheduler
 
 
 class Backend:
     def __init__(self, runtime, *, model_id):
         self.runtime = runtime
-        self.generator = generate.Generator(runtime)
+        self.scheduler = Scheduler(runtime)   # the worker steps it: --parallel replies side by side
         self.model_id = model_id
         self.template = runtime.template
         self.tokenizer = runtime.tokenizer
@@ -36,16 +39,19 @@ class Backend:
         return cls(runtime, model_id=alias or file_stem(runtime.model.path))
 
     def banner(self):
-        """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32`; T is
-        followed by where it came from when --chat did not name it (`smollm (from the tokenizer file)`)."""
+        """`# krafla 0.7.0, isa avx2: model NAME, context N of M, chat T, threads N, kv f32, parallel P
+        (KV cache P x S MiB)`; T is followed by where it came from when --chat did not name it
+        (`smollm (from the tokenizer file)`)."""
         model = self.runtime.model
+        slot_bytes = self.runtime.kv_bytes_per_slot
         template = self.template.name if self.template is not None else "none"
         source = getattr(self.runtime, "template_from", None)
         if source and source != "--chat":
             template += f" (from {source})"
         return (
             f"# krafla {__version__}, isa {engine.library_isa()}: model {file_stem(model.path)}, context {self.n_ctx} "
-            f"of {model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}"
+            f"of {model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}, "
+            f"parallel {self.runtime.parallel} (KV cache {self.runtime.parallel} x {slot_bytes / 2**20:.1f} MiB)"
         )
 
     def prompt(self, completion):
@@ -94,8 +100,9 @@ class Backend:
         except grammar.GrammarError as e:
             raise InvalidRequest(f"'{param}' cannot be used: {e}", param=param) from None
 
-    def complete(self, completion, on_text, cancelled, on_logprobs=None):
-        """Generate the reply for a validated request. This must be called in the worker thread."""
+    def begin(self, completion, on_text, cancelled, on_logprobs=None):
+        """A validated request as a scheduler.Pending: its generate.Generation (prompt rendered, grammar
+        built), and how its result becomes the reply's. This must be called in the worker thread."""
         param = "messages" if completion.kind == "chat" else "prompt"
         try:
             prompt = self.prompt(completion)
@@ -108,8 +115,9 @@ class Backend:
         if on_logprobs is not None:
             streamed, on_logprobs = on_logprobs, lambda entries: streamed(self.logprob_pieces(entries))
         max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
-        try:
-            result = self.generator.generate(
+        with self._request_errors(completion):
+            generation = generate.Generation(
+                self.runtime,
                 prompt.tokens,
                 max_tokens=max_tokens,
                 sampling=self.sampling(completion.sampling),
@@ -121,9 +129,33 @@ class Backend:
                 logprobs=completion.logprobs,
                 on_logprobs=on_logprobs,
             )
-            if completion.logprobs is None:
-                return result
-            return dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
+
+        def conclude(finished):
+            with self._request_errors(completion):
+                if finished.error is not None:
+                    raise finished.error
+                result = finished.result
+                if completion.logprobs is None:
+                    return result
+                return dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
+
+        return Pending(generation, conclude)
+
+    def complete(self, completion, on_text, cancelled, on_logprobs=None):
+        """Generate the reply for a validated request, alone. This must be called in the worker thread."""
+        pending = self.begin(completion, on_text, cancelled, on_logprobs)
+        try:
+            generate.run_alone(pending.generation)
+        except Exception as e:
+            pending.generation.fail(e)
+        return pending.conclude(pending.generation)
+
+    @contextlib.contextmanager
+    def _request_errors(self, completion):
+        """The engine's and the grammar's errors as the request's (OpenAI-shaped) errors."""
+        param = "messages" if completion.kind == "chat" else "prompt"
+        try:
+            yield
         except generate.ContextLengthExceeded as e:
             raise ContextTooLong(str(e), param=param) from None
         except grammar.GrammarError as e:

@@ -29,10 +29,12 @@ def endpoint_label(path):
 
 
 class Metrics:
-    """The numbers behind /metrics. `pending` is a function giving the jobs queued or running."""
+    """The numbers behind /metrics. `pending` is a function giving the jobs queued or running;
+    `scheduler` (krafla_twisted.scheduler.Scheduler, or None) gives the slots and the batches."""
 
-    def __init__(self, pending=lambda: 0):
+    def __init__(self, pending=lambda: 0, scheduler=None):
         self.pending = pending
+        self.scheduler = scheduler
         self.requests = collections.Counter()  # (endpoint, status) -> count
         self.gone = collections.Counter()  # endpoint -> requests whose client left before the reply ended
         self.completions = 0
@@ -65,11 +67,14 @@ class Metrics:
         out = []
 
         def metric(name, kind, help_text, samples):
+            """samples: (labels, value), or (suffix, labels, value) for a histogram's _bucket, _sum, _count."""
             out.append(f"# HELP krafla_{name} {help_text}")
             out.append(f"# TYPE krafla_{name} {kind}")
-            for labels, value in samples:
+            for sample in samples:
+                suffix, labels, value = sample if len(sample) == 3 else ("", *sample)
                 label_text = ",".join(f'{k}="{v}"' for k, v in labels)
-                out.append(f"krafla_{name}{{{label_text}}} {_number(value)}" if labels else f"krafla_{name} {_number(value)}")
+                full = f"krafla_{name}{suffix}"
+                out.append(f"{full}{{{label_text}}} {_number(value)}" if labels else f"{full} {_number(value)}")
 
         metric("requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
                [((("endpoint", e), ("status", s)), n) for (e, s), n in sorted(self.requests.items())])
@@ -91,9 +96,36 @@ class Metrics:
         metric("generation_tokens_per_second", "gauge", "Tokens generated per second, on average since start.",
                [((), self.completion_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0)])
         pending = self.pending()
-        metric("requests_pending", "gauge", "Requests queued or running on the engine (completions, /tokenize, /detokenize; one at a time).", [((), pending)])
-        metric("requests_queued", "gauge", "Requests waiting behind the one being answered.", [((), max(pending - 1, 0))])
+        scheduler = self.scheduler
+        busy = scheduler.slots_busy if scheduler is not None else min(pending, 1)
+        metric("requests_pending", "gauge", "Requests queued or running on the engine (completions, /tokenize, "
+               "/detokenize).", [((), pending)])
+        metric("requests_queued", "gauge", "Requests waiting for a slot or for the worker thread.",
+               [((), max(pending - busy, 0))])
+        if scheduler is not None:
+            self._render_batches(metric, scheduler)
         return ("\n".join(out) + "\n").encode("utf-8")
+
+    @staticmethod
+    def _render_batches(metric, scheduler):
+        """Slots and forward steps, read from the worker thread's plain counters (no lock: a scrape
+        may see one step's counters half updated, never a wrong type)."""
+        metric("slots", "gauge", "Slots (--parallel): replies that can be generated side by side.",
+               [((), scheduler.parallel)])
+        metric("slots_busy", "gauge", "Slots holding a reply being generated.", [((), scheduler.slots_busy)])
+        metric("batch_steps_total", "counter", "Forward steps run over the active replies.", [((), scheduler.steps)])
+        metric("batch_tokens_total", "counter", "Tokens evaluated in those steps (prompt chunks and reply tokens).",
+               [((), scheduler.batch_tokens_total)])
+        metric("batch_sequences_last", "gauge", "Sequences in the last forward step.",
+               [((), scheduler.last_batch_sequences)])
+        histogram = list(scheduler.batch_histogram)
+        samples, running = [], 0
+        for size, count in enumerate(histogram[1:], start=1):
+            running += count
+            samples.append(("_bucket", (("le", str(size)),), running))
+        samples += [("_bucket", (("le", "+Inf"),), running), ("_sum", (), scheduler.batch_sequences_total),
+                    ("_count", (), running)]
+        metric("batch_sequences", "histogram", "Sequences per forward step.", samples)
 
 
 def _number(value):

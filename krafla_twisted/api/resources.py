@@ -34,7 +34,8 @@ DEFAULT_MAX_QUEUE = 64  # --max-queue's default
 class API:
     """What the resources share: the served model (`backend`), the worker, the access policy, a clock.
 
-    `max_queue`: how many requests may wait behind the one being generated; more get 503.
+    `max_queue`: how many requests may wait beyond the ones being generated (one per slot,
+    --parallel); more get 503.
     """
 
     def __init__(self, backend, worker, access, clock, max_queue=DEFAULT_MAX_QUEUE):
@@ -44,16 +45,17 @@ class API:
         self.clock = clock
         self.created = int(clock.seconds())
         self.max_queue = max_queue
+        self.slots = getattr(getattr(backend, "scheduler", None), "parallel", 1)
         self.replies = set()  # completions not yet answered in full
         self.stopping = False
 
     def admit(self):
-        """Refuse new work: 503 when the server stops, 503 with Retry-After when more than
-        `max_queue` requests wait already. This must be called in the I/O thread."""
+        """Refuse new work: 503 when the server stops, 503 with Retry-After when `max_queue`
+        requests wait already beyond the slots. This must be called in the I/O thread."""
         if self.stopping:
             raise ShuttingDown()
         pending = self.worker.pending()
-        if pending > self.max_queue:
+        if pending - self.slots >= self.max_queue:
             raise Overloaded(pending)
 
     def shutdown(self):
@@ -290,7 +292,7 @@ class Reply(QueuedReply):
         streamed_logprobs = completion.stream and completion.logprobs is not None
         extra = {"on_logprobs": self._logprobs_from_worker} if streamed_logprobs else {}
         super().__init__(api, request,
-                         lambda backend, cancelled: backend.complete(completion, on_text, cancelled, **extra))
+                         lambda backend, cancelled: backend.begin(completion, on_text, cancelled, **extra))
         self.completion = completion
         self.chat = completion.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
