@@ -68,7 +68,9 @@ def measure(model, kind, n_tokens, repetitions, batch, kv, parallel=1):
     rng = np.random.default_rng(1234)
     if kind == "tg" and parallel > 1:
         tokens = rng.integers(0, model.n_vocab, size=(n_tokens, parallel)).astype(np.int32)
-        sessions = [model.session(ctx=max(n_tokens, 1), kv=kv, batch=1) for _ in range(parallel)]
+        # A kr_batch_eval step is as wide as the scratch it borrows: batch=parallel lets one step hold
+        # a token of every session (batch=1 ran them one token per step, with no batching at all).
+        sessions = [model.session(ctx=max(n_tokens, 1), kv=kv, batch=parallel) for _ in range(parallel)]
         try:
             time_parallel_generation(model, sessions, tokens)
             return [time_parallel_generation(model, sessions, tokens) for _ in range(repetitions)]
