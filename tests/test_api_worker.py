@@ -87,7 +87,8 @@ class EngineWorkerTests(unittest.TestCase):
 class QueueLogTests(unittest.TestCase):
     def test_log_queue_says_each_change(self):
         """With log_queue (--log-queue) every job joining and leaving the queue logs `queue: N pending`,
-        N as pending() counts it then; without it the worker logs nothing."""
+        N as pending() counts it then, and each job the worker takes up logs `queue: a job started`;
+        without it the worker logs nothing."""
         from twisted.logger import capturedLogs, formatEvent
 
         gate = threading.Event()
@@ -112,7 +113,9 @@ class QueueLogTests(unittest.TestCase):
                 worker.stop()
                 gate.clear()
             lines = [formatEvent(event) for event in events if event.get("log_namespace") == "krafla.queue"]
-            self.assertEqual(lines, expected)
+            self.assertEqual([line for line in lines if "pending" in line], expected)
+            self.assertEqual(lines.count("queue: a job started"), 2 if log_queue else 0)
+            self.assertEqual(len(lines), len(expected) + (2 if log_queue else 0))
 
 
 class FakeGeneration:

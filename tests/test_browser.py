@@ -115,6 +115,7 @@ class BrowserTests:
     def test_allowed_origin_reads_streamed_reply(self, origins, server, tmp_path):
         """From the --cors origin the page reads the stream to `data: [DONE]` and gets the same text as a plain request."""
         allowed, _ = origins
+        start = len(server.lines)
         report = open_page(allowed, page(allowed, server), tmp_path / "profile")
         assert "error" not in report, report
         assert report["status"] == 200 and report["done"] is True
@@ -126,6 +127,11 @@ class BrowserTests:
                                                max_tokens=16, temperature=0)
         assert report["text"] == plain.choices[0].message.content
         assert "Paris" in report["text"]
+        # A request's log line follows its reply: wait for both here, so that the next test's lines
+        # (which must hold no POST) begin after them.
+        for _ in range(2):
+            line = server.wait_for(lambda l: "POST /v1/chat/completions 200" in l, start=start)
+            start = server.lines.index(line, start) + 1
 
     def test_other_origin_is_blocked(self, origins, server, tmp_path):
         """From an origin --cors does not name, fetch rejects with a TypeError and the POST never reaches the engine."""

@@ -446,7 +446,7 @@ class FaultTests:
             body = json.dumps({"prompt": "the cat sat on the mat " * 1000, "max_tokens": 4}).encode()
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            server.wait_for(lambda l: queue_line(1) in l)  # queued on an idle worker: its prompt is being evaluated
+            server.wait_for(lambda l: "queue: a job started" in l)  # the worker took it up: its prompt is being read
             sock.close()
             line = server.wait_for(lambda l: "client gone" in l, timeout=120)
             assert "reply 0 tokens" in line, line

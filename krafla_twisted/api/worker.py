@@ -42,7 +42,9 @@ class EngineWorker:
     """Runs jobs on `backend` in `pool` (one thread); results come back to the reactor as Deferreds.
 
     With `log_queue` (--log-queue), a line `queue: N pending` is logged whenever a job joins the
-    queue or leaves it, so an operator (or a test) can watch the queue without polling /metrics."""
+    queue or leaves it, and `queue: a job started` when the worker thread takes one up (from then on
+    a completion's prompt is read and a cancel stops it there), so an operator (or a test) can watch
+    the queue without polling /metrics."""
 
     def __init__(self, reactor, backend, pool=None, log_queue=False):
         self.reactor = reactor
@@ -121,6 +123,8 @@ class EngineWorker:
         if job.cancelled:
             self.call_in_reactor(d.callback, None)
             return
+        if self.log_queue:
+            self.call_in_reactor(log.info, "queue: a job started")
         try:
             outcome = job.work(self.backend, lambda: job.cancelled)
         except Exception:
