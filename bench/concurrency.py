@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy
 
+from krafla_twisted import generate  # KV_VALUE_BYTES: the bytes of one cached value per KV type
+
 from compare import (chat_body, free_port, llama_gguf, log, markdown_table, stop_server, stream_event,
                      streamed_chat, wait_healthy)  # bench/compare.py, beside this script
 
@@ -55,7 +57,6 @@ TARGET_AGGREGATE = 1.5  # krafla / llama-server, aggregate tokens/s ...
 TARGET_AGGREGATE_FROM = 4  # ... from this many clients on
 TARGET_MEMORY = 1.10  # resident set / (weights + slots x KV cache)
 TARGET_SINGLE = 0.97  # one client: --parallel N / --parallel 1
-KV_VALUE_BYTES = {"f32": 4, "f16": 2, "q8_0": 34 / 32}  # q8_0: 32 one-byte values and a 2-byte scale
 SUBJECTS = ("a lighthouse keeper", "a clockmaker", "a beekeeper", "a glacier guide", "a ferry captain",
             "a librarian", "a volcano", "a chess player", "a baker", "a night-train conductor", "a cartographer",
             "a tide pool", "a violin maker", "a snowplough driver", "an astronomer", "a fisherwoman")
@@ -94,7 +95,7 @@ def verdict(value, target, at_most=False):
 
 def kv_cache_bytes(metadata, n_ctx, kv):
     """Keys and values of one slot: 2 x layers x positions x KV heads x head size, in the KV type's bytes."""
-    return 2 * metadata["n_layers"] * n_ctx * metadata["n_kv_heads"] * metadata["head_dim"] * KV_VALUE_BYTES[kv]
+    return 2 * metadata["n_layers"] * n_ctx * metadata["n_kv_heads"] * metadata["head_dim"] * generate.KV_VALUE_BYTES[kv]
 
 
 def kv_from_banner(banner, metadata):
