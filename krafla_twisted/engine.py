@@ -214,7 +214,9 @@ class Model(clib.OwnedHandle):
         token_ids are appended to the session as by Session.eval, `logits` is "none" (prefill),
         "last" (the last token's, np.float32 (n_vocab,)) or "all" (every token's,
         (len(token_ids), n_vocab)); `out`, a writeable C-contiguous float32 array of that shape,
-        receives them instead of a new array. Returns one entry per item: None for "none", else
+        receives them instead of a new array (when the items' logits rows lie one after the other in
+        memory, as the rows of one array in item order, the output head runs once for all of them
+        instead of once per item). Returns one entry per item: None for "none", else
         the logits, each bit for bit what the session gets evaluated alone. A session appears at
         most once; on any error no session changes."""
         handle = self._check_open()

@@ -328,6 +328,9 @@ class Runtime:
         return best
 
     def release_slot(self, slot):
+        if slot.cached_logits is not None and slot.cached_logits.base is not None:
+            # A row of a step's array (Scheduler): kept alone, so the other rows are not kept with it.
+            slot.cached_logits = slot.cached_logits.copy()
         self._uses += 1
         slot.last_used = self._uses
         slot.busy = False

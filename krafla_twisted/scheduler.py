@@ -26,6 +26,8 @@ may read for /metrics.
 import collections
 from dataclasses import dataclass
 
+import numpy as np
+
 # --parallel's default: see docs/server.md ("Slots and batching") for the measurement behind it.
 DEFAULT_PARALLEL = 4
 
@@ -144,8 +146,15 @@ class Scheduler:
         return items
 
     def _evaluate(self, items):
+        model = self.runtime.model
+        # The "last" rows of one array, one after the other: the engine then runs the output head
+        # once for the whole step (one matrix-matrix product) instead of once per sequence, which
+        # costs as many passes over the largest matrix as there are replies.
+        rows = iter(np.empty((sum(mode == "last" for _, _, mode in items), model.n_vocab), np.float32))
+        batch = [(g.slot.session, tokens, mode) + ((next(rows),) if mode == "last" else ())
+                 for g, tokens, mode in items]
         try:
-            outputs = self.runtime.model.eval_batch([(g.slot.session, tokens, mode) for g, tokens, mode in items])
+            outputs = model.eval_batch(batch)
         except Exception as e:
             # No session changed: each generation of the step ends with the error.
             for generation, _, _ in items:
