@@ -155,12 +155,7 @@ KR_INLINE void tile_q8_0_rows(const int R, const int T, const char *w, size_t w_
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(w_scale, _mm_set1_ps(a_scale)), _mm_cvtepi32_ps(sums), acc[t]);
         }
     }
-#pragma GCC unroll 4
-    for (int t = 0; t < T; t++) {
-        float lanes[4];
-        _mm_storeu_ps(lanes, acc[t]);
-        for (int r = 0; r < R; r++) out[t * out_stride + r] = lanes[r];
-    }
+    store_rows(R, T, acc, out, out_stride);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -230,20 +225,7 @@ KR_INLINE void group_tile(const int G, const int T, const char *w, size_t group_
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[g][t] = _mm256_setzero_ps();
     group_tile_q8_0(G, T, w, group_stride, a, a_stride, n_blocks, acc, next);
-#pragma GCC unroll 2
-    for (int g = 0; g < G; g++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            float *row = out + t * out_stride + KR_PACK_ROWS * g;
-            if (keep_begin <= KR_PACK_ROWS * g && KR_PACK_ROWS * (g + 1) <= keep_end) {
-                _mm256_storeu_ps(row, acc[g][t]);
-            } else {
-                float lanes[KR_PACK_ROWS];
-                _mm256_storeu_ps(lanes, acc[g][t]);
-                for (int r = 0; r < KR_PACK_ROWS; r++)
-                    if (keep_begin <= KR_PACK_ROWS * g + r && KR_PACK_ROWS * g + r < keep_end) row[r] = lanes[r];
-            }
-        }
+    store_groups(G, T, acc, out, out_stride, keep_begin, keep_end);
 }
 
 // Float weights: 8 columns at a time into the lanes, then the scalar tail in order.
@@ -300,27 +282,25 @@ KR_INLINE void tile_float(const int kind, const int R, const int T, const char *
         }
 }
 
-// `next`: the weight rows of the tile that follows (NULL if none), prefetched block by block
-// alongside this tile's, so a cold matrix streams from memory ahead of the arithmetic.
+// One instance of the float tile per shape, for a weight kind known at compile time.
+KR_INLINE void float_tiles(const int kind, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                           int64_t cols, float *out, int64_t out_stride, const char *next) {
+#define CALL_FLOAT(r, t) tile_float(kind, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
+    KR_TILE_SHAPES(CALL_FLOAT)
+}
+
+// A file-layout tile (tile_loops.h's kr_row_tile) of any type this file multiplies; for float
+// weights the blocks are columns.
 static void tile(int32_t weight_type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
-                 int64_t cols, float *out, int64_t out_stride, const char *next) {
+                 int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
     switch (weight_type) {
     case KR_Q8_0:
-#define CALL_Q8(r, t) tile_q8_0_rows(r, t, w, w_stride, a, a_stride, cols / KR_QK, out, out_stride, next)
+#define CALL_Q8(r, t) tile_q8_0_rows(r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
         KR_TILE_SHAPES(CALL_Q8)
         break;
-    case KR_F32:
-#define CALL_F32(r, t) tile_float(WEIGHTS_F32, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_F32)
-        break;
-    case KR_F16:
-#define CALL_F16(r, t) tile_float(WEIGHTS_F16, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_F16)
-        break;
-    case KR_BF16:
-#define CALL_BF16(r, t) tile_float(WEIGHTS_BF16, r, t, w, w_stride, a, a_stride, cols, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_BF16)
-        break;
+    case KR_F32: float_tiles(WEIGHTS_F32, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
+    case KR_F16: float_tiles(WEIGHTS_F16, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
+    case KR_BF16: float_tiles(WEIGHTS_BF16, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
     default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
     }
 }
@@ -332,7 +312,6 @@ static int tile_rows(int32_t weight_type, int64_t n_tokens) {
     if (weight_type == KR_Q8_0) return 4;
     return n_tokens == 1 ? 4 : 3;
 }
-static int tile_tokens(int32_t weight_type) { (void)weight_type; return 4; }
 
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
@@ -344,26 +323,8 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
         kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const size_t w_stride = kr_weight_row_bytes(weight_type, cols);
-    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
-    const int max_rows = tile_rows(weight_type, n_tokens), max_tokens = tile_tokens(weight_type);
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        // Rows outside, tokens inside: a tile's weight rows stay in L1 while the block's tokens pass over them.
-        for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
-            const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                // the next row tile is fetched while the first token tile passes over this one
-                const char *next = t0 == b0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
-                tile(weight_type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride,
-                     (const char *)prepared + (size_t)t0 * a_stride, a_stride, cols, out + t0 * out_stride + r0, out_stride,
-                     next);
-            }
-        }
-    }
+    kr_matmul_row_tiles(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,
+                        tile_rows(weight_type, n_tokens), 4, tile);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,8 +368,8 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
         return;
     }
     const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
-    kr_matmul_packed_tiles_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,
-                                max_groups, max_tokens, packed_tile, kr_matmul_avx2);
+    kr_matmul_group_tiles(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups,
+                          max_tokens, packed_tile, kr_matmul_avx2);
 }
 
 // ---------------------------------------------------------------------------------------------

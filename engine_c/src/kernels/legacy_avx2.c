@@ -88,54 +88,30 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
             if (kr_legacy_has_min(type)) acc[t] = _mm_fmadd_ps(w_min, _mm_set1_ps(ab->d * (float)ab->sum), acc[t]);
         }
     }
-#pragma GCC unroll 4
-    for (int t = 0; t < T; t++) {
-        float lanes[4];
-        _mm_storeu_ps(lanes, acc[t]);
-        for (int r = 0; r < R; r++) out[t * out_stride + r] = lanes[r];
-    }
+    store_rows(R, T, acc, out, out_stride);
 }
 
+// One instance of the file-layout tile per shape, for a type known at compile time.
+KR_INLINE void type_tiles(const int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
+                          int64_t n_blocks, float *out, int64_t out_stride, const char *next) {
+#define CALL_ROWS(r, t) tile_rows(type, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
+    KR_TILE_SHAPES(CALL_ROWS)
+}
+
+// A file-layout tile (tile_loops.h's kr_row_tile) of any of the four types.
 static void tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride, int64_t n_blocks,
                  float *out, int64_t out_stride, const char *next) {
     switch (type) {
-    case KR_Q4_0:
-#define CALL_Q40(r, t) tile_rows(KR_Q4_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_Q40)
-        break;
-    case KR_Q4_1:
-#define CALL_Q41(r, t) tile_rows(KR_Q4_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_Q41)
-        break;
-    case KR_Q5_0:
-#define CALL_Q50(r, t) tile_rows(KR_Q5_0, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_Q50)
-        break;
-    default:
-#define CALL_Q51(r, t) tile_rows(KR_Q5_1, r, t, w, w_stride, a, a_stride, n_blocks, out, out_stride, next)
-        KR_TILE_SHAPES(CALL_Q51)
-        break;
+    case KR_Q4_0: type_tiles(KR_Q4_0, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
+    case KR_Q4_1: type_tiles(KR_Q4_1, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
+    case KR_Q5_0: type_tiles(KR_Q5_0, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
+    default: type_tiles(KR_Q5_1, R, T, w, w_stride, a, a_stride, n_blocks, out, out_stride, next); break;
     }
 }
 
 void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                            int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const size_t w_stride = kr_weight_row_bytes(type, cols), a_stride = kr_activation_row_bytes(type, cols);
-    const int max_rows = 4, max_tokens = 4;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t r0 = row_begin; r0 < row_end; r0 += max_rows) {
-            const int R = (int)(row_end - r0 < max_rows ? row_end - r0 : max_rows);
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                const char *next = t0 == b0 && r0 + R < row_end ? (const char *)w + (size_t)(r0 + R) * w_stride : NULL;
-                tile(type, R, T, (const char *)w + (size_t)r0 * w_stride, w_stride, (const char *)prepared + (size_t)t0 * a_stride,
-                     a_stride, cols / KR_QK, out + t0 * out_stride + r0, out_stride, next);
-            }
-        }
-    }
+    kr_matmul_row_tiles(type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, 4, 4, tile);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -247,20 +223,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
             }
         }
     }
-#pragma GCC unroll 2
-    for (int g = 0; g < G; g++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            float *row = out + t * out_stride + KR_PACK_ROWS * g;
-            if (keep_begin <= KR_PACK_ROWS * g && KR_PACK_ROWS * (g + 1) <= keep_end) {
-                _mm256_storeu_ps(row, acc[g][t]);
-            } else {
-                float lanes[KR_PACK_ROWS];
-                _mm256_storeu_ps(lanes, acc[g][t]);
-                for (int r = 0; r < KR_PACK_ROWS; r++)
-                    if (keep_begin <= KR_PACK_ROWS * g + r && KR_PACK_ROWS * g + r < keep_end) row[r] = lanes[r];
-            }
-        }
+    store_groups(G, T, acc, out, out_stride, keep_begin, keep_end);
 }
 
 // Tile shape, groups x tokens, for several tokens (the build can override them to measure others;
@@ -289,6 +252,15 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #define KR_LEGACY_Q5_TOKENS 4
 #endif
 
+// One instance of the packed tile per shape, for a type known at compile time.
+KR_INLINE void type_group_tiles(const int32_t type, int G, int T, const char *w, size_t group_stride, const char *a,
+                                size_t a_stride, int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                                const char *next) {
+#define CALL_GROUPS(g, t) group_tile(type, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
+    KR_GROUP_SHAPES(CALL_GROUPS)
+}
+
+// A packed tile (tile_loops.h's kr_group_tile) of any of the four types.
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                         int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
 #if defined(KR_HAVE_AVX512)
@@ -297,23 +269,13 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
         return;
     }
 #endif
+#define TYPE_GROUP_TILES(type) \
+    type_group_tiles(type, G, T, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
     switch (type) {
-    case KR_Q4_0:
-#define CALL_G40(g, t) group_tile(KR_Q4_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_G40)
-        break;
-    case KR_Q4_1:
-#define CALL_G41(g, t) group_tile(KR_Q4_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_G41)
-        break;
-    case KR_Q5_0:
-#define CALL_G50(g, t) group_tile(KR_Q5_0, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_G50)
-        break;
-    default:
-#define CALL_G51(g, t) group_tile(KR_Q5_1, g, t, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next)
-        KR_GROUP_SHAPES(CALL_G51)
-        break;
+    case KR_Q4_0: TYPE_GROUP_TILES(KR_Q4_0); break;
+    case KR_Q4_1: TYPE_GROUP_TILES(KR_Q4_1); break;
+    case KR_Q5_0: TYPE_GROUP_TILES(KR_Q5_0); break;
+    default: TYPE_GROUP_TILES(KR_Q5_1); break;
     }
 }
 
@@ -322,8 +284,8 @@ void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int
     const int q5 = kr_legacy_has_fifth(type);
     const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
-    kr_matmul_packed_tiles_avx2(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups,
-                                max_tokens, packed_tile, kr_matmul_legacy_avx2);
+    kr_matmul_group_tiles(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups, max_tokens,
+                          packed_tile, kr_matmul_legacy_avx2);
 }
 
 #else
