@@ -259,15 +259,12 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
 void kr_matmul_packed_kquant_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+// The tiles of kquant_tile.h: 8 rows in 256 bits (kquant_avx2.c) in an ISA=avx2 build, 16 rows in
+// 512 bits (kquant_avx512.c) in an ISA=avx512 build.
 void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                            float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                   int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
-// ISA=avx512 (kquant_avx512.c): the same with 16 rows in 512 bits; the two above hand over to these.
-void kr_matmul_kquant_avx512(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
-                             float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
-void kr_matmul_packed_kquant_avx512(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
-                                    int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 // --- end k-quants
 
 #endif

@@ -8,7 +8,6 @@
 #if defined(KR_HAVE_AVX2)
 #include <immintrin.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define KR_INLINE static inline __attribute__((always_inline))
@@ -73,17 +72,7 @@ void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // The matmuls
 
-#if defined(KR_HAVE_AVX512)
-void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
-                           float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    kr_matmul_kquant_avx512(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
-}
-
-void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
-                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    kr_matmul_packed_kquant_avx512(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
-}
-#else
+#if !defined(KR_HAVE_AVX512)  // the avx512 build's matmuls are kquant_avx512.c's
 // The vectors of a tile (kquant_tile.h): one group of 8 rows in 256 bits. AVX2 adds the maddubs
 // pairs of a sub-block in int16 and multiplies by the scales with madd (each 32-bit lane holds the
 // scale twice), so a part holds at most 32767: 2 * 15 * 127 = 3810 a step for q4_K (8 steps),
@@ -91,19 +80,11 @@ void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t ro
 #define ROWS 8
 typedef __m256i vec;
 typedef __m256 vecf;
+#define V(name) _mm256_##name
+#define V_SI(name) _mm256_##name##_si256
 KR_INLINE vec v_load(const char *p, size_t stride) { return _mm256_loadu_si256((const __m256i *)p); }
 KR_INLINE vec v_join(__m256i low, __m256i high) { return low; }
-KR_INLINE vec v_and(vec a, vec b) { return _mm256_and_si256(a, b); }
-KR_INLINE vec v_or(vec a, vec b) { return _mm256_or_si256(a, b); }
-KR_INLINE vec v_add(vec a, vec b) { return _mm256_add_epi32(a, b); }
-KR_INLINE vec v_sub(vec a, vec b) { return _mm256_sub_epi32(a, b); }
-KR_INLINE vec v_bytes(char b) { return _mm256_set1_epi8(b); }
-KR_INLINE vec v_words(int32_t w) { return _mm256_set1_epi32(w); }
-KR_INLINE vec v_zero(void) { return _mm256_setzero_si256(); }
-KR_INLINE vec v_srli16(vec v, const int n) { return _mm256_srli_epi16(v, n); }
-KR_INLINE vec v_slli16(vec v, const int n) { return _mm256_slli_epi16(v, n); }
-KR_INLINE vec v_slli32(vec v, const int n) { return _mm256_slli_epi32(v, n); }
-KR_INLINE vec v_madd16(vec a, vec b) { return _mm256_madd_epi16(a, b); }
+KR_INLINE vecf vf_half(const char *p, size_t stride) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s)); }
 KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, scale)); }
 KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signed) {
@@ -111,13 +92,6 @@ KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signe
     const __m256i scale = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
     return _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale, 16));
 }
-KR_INLINE vecf vf_half(const char *p, size_t stride) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-KR_INLINE vecf vf_zero(void) { return _mm256_setzero_ps(); }
-KR_INLINE vecf vf_set1(float f) { return _mm256_set1_ps(f); }
-KR_INLINE vecf vf_mul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
-KR_INLINE vecf vf_fmadd(vecf a, vec b, vecf c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
-KR_INLINE vecf vf_fnmadd(vecf a, vec b, vecf c) { return _mm256_fnmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
-KR_INLINE void vf_store(float *p, vecf v) { _mm256_storeu_ps(p, v); }
 #define Q5_FLUSH 4
 #define Q6_FLUSH 2
 // Tokens per tile: AVX2 gives 16 vector registers.
@@ -126,16 +100,6 @@ KR_INLINE void vf_store(float *p, vecf v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #include "kernels/kquant_tile.h"
-
-void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
-                           float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    kquant_matmul(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
-}
-
-void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
-                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    kquant_matmul_packed(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
-}
 #endif
 
 #else

@@ -2,10 +2,15 @@
 // the file that includes it: kquant_avx2.c (AVX2, 8 rows in 256 bits) and kquant_avx512.c (the
 // ISA=avx512 build, 16 rows in 512 bits). Internal; not a header of its own: the including file
 // defines first
-//   KR_INLINE, ROWS (8 or 16), the types vec (integer lanes) and vecf (float lanes), their
-//   operations v_* and vf_*, part_add / part_flush / scale_vector (the integer sums of one
-//   sub-block), Q5_FLUSH / Q6_FLUSH (steps between flushes) and KR_KQUANT_TOKENS (tokens per tile),
-// and gets the static functions kquant_matmul (file layout) and kquant_matmul_packed (packed).
+//   KR_INLINE, ROWS (8 or 16), the types vec (integer lanes) and vecf (float lanes), V(name) and
+//   V_SI(name) (the width's intrinsic: V(add_epi32) is _mm256_add_epi32 or _mm512_add_epi32,
+//   V_SI(and) _mm256_and_si256 or _mm512_and_si512), the operations whose code differs by more
+//   than the width (v_load, v_join, vf_half), part_add / part_flush / scale_vector (the integer
+//   sums of one sub-block), Q5_FLUSH / Q6_FLUSH (steps between flushes) and KR_KQUANT_TOKENS
+//   (tokens per tile),
+// and gets the matmuls kr_matmul_kquant_avx2 (file layout) and kr_matmul_packed_kquant_avx2
+// (packed) of kernels.h: an ISA=avx2 build takes them from kquant_avx2.c, an ISA=avx512 build from
+// kquant_avx512.c.
 //
 // Each computes what kquant_ref.c computes, in its order of float operations: per output and
 // super-block the exact integer sums isum (and msum), then the same fused multiply-adds. The
@@ -28,8 +33,28 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "kernels/tile_loops.h"
 
 #define GROUPS (ROWS / KR_PACK_ROWS)  // groups of 8 rows per tile
+
+// The operations that are one intrinsic at either width.
+KR_INLINE vec v_and(vec a, vec b) { return V_SI(and)(a, b); }
+KR_INLINE vec v_or(vec a, vec b) { return V_SI(or)(a, b); }
+KR_INLINE vec v_zero(void) { return V_SI(setzero)(); }
+KR_INLINE vec v_add(vec a, vec b) { return V(add_epi32)(a, b); }
+KR_INLINE vec v_sub(vec a, vec b) { return V(sub_epi32)(a, b); }
+KR_INLINE vec v_bytes(char b) { return V(set1_epi8)(b); }
+KR_INLINE vec v_words(int32_t w) { return V(set1_epi32)(w); }
+KR_INLINE vec v_srli16(vec v, const int n) { return V(srli_epi16)(v, n); }
+KR_INLINE vec v_slli16(vec v, const int n) { return V(slli_epi16)(v, n); }
+KR_INLINE vec v_slli32(vec v, const int n) { return V(slli_epi32)(v, n); }
+KR_INLINE vec v_madd16(vec a, vec b) { return V(madd_epi16)(a, b); }
+KR_INLINE vecf vf_zero(void) { return V(setzero_ps)(); }
+KR_INLINE vecf vf_set1(float f) { return V(set1_ps)(f); }
+KR_INLINE vecf vf_mul(vecf a, vecf b) { return V(mul_ps)(a, b); }
+KR_INLINE vecf vf_fmadd(vecf a, vec b, vecf c) { return V(fmadd_ps)(a, V(cvtepi32_ps)(b), c); }
+KR_INLINE vecf vf_fnmadd(vecf a, vec b, vecf c) { return V(fnmadd_ps)(a, V(cvtepi32_ps)(b), c); }
+KR_INLINE void vf_store(float *p, vecf v) { V(storeu_ps)(p, v); }
 
 // 4 activation bytes (elements at..at+3) in every int32 lane.
 KR_INLINE vec broadcast4(const int8_t *q) {
@@ -223,9 +248,11 @@ KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *gr
     }
 }
 
-// Tokens per tile: KR_KQUANT_TOKENS of the including file.
-static void tile(int32_t weight_type, int T, const char *group, size_t stride, int64_t n_blocks, const char *a, size_t a_stride,
-                 float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+// A packed tile (tile_loops.h's kr_group_tile); G is GROUPS but where one group is left, which
+// runs in both halves of the vector.
+static void tile(int32_t weight_type, int G, int T, const char *group, size_t group_stride, const char *a, size_t a_stride,
+                 int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+    const size_t stride = G == 2 ? group_stride : 0;
 #define KQ_TILE(type, t) group_tile(type, t, group, stride, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next)
 #define KQ_TOKENS(type) \
     switch (T) { \
@@ -241,41 +268,13 @@ static void tile(int32_t weight_type, int T, const char *group, size_t stride, i
     }
 }
 
-// Tokens are taken in blocks whose prepared activations fit in L2, so each group finds them there.
-#define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
+// Tokens per tile: KR_KQUANT_TOKENS of the including file (one for generation).
+static int tile_tokens(int64_t n_tokens) { return n_tokens == 1 ? 1 : KR_KQUANT_TOKENS; }
 
-// Groups [group_begin, group_end) of a packed matrix (group g at w + g * group_stride), rows of
-// [row_begin, row_end) stored (relative to the matrix's first row).
-static void packed_groups(int32_t weight_type, const char *w, size_t group_stride, int64_t cols, const void *prepared,
-                          int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const int64_t n_blocks = cols / KR_QK_K;
-    const size_t a_stride = kr_activation_row_bytes(weight_type, cols);
-    const int max_tokens = n_tokens == 1 ? 1 : KR_KQUANT_TOKENS;
-    int64_t block_tokens = a_stride ? (int64_t)(KR_ACTIVATION_BLOCK_BYTES / a_stride) : n_tokens;  // cols 0: no blocks
-    block_tokens = block_tokens < max_tokens ? max_tokens : block_tokens - block_tokens % max_tokens;
-    const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
-    for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
-        const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
-        for (int64_t g = group_begin; g < group_end; g += GROUPS) {
-            const int groups = (int)(group_end - g < GROUPS ? group_end - g : GROUPS);
-            const int64_t first = g * KR_PACK_ROWS;
-            const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
-            const int keep_end = (int)(row_end - first < groups * KR_PACK_ROWS ? row_end - first : groups * KR_PACK_ROWS);
-            const char *group = w + (size_t)g * group_stride;
-            const char *next = g + groups < group_end ? group + (size_t)groups * group_stride : NULL;
-            const size_t stride = groups == 2 ? group_stride : 0;  // one group left: it runs in both halves
-            for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
-                const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
-                tile(weight_type, T, group, stride, n_blocks, (const char *)prepared + (size_t)t0 * a_stride, a_stride,
-                     out + t0 * out_stride + first, out_stride, keep_begin, keep_end, t0 == b0 ? next : NULL);
-            }
-        }
-    }
-}
-
-// File layout: ROWS rows at a time packed into a buffer (rows past the matrix's end as zero blocks, whose
-static void kquant_matmul(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
-                          float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+// File layout: ROWS rows at a time packed into a buffer (rows past the matrix's end as zero blocks,
+// whose outputs are not stored), then the packed tile.
+void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
+                           int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = ROWS * row_bytes;
     char *rows = malloc(group_bytes ? 2 * group_bytes : 1);
     if (!rows) {  // no memory for a buffer: the reference computes the same bits
@@ -293,22 +292,16 @@ static void kquant_matmul(int32_t weight_type, const void *w, int64_t cols, cons
         memcpy(rows, (const char *)w + (size_t)first * row_bytes, (size_t)count * row_bytes);
         memset(rows + (size_t)count * row_bytes, 0, (size_t)(ROWS - count) * row_bytes);
         kr_pack_rows_kquant(weight_type, rows, packed, ROWS, cols);
-        packed_groups(weight_type, packed, KR_PACK_ROWS * row_bytes, cols, prepared, n_tokens, out + first, out_stride, 0, count);
+        kr_matmul_group_tiles(weight_type, packed, ROWS, cols, prepared, n_tokens, out + first, out_stride, 0, count, GROUPS,
+                              tile_tokens(n_tokens), tile, kr_matmul_kquant_avx2);
     }
     free(rows);
 }
 
-static void kquant_matmul_packed(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
-                                 int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
-    if (row_end > grouped) {  // the rows past the last group are in file layout
-        const int64_t begin = row_begin > grouped ? row_begin : grouped;
-        kquant_matmul(weight_type, w, cols, prepared, n_tokens, out, out_stride, begin, row_end);
-        row_end = grouped;
-    }
-    if (row_begin >= row_end) return;
-    packed_groups(weight_type, w, KR_PACK_ROWS * kr_weight_row_bytes(weight_type, cols), cols, prepared, n_tokens, out,
-                  out_stride, row_begin, row_end);
+void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    kr_matmul_group_tiles(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, GROUPS,
+                          tile_tokens(n_tokens), tile, kr_matmul_kquant_avx2);
 }
 
 #endif
