@@ -302,32 +302,29 @@ static float dot_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a, int6
     return acc;
 }
 
-float kr_dot_f32_ref(const float *a, const float *b, int64_t n) {
+// Element k of a float row (f32, f16 or bf16) as a float.
+static inline float float_weight(int32_t type, const void *row, int64_t k) {
+    switch (type) {
+    case KR_F16: return kr_f16_to_f32_ref(((const kr_f16 *)row)[k]);
+    case KR_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[k]);
+    default: return ((const float *)row)[k];
+    }
+}
+
+// The float dot product in the order above; `type` is a constant in each caller, so each gets a
+// loop of its own.
+static inline float dot_float_ref(int32_t type, const void *a, const float *b, int64_t n) {
     float lanes[8] = {0};
     const int64_t n8 = n - n % 8;
-    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(a[k], b[k], lanes[k % 8]);
+    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(float_weight(type, a, k), b[k], lanes[k % 8]);
     float sum = kr_lanes_sum(lanes);
-    for (int64_t k = n8; k < n; k++) sum = fmaf(a[k], b[k], sum);
+    for (int64_t k = n8; k < n; k++) sum = fmaf(float_weight(type, a, k), b[k], sum);
     return sum;
 }
 
-float kr_dot_f16_f32_ref(const kr_f16 *a, const float *b, int64_t n) {
-    float lanes[8] = {0};
-    const int64_t n8 = n - n % 8;
-    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(kr_f16_to_f32_ref(a[k]), b[k], lanes[k % 8]);
-    float sum = kr_lanes_sum(lanes);
-    for (int64_t k = n8; k < n; k++) sum = fmaf(kr_f16_to_f32_ref(a[k]), b[k], sum);
-    return sum;
-}
-
-static float dot_bf16_f32_ref(const uint16_t *a, const float *b, int64_t n) {
-    float lanes[8] = {0};
-    const int64_t n8 = n - n % 8;
-    for (int64_t k = 0; k < n8; k++) lanes[k % 8] = fmaf(kr_bf16_to_f32(a[k]), b[k], lanes[k % 8]);
-    float sum = kr_lanes_sum(lanes);
-    for (int64_t k = n8; k < n; k++) sum = fmaf(kr_bf16_to_f32(a[k]), b[k], sum);
-    return sum;
-}
+float kr_dot_f32_ref(const float *a, const float *b, int64_t n) { return dot_float_ref(KR_F32, a, b, n); }
+float kr_dot_f16_f32_ref(const kr_f16 *a, const float *b, int64_t n) { return dot_float_ref(KR_F16, a, b, n); }
+static float dot_bf16_f32_ref(const uint16_t *a, const float *b, int64_t n) { return dot_float_ref(KR_BF16, a, b, n); }
 
 void kr_axpy_f32_ref(float a, const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
