@@ -92,6 +92,14 @@ static int check_pointers(const void *a, const void *b, kr_error *err) {
     return KR_OK;
 }
 
+// The checks of a kernel over n values (a multiple of `multiple`) from x into y.
+static int check_row_kernel(int impl, int64_t n, int64_t multiple, const void *x, const void *y, kr_error *err) {
+    int status = check_impl(impl, err);
+    if (!status) status = check_count("n", n, multiple, err);
+    if (!status) status = check_pointers(x, y, err);
+    return status;
+}
+
 // Each kernel under each implementation; AVX2 names only exist in an avx2 build.
 #if defined(KR_HAVE_AVX2)
 #define KR_PICK(impl, name) ((impl) == KR_KERNEL_REFERENCE ? name##_ref : (impl) == KR_KERNEL_AVX2 ? name##_avx2 : name)
@@ -100,9 +108,7 @@ static int check_pointers(const void *a, const void *b, kr_error *err) {
 #endif
 
 int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n", n, 1, err);
-    if (!status) status = check_pointers(x, y, err);
+    const int status = check_row_kernel(impl, n, 1, x, y, err);
     if (status) return status;
     if (impl == KR_KERNEL_DISPATCH) {
         for (int64_t i = 0; i < n; i++) y[i] = kr_f16_to_f32(x[i]);
@@ -114,9 +120,7 @@ int kr_test_f16_to_f32(int impl, const uint16_t *x, float *y, int64_t n, kr_erro
 }
 
 int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n", n, 1, err);
-    if (!status) status = check_pointers(x, y, err);
+    const int status = check_row_kernel(impl, n, 1, x, y, err);
     if (status) return status;
     if (impl == KR_KERNEL_DISPATCH) {
         for (int64_t i = 0; i < n; i++) y[i] = kr_f32_to_f16(x[i]);
@@ -128,9 +132,7 @@ int kr_test_f32_to_f16(int impl, const float *x, uint16_t *y, int64_t n, kr_erro
 }
 
 int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n", n, KR_QK, err);
-    if (!status) status = check_pointers(x, blocks, err);
+    const int status = check_row_kernel(impl, n, KR_QK, x, blocks, err);
     if (status) return status;
     KR_PICK(impl, kr_quantize_row_q8_0)(x, blocks, n);
     kr_ok(err);
@@ -153,9 +155,7 @@ static int check_packable(int32_t type, kr_error *err) {
 
 // n floats (a multiple of 256) -> n/256 q8_K blocks (kr_block_q8_K, 292 bytes).
 int kr_test_quantize_q8_K(int impl, const float *x, void *blocks, int64_t n, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n", n, KR_QK_K, err);
-    if (!status) status = check_pointers(x, blocks, err);
+    const int status = check_row_kernel(impl, n, KR_QK_K, x, blocks, err);
     if (status) return status;
     KR_PICK(impl, kr_quantize_row_q8_K)(x, blocks, n);
     kr_ok(err);
@@ -338,9 +338,7 @@ int kr_test_axpy_rows(int impl, int32_t type, const float *weights, const void *
 
 // which: 0 exp (y = exp(x)), 1 exp_shift_sum (x in place, *sum), 2 silu_mul, 3 gelu_tanh_mul (x = gate in place, y = up)
 int kr_test_elementwise(int impl, int32_t which, float *x, float *y, int64_t n, float shift, float *sum, kr_error *err) {
-    int status = check_impl(impl, err);
-    if (!status) status = check_count("n", n, 1, err);
-    if (!status) status = check_pointers(x, which == 1 ? (const void *)sum : (const void *)y, err);
+    const int status = check_row_kernel(impl, n, 1, x, which == 1 ? (const void *)sum : (const void *)y, err);
     if (status) return status;
     switch (which) {
     case 0: KR_PICK(impl, kr_exp_f32)(x, y, n); break;
