@@ -232,18 +232,7 @@ static void unpack_superblock(int32_t weight_type, const char *group, int r, cha
 }
 
 void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
-    const size_t block_bytes = kr_kquant_block_bytes(weight_type), row_bytes = (size_t)(cols / KR_QK_K) * block_bytes;
-    const int64_t n_blocks = cols / KR_QK_K, grouped = rows - rows % GROUP_ROWS;
-    for (int64_t first = 0; first < grouped; first += GROUP_ROWS) {
-        const char *in = (const char *)src + (size_t)first * row_bytes;
-        char *out = (char *)dst + (size_t)first * row_bytes;
-        for (int64_t b = 0; b < n_blocks; b++)
-            for (int r = 0; r < GROUP_ROWS; r++)
-                pack_superblock(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r,
-                                out + (size_t)b * GROUP_ROWS * block_bytes);
-    }
-    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
-           (size_t)(rows - grouped) * row_bytes);
+    kr_pack_groups(weight_type, src, dst, rows, cols, kr_kquant_block_bytes(weight_type), pack_superblock);
 }
 
 // Each row's super-blocks back in file form, then the reference's steps.

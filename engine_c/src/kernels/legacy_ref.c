@@ -97,7 +97,7 @@ float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *
 // Packed layout (legacy.h)
 
 // Row r's block `block` (file form) into its place in the group's block (legacy.h's offsets).
-static void pack_block(int32_t type, const void *block, int r, char *group_block) {
+static void pack_block(int32_t type, const char *block, int r, char *group_block) {
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const block_parts p = parts_of(type, block);
     memcpy(group_block + 2 * r, &p.d, 2);
@@ -153,18 +153,7 @@ static void unpack_block(int32_t type, const char *group_block, int r, void *blo
 }
 
 void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows, int64_t cols) {
-    const size_t row_bytes = kr_weight_row_bytes(type, cols), block_bytes = kr_legacy_block_bytes(type);
-    const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
-    const int64_t n_blocks = cols / KR_QK, grouped = rows - rows % KR_PACK_ROWS;
-    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
-        const char *in = (const char *)src + (size_t)first * row_bytes;
-        char *out = (char *)dst + (size_t)first * row_bytes;
-        for (int64_t b = 0; b < n_blocks; b++)
-            for (int r = 0; r < KR_PACK_ROWS; r++)
-                pack_block(type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r, out + (size_t)b * group_block_bytes);
-    }
-    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
-           (size_t)(rows - grouped) * row_bytes);
+    kr_pack_groups(type, src, dst, rows, cols, kr_legacy_block_bytes(type), pack_block);
 }
 
 // Each row's blocks back in file form, then the reference's block steps.

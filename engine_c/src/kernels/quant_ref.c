@@ -463,6 +463,29 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
 // group's block: after the 8 scales, chunk j / 4, row r, byte j % 4.
 static size_t packed_quant_at(int64_t r, int j) { return 2 * KR_PACK_ROWS + (size_t)(j / 4) * 4 * KR_PACK_ROWS + 4 * (size_t)r + (size_t)(j % 4); }
 
+void kr_pack_groups(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols, size_t block_bytes,
+                    kr_pack_block *pack_block) {
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_block_bytes = KR_PACK_ROWS * block_bytes;
+    const int64_t n_blocks = (int64_t)(row_bytes / block_bytes), grouped = rows - rows % KR_PACK_ROWS;
+    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
+        const char *in = (const char *)src + (size_t)first * row_bytes;
+        char *out = (char *)dst + (size_t)first * row_bytes;
+        for (int64_t b = 0; b < n_blocks; b++)
+            for (int r = 0; r < KR_PACK_ROWS; r++)
+                pack_block(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r, out + (size_t)b * group_block_bytes);
+    }
+    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
+           (size_t)(rows - grouped) * row_bytes);
+}
+
+// Row r's q4_0 or q8_0 block into its group's block: the scale among the 8 scales, the quants in
+// chunks of 4 bytes.
+static void pack_block(int32_t weight_type, const char *block, int r, char *group_block) {
+    const int quant_bytes = weight_type == KR_Q4_0 ? KR_QK / 2 : KR_QK;
+    memcpy(group_block + 2 * r, block, 2);
+    for (int j = 0; j < quant_bytes; j += 4) memcpy(group_block + packed_quant_at(r, j), block + 2 + j, 4);
+}
+
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
     if (kr_legacy_type(weight_type)) {
         kr_pack_rows_legacy(weight_type, src, dst, rows, cols);
@@ -472,24 +495,8 @@ void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows,
         kr_pack_rows_kquant(weight_type, src, dst, rows, cols);
         return;
     }
-    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
     const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
-    const int quant_bytes = (int)block_bytes - 2;
-    const int64_t n_blocks = cols / KR_QK, grouped = rows - rows % KR_PACK_ROWS;
-    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
-        const char *in = (const char *)src + (size_t)first * row_bytes;
-        char *out = (char *)dst + (size_t)first * row_bytes;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            char *group_block = out + (size_t)b * KR_PACK_ROWS * block_bytes;
-            for (int64_t r = 0; r < KR_PACK_ROWS; r++) {
-                const char *block = in + (size_t)r * row_bytes + (size_t)b * block_bytes;
-                memcpy(group_block + 2 * r, block, 2);
-                for (int j = 0; j < quant_bytes; j += 4) memcpy(group_block + packed_quant_at(r, j), block + 2 + j, 4);
-            }
-        }
-    }
-    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
-           (size_t)(rows - grouped) * row_bytes);
+    kr_pack_groups(weight_type, src, dst, rows, cols, block_bytes, pack_block);
 }
 
 // Row r's block b back in file form (into `block`, 34 bytes at most).
