@@ -457,43 +457,36 @@ int32_t kr_file_find_meta(const kr_file *f, const char *key) {
     return -1;
 }
 
-int kr_file_get_int(const kr_file *f, const char *key, int64_t fallback, int64_t *out, kr_error *err) {
-    int32_t i = kr_file_find_meta(f, key);
-    if (i < 0) {
-        *out = fallback;
-    } else if (f->meta[i].kind == KR_META_INT) {
-        *out = f->meta[i].int_value;
-    } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be an integer", f->path, key);
-    }
+// The index of metadata `key` into *index (-1 if the file has none: the caller's fallback); an
+// error if the key is there with a kind outside `kinds` (bits 1 << KR_META_*), which `expected` names.
+static int find_meta_of(const kr_file *f, const char *key, unsigned kinds, const char *expected, int32_t *index,
+                        kr_error *err) {
+    *index = kr_file_find_meta(f, key);
+    if (*index >= 0 && !(kinds & (1u << f->meta[*index].kind)))
+        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be %s", f->path, key, expected);
     kr_ok(err);
     return KR_OK;
+}
+
+int kr_file_get_int(const kr_file *f, const char *key, int64_t fallback, int64_t *out, kr_error *err) {
+    int32_t i;
+    const int status = find_meta_of(f, key, 1u << KR_META_INT, "an integer", &i, err);
+    if (!status) *out = i < 0 ? fallback : f->meta[i].int_value;
+    return status;
 }
 
 int kr_file_get_float(const kr_file *f, const char *key, double fallback, double *out, kr_error *err) {
-    int32_t i = kr_file_find_meta(f, key);
-    if (i < 0) {
-        *out = fallback;
-    } else if (f->meta[i].kind == KR_META_FLOAT || f->meta[i].kind == KR_META_INT) {
-        *out = f->meta[i].float_value;
-    } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be a number", f->path, key);
-    }
-    kr_ok(err);
-    return KR_OK;
+    int32_t i;
+    const int status = find_meta_of(f, key, 1u << KR_META_FLOAT | 1u << KR_META_INT, "a number", &i, err);
+    if (!status) *out = i < 0 ? fallback : f->meta[i].float_value;
+    return status;
 }
 
 int kr_file_get_str(const kr_file *f, const char *key, const char *fallback, const char **out, kr_error *err) {
-    int32_t i = kr_file_find_meta(f, key);
-    if (i < 0) {
-        *out = fallback;
-    } else if (f->meta[i].kind == KR_META_STR) {
-        *out = f->meta[i].str_value;
-    } else {
-        return kr_fail(err, KR_ERR_FORMAT, "%s: metadata %.200s should be a string", f->path, key);
-    }
-    kr_ok(err);
-    return KR_OK;
+    int32_t i;
+    const int status = find_meta_of(f, key, 1u << KR_META_STR, "a string", &i, err);
+    if (!status) *out = i < 0 ? fallback : f->meta[i].str_value;
+    return status;
 }
 
 int kr_file_tensor(const kr_file *f, int32_t index, kr_tensor_info *info, kr_error *err) {
