@@ -749,15 +749,19 @@ static int contraction(const splitter *s, int64_t pos, bool fold) {
     return 0;
 }
 
+// The regexes' first alternative: a contraction at *pos is a word of its own; true if there was one
+// (the word ended, *pos past it).
+static bool contraction_word(splitter *s, int64_t *pos, bool fold) {
+    const int n = contraction(s, *pos, fold);
+    if (n) word_end(s, *pos += n);
+    return n != 0;
+}
+
 // gpt-2: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 static void split_gpt2(splitter *s, int64_t pos, int64_t end) {
     s->end = end;
     while (pos < end) {
-        int n = contraction(s, pos, false);
-        if (n) {
-            word_end(s, pos += n);
-            continue;
-        }
+        if (contraction_word(s, &pos, false)) continue;
         uint32_t c = cp_at(s, pos);
         int64_t body = pos + (c == ' ');  // where the class run starts after an optional space
         uint8_t cls = class_at(s, body);
@@ -787,11 +791,7 @@ static void split_llama3_family(splitter *s, int64_t pos, int64_t end, int max_d
     const uint8_t word = marks ? (KR_CP_LETTER | KR_CP_MARK) : KR_CP_LETTER;
     const uint8_t not_symbol = KR_CP_SPACE | KR_CP_NUMBER | word;
     while (pos < end) {
-        int n = contraction(s, pos, true);
-        if (n) {
-            word_end(s, pos += n);
-            continue;
-        }
+        if (contraction_word(s, &pos, true)) continue;
         uint32_t c = cp_at(s, pos);
         uint8_t cls = class_at(s, pos);
         // [^\r\n\p{L}\p{N}]?\p{L}+ : this character is a letter, or an allowed prefix before one
