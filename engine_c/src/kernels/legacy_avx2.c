@@ -289,11 +289,17 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #define KR_LEGACY_Q5_TOKENS 4
 #endif
 
+// The avx512 build takes every tile of two groups from legacy_avx512.c (0 measures the 256-bit ones).
+#ifndef KR_LEGACY_PAIR_TILE
+#define KR_LEGACY_PAIR_TILE 1
+#endif
+
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                         int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
 #if defined(KR_HAVE_AVX512)
-    if (G == 2 && T == 1) {
-        kr_legacy_pair_tile_avx512(type, w, group_stride, (const kr_block_q8_sum *)a, n_blocks, out, keep_begin, keep_end, next);
+    if (G == 2 && KR_LEGACY_PAIR_TILE) {
+        kr_legacy_pair_tile_avx512(type, T, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end,
+                                   next);
         return;
     }
 #endif
