@@ -30,11 +30,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int T, const c
         const kr_block_q8_0 *ab[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_0 *)(a + t * a_stride) + b;
-        if (next)
-            for (size_t line = 0; line < GROUP_BLOCK; line += 64) {
-                _mm_prefetch(next + (size_t)b * GROUP_BLOCK + line, _MM_HINT_T0);
-                _mm_prefetch(next + group_stride + (size_t)b * GROUP_BLOCK + line, _MM_HINT_T0);
-            }
+        kr_prefetch_pair(next, group_stride, (size_t)b * GROUP_BLOCK, GROUP_BLOCK);
         __m512i weight_sums = _mm512_setzero_si512(), sums[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) sums[t] = _mm512_setzero_si512();
