@@ -22,15 +22,13 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
     const int with_min = kr_legacy_has_min(type), with_fifth = kr_legacy_has_fifth(type);
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[8] = {0};  // T of them used
     for (int64_t b = 0; b < n_blocks; b++) {
         const char *first = w + (size_t)b * group_block_bytes, *second = first + group_stride;
         const kr_block_q8_sum *ab[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-        kr_prefetch_pair(next, group_stride, (size_t)b * group_block_bytes, group_block_bytes);
+        if (next) kr_prefetch_pair(next, group_stride, group_block_bytes, b);
         const __m512i bits = with_fifth ? kr_load_pair(first + fifth_at, second + fifth_at) : _mm512_setzero_si512();
         // One token: low and high quants in two accumulators, two short dependency chains instead of
         // one long; several tokens are chains enough, and their registers are needed.

@@ -17,20 +17,20 @@
 
 #define GROUP_BLOCK (KR_PACK_ROWS * sizeof(kr_block_q8_0))  // 16 bytes of scales, then 8 chunks of 32
 
+// Token t's prepared block b.
+static inline const kr_block_q8_0 *activation(const char *a, size_t a_stride, int t, int64_t b) {
+    return (const kr_block_q8_0 *)(a + t * a_stride) + b;
+}
+
 static inline __attribute__((always_inline)) void pair_tile(const int T, const char *w, size_t group_stride,
                                                              const char *a, size_t a_stride, int64_t n_blocks,
                                                              float *out, int64_t out_stride, int keep_begin,
                                                              int keep_end, const char *next) {
     const __m512i ones = _mm512_set1_epi8(1);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[8] = {0};  // T of them used
     for (int64_t b = 0; b < n_blocks; b++) {
         const char *first = w + (size_t)b * GROUP_BLOCK, *second = first + group_stride;
-        const kr_block_q8_0 *ab[8];
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_0 *)(a + t * a_stride) + b;
-        kr_prefetch_pair(next, group_stride, (size_t)b * GROUP_BLOCK, GROUP_BLOCK);
+        if (next) kr_prefetch_pair(next, group_stride, GROUP_BLOCK, b);
         __m512i weight_sums = _mm512_setzero_si512(), sums[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) sums[t] = _mm512_setzero_si512();
@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int T, const c
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
                 uint32_t a4;
-                __builtin_memcpy(&a4, ab[t]->q + 4 * i, 4);
+                __builtin_memcpy(&a4, activation(a, a_stride, t, b)->q + 4 * i, 4);
                 sums[t] = _mm512_dpbusd_epi32(sums[t], _mm512_set1_epi32((int32_t)(a4 ^ 0x80808080u)), chunk);
             }
         }
@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int T, const c
         const __m512i shift_back = _mm512_slli_epi32(weight_sums, 7);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
-            const __m512 a_scale = _mm512_set1_ps(_cvtsh_ss(ab[t]->d));
+            const __m512 a_scale = _mm512_set1_ps(_cvtsh_ss(activation(a, a_stride, t, b)->d));
             const __m512i total = _mm512_sub_epi32(sums[t], shift_back);
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(w_scale, a_scale), _mm512_cvtepi32_ps(total), acc[t]);
         }

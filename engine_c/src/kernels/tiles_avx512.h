@@ -1,6 +1,6 @@
-// tiles_avx512.h: the loads, prefetches and stores the avx512 build's 512-bit packed tiles
-// (legacy_avx512.c, q8_avx512.c) share: two packed groups of 8 rows side by side, the first in the
-// low 256 bits and the second in the high 256, so the 16 lanes are 16 rows. No arithmetic, so they decide no bits. Internal; only
+// tiles_avx512.h: loads, prefetches and stores the avx512 build's 512-bit packed tiles (legacy_avx512.c, q8_avx512.c)
+// share: two packed groups of 8 rows side by side, the first in the low 256 bits and the second in
+// the high 256, so the 16 lanes are 16 rows. No arithmetic, so they decide no bits. Internal; only
 // included where KR_HAVE_AVX512 is defined.
 #ifndef KRAFLA_KERNELS_TILES_AVX512_H
 #define KRAFLA_KERNELS_TILES_AVX512_H
@@ -19,13 +19,11 @@ static inline __m512 kr_scales_pair(const char *first, const char *second) {
                                                    _mm_loadu_si128((const __m128i *)second), 1));
 }
 
-// Block `at` (a byte offset, block_bytes long) of both groups of the pair after a tile (`next`, its
-// second group group_stride after it; NULL if none), fetched ahead while the tile runs.
-static inline __attribute__((always_inline)) void kr_prefetch_pair(const char *next, size_t group_stride, size_t at, size_t block_bytes) {
-    if (!next) return;
+// Block b of the pair of groups at `next` (the tile after this one), fetched into L1 ahead of use.
+static inline void kr_prefetch_pair(const char *next, size_t group_stride, size_t block_bytes, int64_t b) {
     for (size_t line = 0; line < block_bytes; line += 64) {
-        _mm_prefetch(next + at + line, _MM_HINT_T0);
-        _mm_prefetch(next + group_stride + at + line, _MM_HINT_T0);
+        _mm_prefetch(next + (size_t)b * block_bytes + line, _MM_HINT_T0);
+        _mm_prefetch(next + group_stride + (size_t)b * block_bytes + line, _MM_HINT_T0);
     }
 }
 
