@@ -25,9 +25,9 @@ static inline int64_t kr_token_block(size_t a_stride, int64_t n_tokens, int max_
 }
 
 // A file-layout tile: R <= 4 rows x T <= 4 tokens of n_blocks blocks (kr_row_blocks), the rows at
-// w (w_stride apart), the tokens' prepared rows at a (a_stride apart), out relative to the tile. `next`: the rows of the tile
-// that follows (NULL if none), fetched ahead block by block alongside this tile's, so a cold
-// matrix streams from memory ahead of the arithmetic.
+// w (w_stride apart), the tokens' prepared rows at a (a_stride apart), out relative to the tile.
+// `next`: the rows of the tile that follows (NULL if none), fetched ahead block by block alongside
+// this tile's, so a cold matrix streams from memory ahead of the arithmetic.
 typedef void kr_row_tile(int32_t type, int R, int T, const char *w, size_t w_stride, const char *a, size_t a_stride,
                          int64_t n_blocks, float *out, int64_t out_stride, const char *next);
 
