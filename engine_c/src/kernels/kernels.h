@@ -188,12 +188,26 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 int kr_packable(int32_t weight_type);  // q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and the k-quants
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
-// The walk every packed layout shares (q4_0/q8_0 here, legacy.h's, the k-quants'): each whole group
-// of KR_PACK_ROWS rows, block after block, pack_block puts row r's block (file form, block_bytes)
-// into the group's block (KR_PACK_ROWS * block_bytes); the rows past the last group are copied.
+// The walk every packed layout shares (q4_0/q8_0, legacy.h's, the k-quants'): each whole group of
+// KR_PACK_ROWS rows, block after block, pack_block puts row r's block (file form, block_bytes) into
+// the group's block (KR_PACK_ROWS * block_bytes); the rows past the last group are copied. Inline,
+// so each layout's pack_block is inlined into it: the AVX2 k-quant matmul packs every 8 (16) rows
+// of the file layout on the fly.
 typedef void kr_pack_block(int32_t weight_type, const char *block, int r, char *group_block);
-void kr_pack_groups(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols, size_t block_bytes,
-                    kr_pack_block *pack_block);
+static inline void kr_pack_groups(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols,
+                                  size_t block_bytes, kr_pack_block *pack_block) {
+    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_block_bytes = KR_PACK_ROWS * block_bytes;
+    const int64_t n_blocks = (int64_t)(row_bytes / block_bytes), grouped = rows - rows % KR_PACK_ROWS;
+    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
+        const char *in = (const char *)src + (size_t)first * row_bytes;
+        char *out = (char *)dst + (size_t)first * row_bytes;
+        for (int64_t b = 0; b < n_blocks; b++)
+            for (int r = 0; r < KR_PACK_ROWS; r++)
+                pack_block(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r, out + (size_t)b * group_block_bytes);
+    }
+    __builtin_memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
+                     (size_t)(rows - grouped) * row_bytes);
+}
 // kr_matmul on a packed matrix (of all `rows`), bit for bit the same results; other types: kr_matmul.
 void kr_matmul_packed(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                       int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);

@@ -463,21 +463,6 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
 // group's block: after the 8 scales, chunk j / 4, row r, byte j % 4.
 static size_t packed_quant_at(int64_t r, int j) { return 2 * KR_PACK_ROWS + (size_t)(j / 4) * 4 * KR_PACK_ROWS + 4 * (size_t)r + (size_t)(j % 4); }
 
-void kr_pack_groups(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols, size_t block_bytes,
-                    kr_pack_block *pack_block) {
-    const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_block_bytes = KR_PACK_ROWS * block_bytes;
-    const int64_t n_blocks = (int64_t)(row_bytes / block_bytes), grouped = rows - rows % KR_PACK_ROWS;
-    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
-        const char *in = (const char *)src + (size_t)first * row_bytes;
-        char *out = (char *)dst + (size_t)first * row_bytes;
-        for (int64_t b = 0; b < n_blocks; b++)
-            for (int r = 0; r < KR_PACK_ROWS; r++)
-                pack_block(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r, out + (size_t)b * group_block_bytes);
-    }
-    memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
-           (size_t)(rows - grouped) * row_bytes);
-}
-
 // Row r's q4_0 or q8_0 block into its group's block: the scale among the 8 scales, the quants in
 // chunks of 4 bytes.
 static void pack_block(int32_t weight_type, const char *block, int r, char *group_block) {
