@@ -57,13 +57,12 @@ kr_f16 kr_f32_to_f16(float f);
 float kr_f16_to_f32_ref(kr_f16 h);
 kr_f16 kr_f32_to_f16_ref(float f);
 float kr_bf16_to_f32(uint16_t h);
-// Whole rows (KV cache f16 writes and reads).
-void kr_f16_to_f32_row(const kr_f16 *x, float *y, int64_t n);
-void kr_f32_to_f16_row(const float *x, kr_f16 *y, int64_t n);
-void kr_f16_to_f32_row_ref(const kr_f16 *x, float *y, int64_t n);
-void kr_f32_to_f16_row_ref(const float *x, kr_f16 *y, int64_t n);
-void kr_f16_to_f32_row_avx2(const kr_f16 *x, float *y, int64_t n);
-void kr_f32_to_f16_row_avx2(const float *x, kr_f16 *y, int64_t n);
+// Whole rows (KV cache f16 writes and reads). A row kernel's signature is a type, declared once for
+// its dispatch name, its reference and its AVX2 version.
+typedef void kr_f16_to_f32_row_kernel(const kr_f16 *x, float *y, int64_t n);
+typedef void kr_f32_to_f16_row_kernel(const float *x, kr_f16 *y, int64_t n);
+kr_f16_to_f32_row_kernel kr_f16_to_f32_row, kr_f16_to_f32_row_ref, kr_f16_to_f32_row_avx2;
+kr_f32_to_f16_row_kernel kr_f32_to_f16_row, kr_f32_to_f16_row_ref, kr_f32_to_f16_row_avx2;
 
 // The weight types kr_matmul and kr_dequantize_row handle (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
 // q5_1 and the k-quants; quant_ref.c's table): check a tensor's type with this where it enters;
@@ -77,13 +76,11 @@ size_t kr_weight_row_bytes(int32_t type, int64_t cols);
 
 // Quantize n floats (n a multiple of 32) to q8_0 exactly as ggml's quantize_row_q8_0_ref:
 // d = amax/127, q = round(x/d).
-void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n);
-void kr_quantize_row_q8_0_avx2(const float *x, kr_block_q8_0 *y, int64_t n);
-void kr_quantize_row_q8_0(const float *x, kr_block_q8_0 *y, int64_t n);
+typedef void kr_quantize_q8_0_kernel(const float *x, kr_block_q8_0 *y, int64_t n);
+kr_quantize_q8_0_kernel kr_quantize_row_q8_0, kr_quantize_row_q8_0_ref, kr_quantize_row_q8_0_avx2;
 // The same values as kr_block_q8_sum blocks (prepared activations for q4_0 weights).
-void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n);
-void kr_quantize_row_q8_sum_avx2(const float *x, kr_block_q8_sum *y, int64_t n);
-void kr_quantize_row_q8_sum(const float *x, kr_block_q8_sum *y, int64_t n);
+typedef void kr_quantize_q8_sum_kernel(const float *x, kr_block_q8_sum *y, int64_t n);
+kr_quantize_q8_sum_kernel kr_quantize_row_q8_sum, kr_quantize_row_q8_sum_ref, kr_quantize_row_q8_sum_avx2;
 
 // One row of any weight type to floats (embedding lookup, tests).
 void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
@@ -98,10 +95,11 @@ void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, v
                             int64_t token_begin, int64_t token_end);
 // The same with chosen quantizers (tests run the reference and the AVX2 ones separately).
 struct kr_block_q8_K;
+typedef void kr_quantize_q8_K_kernel(const float *x, struct kr_block_q8_K *y, int64_t n);
 typedef struct {
-    void (*q8_0)(const float *, kr_block_q8_0 *, int64_t);
-    void (*q8_sum)(const float *, kr_block_q8_sum *, int64_t);
-    void (*q8_K)(const float *, struct kr_block_q8_K *, int64_t);  // k-quant weights (kr_block_q8_K below)
+    kr_quantize_q8_0_kernel *q8_0;
+    kr_quantize_q8_sum_kernel *q8_sum;
+    kr_quantize_q8_K_kernel *q8_K;  // k-quant weights (kr_block_q8_K below)
 } kr_quantizers;
 void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                                  int64_t token_begin, int64_t token_end, const kr_quantizers *quantize);
@@ -273,9 +271,7 @@ static_assert(sizeof(kr_block_q8_K) == 292, "q8_K block size");
 
 int kr_is_kquant(int32_t weight_type);  // q4_K, q5_K, q6_K
 size_t kr_kquant_block_bytes(int32_t weight_type);
-void kr_quantize_row_q8_K_ref(const float *x, kr_block_q8_K *y, int64_t n);
-void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n);
-void kr_quantize_row_q8_K(const float *x, kr_block_q8_K *y, int64_t n);
+kr_quantize_q8_K_kernel kr_quantize_row_q8_K, kr_quantize_row_q8_K_ref, kr_quantize_row_q8_K_avx2;  // kr_quantizers' type
 void kr_dequantize_row_kquant(int32_t weight_type, const void *row, float *out, int64_t n);
 // One row's dot product against a prepared q8_K row, in the order above.
 float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_K *a, int64_t cols);
