@@ -155,8 +155,8 @@ class Client:
 class Served:
     """The real Backend over the tiny model with `parallel` slots, behind APIHarness.
 
-    `begun` records every completion the engine was asked for; `ended_at[step]` the generations
-    that ended in each forward step."""
+    `begun` records every completion the engine was asked for; `on_step(ended)` runs after each
+    forward step, then every connection the server closed is settled."""
 
     def __init__(self, parts, parallel):
         self.parts = parts
@@ -173,7 +173,6 @@ class Served:
         self.harness = APIHarness(self.backend)
         self.scheduler = self.backend.scheduler
         self.clients = []
-        self.ended_at = {}
         self.on_step = lambda ended: None
         self.harness.after_step = self._after_step
 
@@ -202,7 +201,6 @@ class Served:
             client.settle()
 
     def _after_step(self, ended):
-        self.ended_at[self.harness.steps] = list(ended)
         self.on_step(ended)
         self.settle()
 
