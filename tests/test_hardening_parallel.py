@@ -401,6 +401,34 @@ class StalledStreamTests:
         assert_alone(parts, [everyone[i] for i in others], [clients[i] for i in others])
         served.assert_serving()
 
+    def test_resumed_in_time_is_whole(self, parts, requests, served):
+        """Paused after two pieces while the batch runs on, and reading again 10 s before the write
+        deadline: not cut off; the events held meanwhile arrive in order, so that stream, like every
+        other, is its alone bytes."""
+        clients = [served.post(*request) for request in requests.batch]
+        victim = clients[self.VICTIM]
+        paused = {}
+
+        def pause_then_resume(ended):
+            served.clock.advance(self.SECONDS_PER_STEP)
+            if not paused and len(victim.events()) >= 2:
+                paused["at"] = served.clock.seconds()
+                paused["received"] = len(victim.events())
+                victim.connection.protocol.pauseProducing()
+            elif paused and "resumed" not in paused and \
+                    served.clock.seconds() == paused["at"] + WRITE_DEADLINE_SECONDS - self.SECONDS_PER_STEP:
+                paused["held"] = len(victim.events()) == paused["received"]
+                paused["resumed"] = not served.generation(self.VICTIM).done
+                victim.connection.protocol.resumeProducing()
+
+        served.on_step = pause_then_resume
+        served.run()
+        assert paused["held"], "events were written to a paused client"
+        assert paused["resumed"], "the victim's reply ended before its client read again"
+        assert not victim.aborted
+        assert_alone(parts, requests.batch, clients)
+        served.assert_serving()
+
 
 class MaxQueueTests:
     """--max-queue with every slot busy: the slots plus max_queue requests are taken, the next is 503
