@@ -95,9 +95,11 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                   int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 
-// ISA=avx512: one token over two packed groups (16 rows) in the lanes of one 512-bit vector; stores
-// the rows of [keep_begin, keep_end) of the 16. `next`: the tile after this one, fetched ahead.
-void kr_legacy_pair_tile_avx512(int32_t type, const char *w, size_t group_stride, const kr_block_q8_sum *a,
-                                int64_t n_blocks, float *out, int keep_begin, int keep_end, const char *next);
+// ISA=avx512: T <= 4 tokens over two packed groups (16 rows) in the lanes of one 512-bit vector,
+// with kr_packed_tile_avx2's arguments (tiles_avx2.h); stores the rows of [keep_begin, keep_end)
+// of the 16. `next`: the tile after this one, fetched ahead.
+void kr_legacy_pair_tile_avx512(int32_t type, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
+                                int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                                const char *next);
 
 #endif

@@ -264,16 +264,16 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 }
 
 // Tile shape, groups x tokens, for several tokens (the build can override them to measure others;
-// the bits are the same whatever the tile): q4_0 and q4_1, 2 x 2 in AVX2 and 2 x 4 in the avx512
-// build; the 5-bit types 1 x 4 in AVX2 (their sums take twice the int16 registers, and unpacking
-// the fifth bits is shared by more tokens: 1.3x 2 x 2 at 512 tokens) and 2 x 4 with VNNI. One
-// token: 2 x 1.
+// the bits are the same whatever the tile): q4_0 and q4_1, 2 x 2 in AVX2; the 5-bit types 1 x 4 in
+// AVX2 (their sums take twice the int16 registers, and unpacking the fifth bits is shared by more
+// tokens: 1.3x 2 x 2 at 512 tokens); every type 2 x 8 in the avx512 build (legacy_avx512.c's
+// 512-bit tiles; a lone group, 1 x 4 at a time). One token: 2 x 1.
 #ifndef KR_LEGACY_Q4_GROUPS
 #define KR_LEGACY_Q4_GROUPS 2
 #endif
 #ifndef KR_LEGACY_Q4_TOKENS
 #if defined(KR_HAVE_AVX512)
-#define KR_LEGACY_Q4_TOKENS 4
+#define KR_LEGACY_Q4_TOKENS 8
 #else
 #define KR_LEGACY_Q4_TOKENS 2
 #endif
@@ -286,14 +286,30 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #endif
 #endif
 #ifndef KR_LEGACY_Q5_TOKENS
+#if defined(KR_HAVE_AVX512)
+#define KR_LEGACY_Q5_TOKENS 8
+#else
 #define KR_LEGACY_Q5_TOKENS 4
+#endif
+#endif
+
+// The avx512 build takes every tile of two groups from legacy_avx512.c (0 measures the 256-bit ones).
+#ifndef KR_LEGACY_PAIR_TILE
+#define KR_LEGACY_PAIR_TILE 1
 #endif
 
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                         int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
 #if defined(KR_HAVE_AVX512)
-    if (G == 2 && T == 1) {
-        kr_legacy_pair_tile_avx512(type, w, group_stride, (const kr_block_q8_sum *)a, n_blocks, out, keep_begin, keep_end, next);
+    if (G == 2 && KR_LEGACY_PAIR_TILE) {
+        kr_legacy_pair_tile_avx512(type, T, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end,
+                                   next);
+        return;
+    }
+    if (T > 4) {  // the 256-bit tiles below take at most 4 tokens
+        packed_tile(type, G, 4, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next);
+        packed_tile(type, G, T - 4, w, group_stride, a + 4 * a_stride, a_stride, n_blocks, out + 4 * out_stride, out_stride,
+                    keep_begin, keep_end, NULL);
         return;
     }
 #endif
