@@ -195,6 +195,11 @@ void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int6
                           int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
+// ISA=avx512 (q8_avx512.c): q8_0, T <= 8 tokens over two packed groups (16 rows) in 512-bit lanes,
+// with kr_packed_tile_avx2's arguments (tiles_avx2.h); kr_matmul_packed_avx2 hands it those tiles.
+void kr_q8_0_pair_tile_avx512(int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
+                              int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end,
+                              const char *next);
 // KV cache q8_0 (model/layers.c): kr_axpy_rows also takes KR_Q8_0 rows (n a multiple of 32):
 //   y[e] = fmaf(weights[i] * d, (float)q[e], y[e]) for each row i in order, d the f16 scale of
 //   e's block. Heads up to KR_KV_Q8_MAX_HEAD_DIM values.

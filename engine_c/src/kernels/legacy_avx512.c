@@ -11,19 +11,7 @@
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX512)
-#include <immintrin.h>
-
-// Two 256-bit loads, `first` in the low half and `second` in the high half.
-static inline __m512i load_pair(const char *first, const char *second) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
-                              _mm256_loadu_si256((const __m256i *)second), 1);
-}
-
-// Two groups' 8 f16 values (16 bytes each) as 16 floats.
-static inline __m512 scales_pair(const char *first, const char *second) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)),
-                                                   _mm_loadu_si128((const __m128i *)second), 1));
-}
+#include "kernels/tiles_avx512.h"
 
 // T tokens (1 to 8) over the pair: each chunk of quants is unpacked once and serves every token.
 static inline __attribute__((always_inline)) void pair_tile(const int32_t type, const int T, const char *w,
@@ -34,20 +22,14 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
     const int with_min = kr_legacy_has_min(type), with_fifth = kr_legacy_has_fifth(type);
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[8] = {0};  // T of them used
     for (int64_t b = 0; b < n_blocks; b++) {
         const char *first = w + (size_t)b * group_block_bytes, *second = first + group_stride;
         const kr_block_q8_sum *ab[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-        if (next)
-            for (size_t line = 0; line < group_block_bytes; line += 64) {
-                _mm_prefetch(next + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
-                _mm_prefetch(next + group_stride + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
-            }
-        const __m512i bits = with_fifth ? load_pair(first + fifth_at, second + fifth_at) : _mm512_setzero_si512();
+        if (next) kr_prefetch_pair(next, group_stride, group_block_bytes, b);
+        const __m512i bits = with_fifth ? kr_load_pair(first + fifth_at, second + fifth_at) : _mm512_setzero_si512();
         // One token: low and high quants in two accumulators, two short dependency chains instead of
         // one long; several tokens are chains enough, and their registers are needed.
         const int chains = T == 1 ? 2 : 1;
@@ -56,7 +38,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
         for (int t = 0; t < T; t++) sums[t][0] = sums[t][chains - 1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            const __m512i chunk = load_pair(first + nibbles_at + 32 * i, second + nibbles_at + 32 * i);
+            const __m512i chunk = kr_load_pair(first + nibbles_at + 32 * i, second + nibbles_at + 32 * i);
             __m512i low, high;
             if (with_fifth) {
                 // bit i of each byte of `bits` is the fifth bit of the low quants, bit 4 + i of the high
@@ -78,8 +60,8 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
                 sums[t][chains - 1] = _mm512_dpbusd_epi32(sums[t][chains - 1], high, _mm512_set1_epi32(a_high));
             }
         }
-        const __m512 w_scale = scales_pair(first, second);
-        const __m512 w_min = with_min ? scales_pair(first + KR_LEGACY_PACKED_MINS, second + KR_LEGACY_PACKED_MINS) : w_scale;
+        const __m512 w_scale = kr_scales_pair(first, second);
+        const __m512 w_min = with_min ? kr_scales_pair(first + KR_LEGACY_PACKED_MINS, second + KR_LEGACY_PACKED_MINS) : w_scale;
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
             __m512i total = chains == 2 ? _mm512_add_epi32(sums[t][0], sums[t][1]) : sums[t][0];
@@ -90,16 +72,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
         }
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < T; t++) {
-        float *row = out + t * out_stride;
-        if (keep_begin == 0 && keep_end == 2 * KR_PACK_ROWS) {
-            _mm512_storeu_ps(row, acc[t]);
-        } else {
-            float lanes[2 * KR_PACK_ROWS];
-            _mm512_storeu_ps(lanes, acc[t]);
-            for (int r = keep_begin; r < keep_end; r++) row[r] = lanes[r];
-        }
-    }
+    for (int t = 0; t < T; t++) kr_store_pair(out + t * out_stride, acc[t], keep_begin, keep_end);
 }
 
 // One instance per (type, token count): the loops need both as constants.
