@@ -6,6 +6,10 @@ stops reading, refused bodies read through only up to a bound, request framing t
 second request (duplicate or conflicting Content-Length, Content-Length with Transfer-Encoding),
 pipelining, the API key on every path form that routes, HEAD and OPTIONS on every route, CORS,
 --max-queue, SIGTERM's shutdown of replies in flight, and engine errors.
+
+The backend here is scripted (tests/support/fake_backend.py) and answers each request at once.
+tests/test_hardening_parallel.py runs the deadlines, --max-queue and the shutdown again over the
+real backend, whose Scheduler batches eight streamed replies (--parallel 1 and 8).
 """
 
 import json

@@ -5,7 +5,9 @@ each class the server must still answer a health check and a real completion. Th
 SIGTERM tests run with --parallel 1 and with --parallel 8. Faults that need a
 process of their own each start one: SIGTERM during a stream (daemonized, over a garbage pidfile),
 a stale pidfile, a log on a full disk. What needs a clock or exact interleavings is pinned in
-memory in test_hardening_http.py and test_fuzz_http.py.
+memory in test_hardening_http.py and test_fuzz_http.py, and, while the real scheduler batches eight
+replies with --parallel 1 and 8, in test_hardening_parallel.py (slowloris among them: its deadlines
+are a minute of real time here).
 """
 
 import json

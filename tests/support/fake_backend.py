@@ -1,7 +1,8 @@
 """Test doubles for the HTTP layer's in-memory tests: a scripted backend and a synchronous one-thread pool.
 
-Never imported by product code. The real backend (krafla_twisted.api.backend) is tested against the
-real model in tests/test_server_*.py.
+Never imported by product code. APIHarness also takes the real backend (krafla_twisted.api.backend)
+over a tiny model, whose Scheduler it then watches step by step (tests/test_hardening_parallel.py);
+the real backend over the real model is tested in tests/test_server_*.py.
 """
 
 import json
@@ -144,18 +145,56 @@ class APIHarness:
 
     StubTreq builds a plain Site; we put the server's APISite in its place so the in-memory requests
     meet the same Request class (body limits, Connection: close, log line) as real ones.
+
+    Over a backend with a `scheduler` (the real krafla_twisted.api.backend.Backend), the worker runs
+    its forward steps (krafla_twisted/api/worker.py), and the harness watches them: `generations`
+    lists what joined the scheduler in arrival order, `steps` counts the steps, and
+    `after_step(ended)` runs after each one with the generations that ended in it (the analogue of
+    FakeBackend.after_piece: advance the clock, trickle a byte, pause a client). What the hook
+    raises is kept in `hook_errors` (the worker would turn it into a failed step); a scheduler that
+    is still busy after `max_steps` steps fails its step, so a reply that never ends fails the test
+    instead of hanging it.
     """
 
-    def __init__(self, backend=None, *, api_key=None, cors_origins=(), allowed_hosts=(), metrics=None):
+    def __init__(self, backend=None, *, api_key=None, cors_origins=(), allowed_hosts=(), metrics=None,
+                 max_steps=5000):
         self.backend = backend if backend is not None else FakeBackend()
         self.reactor = ThreadlessReactor()
         self.pool = SynchronousPool()
+        self.generations = []
+        self.steps = 0
+        self.max_steps = max_steps
+        self.after_step = lambda ended: None
+        self.hook_errors = []
+        scheduler = getattr(self.backend, "scheduler", None)
+        if scheduler is not None:
+            self._watch(scheduler)
         self.worker = EngineWorker(self.reactor, self.backend, self.pool)
         self.api = API(self.backend, self.worker, Access(api_key, cors_origins, allowed_hosts), self.reactor)
         self.root = build_root(self.api, metrics)
         self.stub = StubTreq(self.root)
         agent = self.stub._agent
         agent._serverFactory = APISite(self.root, reactor=agent._memoryReactor, metrics=metrics)
+
+    def _watch(self, scheduler):
+        step, add = scheduler.step, scheduler.add
+
+        def watched_add(generation):
+            self.generations.append(generation)
+            add(generation)
+
+        def watched_step():
+            if self.steps >= self.max_steps:
+                raise RuntimeError(f"the scheduler is still busy after {self.steps} steps")
+            self.steps += 1
+            ended = step()
+            try:
+                self.after_step(ended)
+            except Exception as e:  # the test's own bug or assertion: reported by run_all's caller
+                self.hook_errors.append(e)
+            return ended
+
+        scheduler.add, scheduler.step = watched_add, watched_step
 
     def send(self, method, path, body=None, headers=None, run=True):
         """Start a request; returns its Deferred (the response), with the worker run unless run=False."""
