@@ -65,6 +65,8 @@ struct kr_model {
     kr_matrix token_embd;             // (n_vocab, dim)
     kr_matrix output;                 // (n_vocab, dim), token_embd when tied
     const float *output_norm;         // (dim,)
+    float **vectors;                  // kr_bind_f32's copies of the f32 tensors (norms, biases), owned
+    int32_t n_vectors, vectors_cap;
     float *inv_freq_full;             // (rope_dims / 2,) RoPE frequencies / rope_scale
     float *inv_freq_local;            // (rope_dims / 2,) for sliding-window layers
     void *layers;                     // the architecture's layers (its arch_*.c), freed by arch->close
