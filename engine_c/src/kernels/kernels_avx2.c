@@ -361,10 +361,9 @@ static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t
         kr_q8_0_pair_tile_avx512(T, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next);
         return;
     }
-    if (T > 4) {  // the 256-bit tiles take at most 4 tokens
-        packed_tile(weight_type, G, 4, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end, next);
-        packed_tile(weight_type, G, T - 4, w, group_stride, a + 4 * a_stride, a_stride, n_blocks, out + 4 * out_stride,
-                    out_stride, keep_begin, keep_end, NULL);
+    if (T > 4) {
+        kr_group_tile_by_fours(packed_tile, weight_type, G, T, w, group_stride, a, a_stride, n_blocks, out, out_stride,
+                               keep_begin, keep_end, next);
         return;
     }
 #endif
