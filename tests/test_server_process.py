@@ -121,6 +121,10 @@ class StartupTests:
             # SmolLM2-135M: 30 layers x 512 positions x keys and values x 3 KV heads x 64 x 4 bytes = 22.5 MiB a slot
             assert banner.endswith(", kv f32, parallel 4 (KV cache 4 x 22.5 MiB)"), banner
             assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
+            # Plain HTTP on --host/--port: pyOpenSSL stays out (tap.without_tls), with its cryptography
+            # bindings (about 12 MiB resident); test_listen serves TLS when --listen asks for it.
+            with open(f"/proc/{server.process.pid}/maps") as f:
+                assert "cryptography/hazmat/bindings" not in f.read()
         finally:
             server.stop()
 
