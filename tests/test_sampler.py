@@ -54,6 +54,28 @@ class GreedyTests:
         logits = np.array([0.5, 2.0, 1.0, 2.0, 2.0], dtype=np.float32)
         assert draws(Params(), logits, 3) == [1, 1, 1]
 
+    def test_long_rows_with_ties_zeros_and_minus_inf(self):
+        """Rows of every length up to 300 and a vocabulary's worth, drawn from a few values so that
+        maxima repeat in every lane and in the tail, with -0 beside +0 and -inf among them: the
+        pick is np.argmax's, in the vectorised scan (kr_argmax_f32) as in the reference."""
+        rng = np.random.default_rng(7)
+        palette = np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, 3.0], dtype=np.float32)
+        rows = [palette[rng.integers(0, len(palette), n)] for n in list(range(1, 301)) * 3 + [49152, 151936]]
+        for row in rows:
+            if np.all(row == -np.inf):
+                row[-1] = -0.0
+            with Sampler(Params(), len(row)) as sampler:
+                assert sampler.sample(row) == int(np.argmax(row)), row
+
+    def test_bad_values_anywhere_in_a_long_row(self):
+        """NaN or +inf in the vector body or the tail of a 37-logit row is named, never picked."""
+        for position in (0, 7, 8, 31, 32, 36):
+            for bad, word in ((np.nan, "NaN"), (np.inf, r"\+inf")):
+                row = np.zeros(37, dtype=np.float32)
+                row[position] = bad
+                with Sampler(Params(), 37) as sampler, pytest.raises(clib.KraflaError, match=f"token {position} is {word}"):
+                    sampler.sample(row)
+
     @given(logits=logit_rows, seed=st.integers(0, 2**64 - 1))
     @example(logits=np.array([1e-45, 0.0, 0.0], dtype=np.float32), seed=0)
     def test_vanishing_temperature_and_top_p(self, logits, seed):

@@ -49,6 +49,7 @@ void kr_axpy_f32(float a, const float *x, float *y, int64_t n) { KR_KERNEL(kr_ax
 void kr_axpy_f16_f32(float a, const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_axpy_f16_f32)(a, x, y, n); }
 void kr_exp_f32(const float *x, float *y, int64_t n) { KR_KERNEL(kr_exp_f32)(x, y, n); }
 float kr_exp_shift_sum_f32(float *x, int64_t n, float shift) { return KR_KERNEL(kr_exp_shift_sum_f32)(x, n, shift); }
+int64_t kr_argmax_f32(const float *x, int64_t n) { return KR_KERNEL(kr_argmax_f32)(x, n); }
 void kr_silu_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_silu_mul_f32)(gate, up, n); }
 void kr_gelu_tanh_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_gelu_tanh_mul_f32)(gate, up, n); }
 void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {

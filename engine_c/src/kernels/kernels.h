@@ -164,6 +164,13 @@ float kr_exp_shift_sum_f32_avx2(float *x, int64_t n, float shift);
 void kr_silu_mul_f32_avx2(float *gate, const float *up, int64_t n);
 void kr_gelu_tanh_mul_f32_avx2(float *gate, const float *up, int64_t n);
 
+// The sampler's scan of a row of logits, one pass: the lowest id among the greatest values
+// (compared with >, so -0 and +0 are equal), or -1 when a value is NaN or +inf, or every value is
+// -inf (the caller then looks for which). Every build picks the same id.
+int64_t kr_argmax_f32(const float *x, int64_t n);
+int64_t kr_argmax_f32_ref(const float *x, int64_t n);
+int64_t kr_argmax_f32_avx2(const float *x, int64_t n);
+
 // The pieces of the fixed reduction order (quant_ref.c explains it): the horizontal sum of 8
 // lanes (float kernels), and the exact integer sum of one quantized block pair (32 products).
 float kr_lanes_sum(const float lanes[8]);

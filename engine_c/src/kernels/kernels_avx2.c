@@ -548,6 +548,39 @@ float kr_exp_shift_sum_f32_avx2(float *x, int64_t n, float shift) {
     return sum;
 }
 
+// Two passes over a row that stays in cache: the greatest value (and whether any is NaN or +inf:
+// not less than +inf), then the first id holding it. The maximum is a value of the row, so the
+// search finds it; -0 and +0 compare equal, as in the reference.
+int64_t kr_argmax_f32_avx2(const float *x, int64_t n) {
+    if (n <= 0) return -1;
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 best = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, inf, _CMP_NLT_UQ));
+        best = _mm256_max_ps(best, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, best);
+    float top = lanes[0];
+    for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    int any_bad = _mm256_movemask_ps(bad) != 0;
+    for (int64_t k = i; k < n; k++) {
+        any_bad |= !(x[k] < INFINITY);
+        top = x[k] > top ? x[k] : top;
+    }
+    if (any_bad || top == -INFINITY) return -1;
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), top8, _CMP_EQ_OQ));
+        if (hits) return i + __builtin_ctz((unsigned)hits);
+    }
+    for (; i < n; i++)
+        if (x[i] == top) return i;
+    return -1;  // not reached: top is one of the values
+}
+
 void kr_silu_mul_f32_avx2(float *gate, const float *up, int64_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     int64_t i = 0;

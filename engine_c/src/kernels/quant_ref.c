@@ -395,6 +395,30 @@ void kr_exp_f32_ref(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = kr_exp_one_ref(x[i]);
 }
 
+// Eight running maxima, lane j over the ids i with i % 8 == j (strict comparison: a lane keeps its
+// lowest id among equals), then the lanes' best, ties to the lower id; the checks need no branch.
+int64_t kr_argmax_f32_ref(const float *x, int64_t n) {
+    if (n <= 0) return -1;
+    float best[8];
+    int64_t at[8];
+    for (int j = 0; j < 8; j++) best[j] = x[0], at[j] = 0;
+    bool bad = false;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) {
+            bad |= !(x[i + j] < INFINITY);  // NaN or +inf
+            if (x[i + j] > best[j]) best[j] = x[i + j], at[j] = i + j;
+        }
+    for (; i < n; i++) {
+        bad |= !(x[i] < INFINITY);
+        if (x[i] > best[i & 7]) best[i & 7] = x[i], at[i & 7] = i;
+    }
+    int64_t r = at[0];
+    for (int j = 1; j < 8; j++)
+        if (best[j] > x[r] || (best[j] == x[r] && at[j] < r)) r = at[j];
+    return bad || x[r] == -INFINITY ? -1 : r;
+}
+
 float kr_exp_shift_sum_f32_ref(float *x, int64_t n, float shift) {
     float lanes[8] = {0};
     const int64_t n8 = n - n % 8;

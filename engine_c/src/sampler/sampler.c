@@ -11,6 +11,7 @@
 // Everything here is sequential and single-threaded, so the chosen token depends only on the
 // logits, the history, the parameters and how many draws came before: never on thread count or
 // batch size. Exactly one random number is drawn per non-greedy call.
+#include "kernels/kernels.h"
 #include "runtime/internal.h"
 
 #include <float.h>
@@ -143,25 +144,6 @@ static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t 
     for (int32_t i = start; i < n_history; i++) s->seen[history[i]] = 0;
 }
 
-// The highest value's lowest id. Eight running maxima, lane j over the ids i with i % 8 == j (strict
-// comparison: a lane keeps its lowest id among equals), then the lanes' best, ties to the lower id:
-// one comparison chain through memory per element made a scan of 150k logits take a millisecond.
-static int32_t argmax(const float *x, int32_t n) {
-    float best[8];
-    int32_t at[8];
-    for (int j = 0; j < 8; j++) best[j] = x[0], at[j] = 0;
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++)
-            if (x[i + j] > best[j]) best[j] = x[i + j], at[j] = i + j;
-    for (; i < n; i++)
-        if (x[i] > best[i & 7]) best[i & 7] = x[i], at[i & 7] = i;
-    int32_t r = at[0];
-    for (int j = 1; j < 8; j++)
-        if (best[j] > x[r] || (best[j] == x[r] && at[j] < r)) r = at[j];
-    return r;
-}
-
 // The order tokens are ranked in: higher weight first, ties to the lower id (a total order).
 static inline bool better(kr_candidate a, kr_candidate b) {
     return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
@@ -276,31 +258,37 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
             return kr_fail(err, KR_ERR_ARGUMENT, "history token %d at position %d is outside the vocabulary (0..%d)",
                            history[i], i, s->n_vocab - 1);
     const int32_t n = s->n_vocab;
-    // One branch-free pass; the offending token is looked for only when there is one.
-    bool any_bad = false, any_finite = false;
-    for (int32_t i = 0; i < n; i++) {
-        float x = logits[i];
-        any_bad |= (x != x) | (x == INFINITY);
-        any_finite |= x != -INFINITY;
+    // One pass checks the row and finds its best token (kernels: a scan of 150k logits one
+    // comparison chain at a time took a millisecond); the offending value is named only on failure.
+    int64_t best = kr_argmax_f32(logits, n);
+    if (best < 0) {
+        for (int32_t i = 0; i < n; i++)
+            if (isnan(logits[i]) || logits[i] == INFINITY)
+                return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
+        return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: no token can be chosen");
     }
-    for (int32_t i = 0; any_bad && i < n; i++)
-        if (isnan(logits[i]) || logits[i] == INFINITY)
-            return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
-    if (!any_finite) return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: no token can be chosen");
-
-    memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
-    apply_repeat_penalty(s, history, n_history);
 
     const kr_sampler_params *p = &s->params;
-    if (p->temperature == 0.0f || p->top_k == 1 || p->top_p == 0.0f) {
-        *token_out = argmax(s->logits, n);
+    const bool greedy = p->temperature == 0.0f || p->top_k == 1 || p->top_p == 0.0f;
+    const bool penalised = p->repeat_penalty != 1.0f && p->repeat_last_n != 0 && n_history > 0;
+    if (greedy && !penalised) {
+        *token_out = (int32_t)best;
+        kr_ok(err);
+        return KR_OK;
+    }
+    memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
+    apply_repeat_penalty(s, history, n_history);
+    // The penalty saturates: the row stays valid, with a finite value, so the scan finds a token.
+    if (penalised) best = kr_argmax_f32(s->logits, n);
+    if (greedy) {
+        *token_out = (int32_t)best;
         kr_ok(err);
         return KR_OK;
     }
 
     // Weights relative to the best token (which gets exactly 1), summed in id order.
     const double inverse_temperature = 1.0 / (double)p->temperature;
-    const float max_logit = s->logits[argmax(s->logits, n)];
+    const float max_logit = s->logits[best];
     double total = 0.0;
     for (int32_t i = 0; i < n; i++) {
         double w = s->logits[i] == -INFINITY ? 0.0 : exp(((double)s->logits[i] - (double)max_logit) * inverse_temperature);
