@@ -107,9 +107,10 @@ ENGINE_OPTIONS = (
     Option("ctx", "ctx", None, None,
            f"Context length in tokens (default: the model's max_seq, at most {header.KR_DEFAULT_MAX_CTX}).", int, "N", low=1),
     Option("kv", "kv", None, "f32", f"KV cache type: {', '.join(KV_TYPES)}.", choices=KV_TYPES, metavar="TYPE"),
-    # 128: the server reads waiting prompts 128 tokens a step beside the running replies, which
-    # halved the 8-client p95 time to first token against 32 (docs/performance.md, "Concurrency").
-    Option("batch", "batch", None, 128, "Prompt tokens per forward step.", int, "N", low=1, high=65536),
+    # 64: the server reads waiting prompts up to 64 tokens a step beside the running replies; against
+    # 32 that cut the 8-client p95 time to first token (SmolLM2 925 -> 506 ms), and a running
+    # stream's longest pause is half what 128 gives (docs/server.md, "Slots and batching").
+    Option("batch", "batch", None, 64, "Prompt tokens per forward step.", int, "N", low=1, high=65536),
     Option("no_pack", "no-pack", None, False, "Run on the file's weight layout (no repacking).", flag=True),
     Option("pack_cache", "pack-cache", None, False,
            "Keep repacked weights in a file beside the model so the next start is fast.", flag=True),

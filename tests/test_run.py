@@ -45,7 +45,7 @@ class OptionTableTests:
         twistd.parseOptions([])
         assert from_run == options.values(twistd)
         assert from_run == {"tokenizer": None, "chat": None, "system": None, "threads": None, "ctx": None,
-                            "kv": "f32", "batch": 128, "no_pack": False, "pack_cache": False, "eos": None,
+                            "kv": "f32", "batch": 64, "no_pack": False, "pack_cache": False, "eos": None,
                             "temperature": 0.0, "top_p": 0.9, "top_k": 0, "repeat_penalty": 1.0,
                             "repeat_last_n": 64, "seed": None, "max_tokens": 0}
 
