@@ -43,7 +43,7 @@ def running_stream(port, times, streaming):
 
 
 def long_prompt(port):
-    """(seconds the send took until the first content event, the send's start)."""
+    """(when the request was sent, when its first content event came), perf_counter seconds."""
     start = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.request("POST", "/v1/chat/completions", chat_body(LONG, 4), {"Content-Type": "application/json"})

@@ -61,7 +61,6 @@ static inline void kr_matmul_row_tiles(int32_t type, const void *w, int64_t cols
 // may start or end inside a group). `next`: the group after the tile, prefetched (NULL if none).
 typedef void kr_group_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
                            int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next);
-// The file layout's matmul of the same type, for the rows past the last whole group of 8.
 // A tile of T > 4 tokens as tiles of 4 and the rest, for the 256-bit group tiles, which take at most
 // 4 (the avx512 build's group loop asks for 8, which its 512-bit pair tiles take whole).
 static inline void kr_group_tile_by_fours(kr_group_tile *tile, int32_t type, int G, int T, const char *w,
@@ -73,6 +72,7 @@ static inline void kr_group_tile_by_fours(kr_group_tile *tile, int32_t type, int
              out + t0 * out_stride, out_stride, keep_begin, keep_end, t0 ? NULL : next);
 }
 
+// The file layout's matmul of the same type, for the rows past the last whole group of 8.
 typedef void kr_file_rows(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                           int64_t out_stride, int64_t row_begin, int64_t row_end);
 

@@ -28,7 +28,7 @@ struct kr_sampler {
     kr_sampler_params params;
     int32_t n_vocab;
     uint64_t rng[4];      // xoshiro256** state, never all zero
-    float *logits;        // (n_vocab,) penalised copy of the caller's logits
+    float *logits;        // (n_vocab,) penalised copy of the caller's logits, when a penalty applies
     double *weights;      // (n_vocab,) exp((logit - max) / temperature)
     kr_candidate *candidates;  // (n_vocab,) tokens under consideration (kept ones first)
     uint8_t *seen;        // (n_vocab,) marks ids already penalised in this call
@@ -125,11 +125,15 @@ void kr_sampler_free(kr_sampler *sampler) {
 // ---------------------------------------------------------------------------------------------
 // Sampling
 
-// Penalise each distinct id among the last `window` history tokens once.
+// Whether the repeat penalty changes anything for this history.
+static bool penalises(const kr_sampler_params *p, int32_t n_history) {
+    return p->repeat_penalty != 1.0f && p->repeat_last_n != 0 && n_history > 0;
+}
+
+// Penalise each distinct id among the last `window` history tokens once (when penalises()).
 static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t n_history) {
     float penalty = s->params.repeat_penalty;
     int32_t window = s->params.repeat_last_n;
-    if (penalty == 1.0f || window == 0 || n_history == 0) return;
     int32_t start = (window < 0 || window >= n_history) ? 0 : n_history - window;
     for (int32_t i = start; i < n_history; i++) {
         int32_t id = history[i];
@@ -268,19 +272,16 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
         return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: no token can be chosen");
     }
 
+    // The penalty works on a copy; it saturates, so the row stays valid and the scan finds a token.
     const kr_sampler_params *p = &s->params;
-    const bool greedy = p->temperature == 0.0f || p->top_k == 1 || p->top_p == 0.0f;
-    const bool penalised = p->repeat_penalty != 1.0f && p->repeat_last_n != 0 && n_history > 0;
-    if (greedy && !penalised) {
-        *token_out = (int32_t)best;
-        kr_ok(err);
-        return KR_OK;
+    const float *row = logits;
+    if (penalises(p, n_history)) {
+        memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
+        apply_repeat_penalty(s, history, n_history);
+        row = s->logits;
+        best = kr_argmax_f32(row, n);
     }
-    memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
-    apply_repeat_penalty(s, history, n_history);
-    // The penalty saturates: the row stays valid, with a finite value, so the scan finds a token.
-    if (penalised) best = kr_argmax_f32(s->logits, n);
-    if (greedy) {
+    if (p->temperature == 0.0f || p->top_k == 1 || p->top_p == 0.0f) {
         *token_out = (int32_t)best;
         kr_ok(err);
         return KR_OK;
@@ -288,10 +289,10 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
 
     // Weights relative to the best token (which gets exactly 1), summed in id order.
     const double inverse_temperature = 1.0 / (double)p->temperature;
-    const float max_logit = s->logits[best];
+    const float max_logit = row[best];
     double total = 0.0;
     for (int32_t i = 0; i < n; i++) {
-        double w = s->logits[i] == -INFINITY ? 0.0 : exp(((double)s->logits[i] - (double)max_logit) * inverse_temperature);
+        double w = row[i] == -INFINITY ? 0.0 : exp(((double)row[i] - (double)max_logit) * inverse_temperature);
         s->weights[i] = w;
         total += w;
     }
