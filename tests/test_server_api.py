@@ -312,7 +312,12 @@ class QueueTests:
             received += running.recv(4096)
         queued = raw_request(server, {"prompt": "queued and gone", "max_tokens": 8})
         server.wait_for(lambda l: queue_line(2) in l, start=start)  # queued behind the running one before it leaves
+        mark = len(server.lines)
         queued.close()
+        # The worker drops the queued request at its next step (the queue shrinks to the running one)
+        # before the running client leaves: closed together, the server may see the running one go
+        # first, free its slot and start the queued one before it notices that client left too.
+        server.wait_for(lambda l: queue_line(1) in l, start=mark)
         running.close()
         after = post(server, "/completions", {"prompt": "Hello", "max_tokens": 2})
         assert after[0] == 200
