@@ -77,6 +77,9 @@ def _declare(lib):
     #                           const float *x, int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end,
     #                           kr_error *err);
     clib.declare(lib, "kr_test_matmul_packed", _int, _int, _i32, _p, _i64, _i64, _p, _i64, _p, _i64, _i64, _err)
+    # int kr_test_dequantize_packed(int32_t weight_type, const void *packed, int64_t rows, int64_t cols, int64_t row,
+    #                               float *out, kr_error *err);
+    clib.declare(lib, "kr_test_dequantize_packed", _int, _i32, _p, _i64, _i64, _i64, _p, _err)
 
 
 isa = engine.library_isa
@@ -212,6 +215,15 @@ def pack(type_name, weights, rows, cols):
 def matmul_packed(type_name, packed, rows, cols, x, impl="dispatch", row_begin=0, row_end=None):
     """`matmul` on weights in the packed layout (from `pack`)."""
     return _matmul(clib.load().kr_test_matmul_packed, type_name, packed, rows, cols, x, impl, row_begin, row_end)
+
+
+def dequantize_packed(type_name, packed, rows, cols, row):
+    """Row `row` of a packed (rows, cols) matrix (from `pack`) -> float32 (cols,): what the model
+    looks up when a tied output head is packed."""
+    w = _weight_bytes(type_name, packed, rows, cols)
+    out = np.empty(cols, np.float32)
+    _call(clib.load().kr_test_dequantize_packed, _weight_type(type_name), _ptr(w), rows, cols, row, _ptr(out))
+    return out
 
 
 def dot(a, b, impl="dispatch"):

@@ -2,7 +2,8 @@
 
 Pinned here: the packed layout byte for byte against a numpy construction of what kernels.h
 describes; packed matmuls equal the file-layout matmuls bit for bit (every implementation, any
-row range); a model's logits are the same bits packed or not; the cache is used when it matches
+row range); a row looked up in a packed matrix is gguf-py's dequantized row; a model's logits are
+the same bits packed or not, and a tied embedding is looked up without reading the file again; the cache is used when it matches
 and rebuilt, never trusted, when it is stale (another model file, ISA or layout version),
 truncated or corrupt.
 """
@@ -10,16 +11,21 @@ truncated or corrupt.
 import os
 import shutil
 
+import gguf
 import numpy as np
 import pytest
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings, strategies as st
 
 from krafla_twisted import kernels, pack
 from krafla_twisted.engine import Model
+from tests.support import kquants
 from tests.support.tiny_models import write_tiny_model, write_tiny_models
-from tests.test_kernels import avx2_or_skip, make_problem, same_bits
+from tests.test_kernels import avx2_or_skip, make_problem, random_float32, same_bits
 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+PACKABLE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
 PACK_ROWS = 8
 HEADER_BYTES = 4096
 
@@ -80,6 +86,33 @@ class PackedKernelTests:
         assert same_bits(got[:, row_begin:row_end], want[:, row_begin:row_end])
         assert np.isnan(got[:, :row_begin]).all() and np.isnan(got[:, row_end:]).all()
 
+    @given(type_name=st.sampled_from(PACKABLE), rows=st.integers(1, 27), blocks=st.integers(1, 3),
+           seed=st.integers(0, 2**32 - 1))
+    @settings(max_examples=80, deadline=None)
+    def test_row_lookup_in_packed_weights_is_the_dequantized_row(self, type_name, rows, blocks, seed):
+        """Every row of a packed matrix of every packable type, those in whole groups of 8 and those
+        past the last one, looked up as the model looks up a tied embedding: gguf-py's dequantized
+        file row, bit for bit."""
+        gguf_type = gguf.GGMLQuantizationType[type_name.upper()]
+        rng = np.random.default_rng(seed)
+        if type_name.endswith("_K"):
+            cols = 256 * blocks
+            weights = kquants.random_blocks(rng, type_name, rows, cols)
+        else:
+            cols = 32 * blocks
+            weights = gguf_quantize(random_float32(rng, (rows, cols)), gguf_type)
+        weights = np.ascontiguousarray(weights, np.uint8).reshape(rows, -1)
+        want = gguf_dequantize(weights, gguf_type).astype(np.float32)
+        packed = kernels.pack(type_name, weights.reshape(-1), rows, cols)
+        for row in range(rows):
+            assert same_bits(kernels.dequantize_packed(type_name, packed, rows, cols, row), want[row]), row
+
+    def test_row_lookup_outside_the_matrix_is_refused(self):
+        packed = kernels.pack("q4_0", np.zeros(9 * 18, np.uint8), 9, 32)
+        for row in (-1, 9):
+            with pytest.raises(Exception, match="row"):
+                kernels.dequantize_packed("q4_0", packed, 9, 32, row)
+
     def test_float_weights_are_refused(self):
         """Only q8_0 and q4_0 have a packed layout: packing f32 is an error, not a silent copy."""
         with pytest.raises(Exception, match="q8_0"):
@@ -89,6 +122,19 @@ class PackedKernelTests:
 def resident_bytes():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def mapped_resident_bytes(path):
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                mine = len(fields) >= 6 and fields[5] == str(path)
+            elif mine and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
 
 
 def logits(model, tokens, batch):
@@ -122,6 +168,29 @@ class PackedModelTests:
         path = real_model("smollm2-135m").mlb
         with Model(path, threads=2, pack=False) as plain, Model(path, threads=2, pack=True) as packed:
             assert same_bits(logits(plain, TOKENS, 4), logits(packed, TOKENS, 4))
+
+    @pytest.mark.parametrize("pack_weights", [True, False])
+    def test_tied_embedding_is_looked_up_in_the_packed_copy(self, tmp_path, pack_weights):
+        """SmolLM2's output head is its token embedding. Packed, a token's row comes from the packed
+        copy: the model file's mapping keeps the pages it had after loading while 400 tokens from all
+        over the vocabulary are embedded (read from the file, each lookup maps the 64 KiB around its
+        row back in: most of the 16 MiB embedding here). Unpacked, the file is the only copy and its
+        pages do come in, which shows the measurement sees them."""
+        from tests.support.real_models import real_model
+
+        path = tmp_path / "model.mlb"
+        shutil.copy(real_model("smollm2-135m").mlb, path)  # a mapping no other model in this process shares
+        with Model(path, threads=1, pack=pack_weights) as model:
+            assert model.info["tied_embeddings"] == 1
+            tokens = list(range(1, model.n_vocab, model.n_vocab // 400))
+            with model.session(ctx=512, batch=64) as session:
+                before = mapped_resident_bytes(path)
+                session.eval(tokens)
+                grown = mapped_resident_bytes(path) - before
+        if pack_weights:
+            assert grown == 0, grown
+        else:
+            assert grown > 16 * 2**20, grown
 
     @pytest.mark.parametrize("pack_cache", [False, True])
     def test_resident_memory_stays_at_the_model_file_plus_kv_cache(self, tmp_path, pack_cache):

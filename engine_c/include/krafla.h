@@ -366,12 +366,16 @@ int kr_test_delta_rule(int impl, float *state, int64_t dk, int64_t dv, const flo
 // Arguments as kr_test_matmul.
 int kr_bench_matmul(int impl, int32_t weight_type, const void *weights, int32_t packed, int64_t rows, int64_t cols,
                     const float *x, int64_t n_tokens, int32_t repeat, double *best_seconds, kr_error *err);
-// Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0/q4_1/q5_0/q5_1 (rows, cols)
+// Packed weights (owner: speed): kr_test_pack rearranges a q8_0/q4_0/q4_1/q5_0/q5_1/k-quant (rows, cols)
 // matrix into the packed layout (engine_c/src/kernels/kernels.h, legacy.h; the same number of bytes); kr_test_matmul_packed is
 // kr_test_matmul on packed weights and gives the same bits.
 int kr_test_pack(int32_t weight_type, const void *weights, int64_t rows, int64_t cols, void *packed, kr_error *err);
 int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int64_t rows, int64_t cols, const float *x,
                           int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err);
+// Row `row` of a packed matrix (from kr_test_pack) as floats (cols of them): the embedding lookup of
+// a tied, packed output head, bit for bit kr_test_dequantize of the file layout's row.
+int kr_test_dequantize_packed(int32_t weight_type, const void *packed, int64_t rows, int64_t cols, int64_t row, float *out,
+                              kr_error *err);
 // --- end Kernels (tests)
 
 // ---------------------------------------------------------------------------------------------

@@ -222,6 +222,19 @@ int kr_test_matmul_packed(int impl, int32_t weight_type, const void *packed, int
                           int64_t n_tokens, float *out, int64_t row_begin, int64_t row_end, kr_error *err) {
     return test_matmul(impl, true, weight_type, packed, rows, cols, x, n_tokens, out, row_begin, row_end, err);
 }
+
+int kr_test_dequantize_packed(int32_t weight_type, const void *packed, int64_t rows, int64_t cols, int64_t row, float *out,
+                              kr_error *err) {
+    int status = check_weight_type(weight_type, cols, err);
+    if (!status) status = check_count("rows", rows, 1, err);
+    if (!status && (row < 0 || row >= rows)) status = kr_fail(err, KR_ERR_ARGUMENT, "row %lld is not one of 0..%lld", (long long)row, (long long)rows - 1);
+    if (!status) status = check_pointers(packed, out, err);
+    if (!status) status = check_packable(weight_type, err);
+    if (status) return status;
+    kr_dequantize_packed_row(weight_type, packed, rows, cols, row, out);
+    kr_ok(err);
+    return KR_OK;
+}
 // --- end Packed weights (tests)
 
 static int check_vector_type(int32_t type, kr_error *err) {

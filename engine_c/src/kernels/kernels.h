@@ -193,6 +193,12 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 int kr_packable(int32_t weight_type);  // q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and the k-quants
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
+// The inverse, a block or a row at a time: row r's block b of a packed (rows, cols) matrix back in
+// file form (KR_MAX_BLOCK_BYTES at most), and row r as floats, bit for bit kr_dequantize_row of
+// the file's row (a tied output head, packed, is the token embedding the model looks rows up in).
+#define KR_MAX_BLOCK_BYTES 256
+void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *block);
+void kr_dequantize_packed_row(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, float *out);
 // The walk every packed layout shares (q4_0/q8_0, legacy.h's, the k-quants'): each whole group of
 // KR_PACK_ROWS rows, block after block, pack_block puts row r's block (file form, block_bytes) into
 // the group's block (KR_PACK_ROWS * block_bytes); the rows past the last group are copied. Inline,
@@ -285,6 +291,8 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 // Packed k-quants: groups of 8 rows as for q4_0 (same size as the file layout), each super-block of
 // a group laid out for 8 rows in the lanes (docs/kernels.md, "Packed k-quants").
 void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
+void kr_packed_block_kquant(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b,
+                            void *block);  // kr_packed_block's share
 void kr_matmul_packed_kquant_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 // The tiles of kquant_tile.h: 8 rows in 256 bits (kquant_avx2.c) in an ISA=avx2 build, 16 rows in

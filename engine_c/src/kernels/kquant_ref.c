@@ -235,24 +235,29 @@ void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_
     kr_pack_groups(weight_type, src, dst, rows, cols, kr_kquant_block_bytes(weight_type), pack_superblock);
 }
 
+void kr_packed_block_kquant(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b,
+                            void *block) {
+    const size_t block_bytes = kr_kquant_block_bytes(weight_type), row_bytes = (size_t)(cols / KR_QK_K) * block_bytes;
+    if (r >= rows - rows % GROUP_ROWS) {
+        memcpy(block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
+        return;
+    }
+    const int64_t offset = r % GROUP_ROWS;
+    const char *group = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * GROUP_ROWS * block_bytes;
+    unpack_superblock(weight_type, group, (int)offset, block);
+}
+
 // Each row's super-blocks back in file form, then the reference's steps.
 void kr_matmul_packed_kquant_ref(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const size_t block_bytes = kr_kquant_block_bytes(weight_type), row_bytes = (size_t)(cols / KR_QK_K) * block_bytes;
-    const int64_t n_blocks = cols / KR_QK_K, grouped = rows - rows % GROUP_ROWS;
+    const int64_t n_blocks = cols / KR_QK_K;
     for (int64_t r = row_begin; r < row_end; r++)
         for (int64_t t = 0; t < n_tokens; t++) {
             const kr_block_q8_K *a = (const kr_block_q8_K *)prepared + t * n_blocks;
             float acc = 0.0f;
             for (int64_t b = 0; b < n_blocks; b++) {
                 union { kr_block_q4_K q4; kr_block_q5_K q5; kr_block_q6_K q6; } block;
-                if (r >= grouped) {
-                    memcpy(&block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
-                } else {
-                    const int64_t offset = r % GROUP_ROWS;
-                    const char *group = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * GROUP_ROWS * block_bytes;
-                    unpack_superblock(weight_type, group, (int)offset, (char *)&block);
-                }
+                kr_packed_block_kquant(weight_type, w, rows, cols, r, b, &block);
                 acc = dot_superblock(weight_type, &block, a + b, acc);
             }
             out[t * out_stride + r] = acc;

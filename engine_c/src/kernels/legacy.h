@@ -85,6 +85,8 @@ static inline size_t kr_legacy_packed_nibbles(int32_t type) {
     return kr_legacy_packed_fifth(type) + 4 * KR_PACK_ROWS * (size_t)kr_legacy_has_fifth(type);
 }
 void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows, int64_t cols);
+// Row r's block b of a packed matrix in file form (kr_packed_block's share).
+void kr_packed_block_legacy(int32_t type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *block);
 void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 

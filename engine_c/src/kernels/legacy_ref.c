@@ -156,25 +156,27 @@ void kr_pack_rows_legacy(int32_t type, const void *src, void *dst, int64_t rows,
     kr_pack_groups(type, src, dst, rows, cols, kr_legacy_block_bytes(type), pack_block);
 }
 
+void kr_packed_block_legacy(int32_t type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *block) {
+    const size_t row_bytes = kr_weight_row_bytes(type, cols), block_bytes = kr_legacy_block_bytes(type);
+    if (r >= rows - rows % KR_PACK_ROWS) {
+        memcpy(block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
+        return;
+    }
+    const char *group = (const char *)w + (size_t)(r - r % KR_PACK_ROWS) * row_bytes;
+    unpack_block(type, group + (size_t)b * kr_legacy_group_block_bytes(type), (int)(r % KR_PACK_ROWS), block);
+}
+
 // Each row's blocks back in file form, then the reference's block steps.
 void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    const size_t row_bytes = kr_weight_row_bytes(type, cols), block_bytes = kr_legacy_block_bytes(type);
-    const size_t group_block_bytes = kr_legacy_group_block_bytes(type);
     const size_t a_row_bytes = kr_activation_row_bytes(type, cols);
-    const int64_t grouped = rows - rows % KR_PACK_ROWS;
     for (int64_t r = row_begin; r < row_end; r++)
         for (int64_t t = 0; t < n_tokens; t++) {
             const kr_block_q8_sum *a = (const kr_block_q8_sum *)((const char *)prepared + (size_t)t * a_row_bytes);
             float acc = 0.0f;
             for (int64_t b = 0; b < cols / KR_QK; b++) {
                 union { kr_block_q4_1 q4_1; kr_block_q5_0 q5_0; kr_block_q5_1 q5_1; } block;
-                if (r >= grouped) {
-                    memcpy(&block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
-                } else {
-                    const char *group = (const char *)w + (size_t)(r - r % KR_PACK_ROWS) * row_bytes;
-                    unpack_block(type, group + (size_t)b * group_block_bytes, (int)(r % KR_PACK_ROWS), &block);
-                }
+                kr_packed_block_legacy(type, w, rows, cols, r, b, &block);
                 acc = block_step(type, &block, a + b, acc);
             }
             out[t * out_stride + r] = acc;

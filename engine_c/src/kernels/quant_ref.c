@@ -508,8 +508,16 @@ void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows,
     kr_pack_groups(weight_type, src, dst, rows, cols, block_bytes, pack_block);
 }
 
-// Row r's block b back in file form (into `block`, 34 bytes at most).
-static void file_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, char *block) {
+void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *out) {
+    if (kr_legacy_type(weight_type)) {
+        kr_packed_block_legacy(weight_type, w, rows, cols, r, b, out);
+        return;
+    }
+    if (kr_is_kquant(weight_type)) {
+        kr_packed_block_kquant(weight_type, w, rows, cols, r, b, out);
+        return;
+    }
+    char *block = out;
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols);
     const size_t block_bytes = weight_type == KR_Q4_0 ? sizeof(kr_block_q4_0) : sizeof(kr_block_q8_0);
     const int64_t grouped = rows - rows % KR_PACK_ROWS;
@@ -521,6 +529,19 @@ static void file_block(int32_t weight_type, const void *w, int64_t rows, int64_t
     const char *group_block = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * KR_PACK_ROWS * block_bytes;
     memcpy(block, group_block + 2 * offset, 2);
     for (int j = 0; j < (int)block_bytes - 2; j++) block[2 + j] = group_block[packed_quant_at(offset, j)];
+}
+
+void kr_dequantize_packed_row(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, float *out) {
+    if (!kr_packable(weight_type)) {
+        kr_dequantize_row(weight_type, (const char *)w + (size_t)r * kr_weight_row_bytes(weight_type, cols), out, cols);
+        return;
+    }
+    const int64_t block = kr_kernel_type_block(weight_type);
+    for (int64_t b = 0; b < cols / block; b++) {
+        _Alignas(16) char bytes[KR_MAX_BLOCK_BYTES];
+        kr_packed_block(weight_type, w, rows, cols, r, b, bytes);
+        kr_dequantize_row(weight_type, bytes, out + b * block, block);
+    }
 }
 
 // Each row's blocks back in file form, then the reference dot's steps (dot_q4_0_ref / dot_q8_0_ref).
@@ -545,7 +566,7 @@ void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int6
             float acc = 0.0f;
             for (int64_t b = 0; b < cols / KR_QK; b++) {
                 union { kr_block_q4_0 q4; kr_block_q8_0 q8; } block;
-                file_block(weight_type, w, rows, cols, r, b, (char *)&block);
+                kr_packed_block(weight_type, w, rows, cols, r, b, &block);
                 acc = weight_type == KR_Q4_0 ? dot_q4_0_ref(&block.q4, (const kr_block_q8_sum *)a + b, 1, acc)
                                              : dot_q8_0_ref(&block.q8, (const kr_block_q8_0 *)a + b, 1, acc);
             }

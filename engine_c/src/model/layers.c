@@ -113,8 +113,13 @@ static void residual_job(void *arg, int chunk, int n_chunks, int thread) {
     for (int64_t t = begin; t < end; t++) {
         float *x = s->x + t * dim;
         if (j->tokens) {
-            const uint8_t *row = (const uint8_t *)m->token_embd.data + (size_t)j->tokens[t] * m->token_embd.row_bytes;
-            kr_dequantize_row(m->token_embd.type, row, x, dim);
+            const kr_matrix *e = &m->token_embd;
+            if (e->packed) {
+                kr_dequantize_packed_row(e->type, e->data, e->rows, e->cols, j->tokens[t], x);
+            } else {
+                const uint8_t *row = (const uint8_t *)e->data + (size_t)j->tokens[t] * e->row_bytes;
+                kr_dequantize_row(e->type, row, x, dim);
+            }
             if (h->embedding_scale != 1.0f)
                 for (int64_t i = 0; i < dim; i++) x[i] *= h->embedding_scale;
         }

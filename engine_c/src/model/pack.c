@@ -133,17 +133,21 @@ static void pack_into(kr_matrix **list, int n, char *payload) {
     }
 }
 
-static void repoint(kr_matrix **list, int n, const char *payload) {
+// The listed matrices now read `payload`. A tied output head is the token embedding: its rows are
+// looked up in the packed copy too (kr_dequantize_packed_row), so no page of the file's copy is
+// read again. Read from the file, each lookup mapped the 64 KiB around its row back in, several
+// MiB a reply, growing to the whole embedding (16 MiB for SmolLM2 135M, 77 MiB for Qwen2.5 0.5B).
+static void repoint(kr_model *m, kr_matrix **list, int n, const char *payload) {
     size_t at = 0;
     for (int i = 0; i < n; i++) {
         list[i]->data = payload + at;
         list[i]->packed = 1;
         at += aligned(matrix_bytes(list[i]));
     }
+    if (m->info.tied_embeddings && m->output.packed) m->token_embd = m->output;
 }
 
-// The file's pages of the matrices just packed are not read again (the token embedding's rows are
-// looked up, a tied output head shares it: those pages come back one row at a time, as needed).
+// The file's pages of the matrices just packed are not read again.
 static void release_sources(kr_matrix **list, const void **sources, int n) {
     for (int i = 0; i < n; i++) release_range(sources[i], matrix_bytes(list[i]));
 }
@@ -275,7 +279,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         char why[200];
         state->map = map_valid_cache(path, &want, &state->map_bytes, why, sizeof why);
         if (state->map) {
-            repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
+            repoint(m, list, n, (const char *)state->map + PACK_HEADER_BYTES);
             state->status = KR_PACK_STATUS_CACHE_MAPPED;
             snprintf(state->note, sizeof state->note, "packed weights mapped from the cache");
             release_sources(list, sources, n);
@@ -293,12 +297,12 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         if (write_cache(path, &want, payload, write_why, sizeof write_why) == 0 &&
             (state->map = map_valid_cache(path, &want, &state->map_bytes, write_why, sizeof write_why))) {
             free(payload);
-            repoint(list, n, (const char *)state->map + PACK_HEADER_BYTES);
+            repoint(m, list, n, (const char *)state->map + PACK_HEADER_BYTES);
             state->status = KR_PACK_STATUS_CACHE_BUILT;
             snprintf(state->note, sizeof state->note, "pack cache rebuilt: %.200s", why);
         } else {
             state->memory = payload;  // keep running packed in memory
-            repoint(list, n, payload);
+            repoint(m, list, n, payload);
             state->status = KR_PACK_STATUS_CACHE_FAILED;
             snprintf(state->note, sizeof state->note, "pack cache not written, packed in memory: %.200s", write_why);
         }
@@ -311,7 +315,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
         goto done;
     }
     pack_into(list, n, state->memory);
-    repoint(list, n, state->memory);
+    repoint(m, list, n, state->memory);
     state->status = KR_PACK_STATUS_MEMORY;
     snprintf(state->note, sizeof state->note, "packed in memory (%zu bytes)", payload_bytes);
     release_sources(list, sources, n);
