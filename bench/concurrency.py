@@ -27,7 +27,10 @@ ratio krafla / llama-server (taken within each round), with issue 15's targets: 
 and more clients >= 1.5x, p95 time to first token <= llama-server's, resident set <= 1.1 x
 (weights + slots x KV cache; the KV figure from krafla's banner when it states one, else computed
 from the model's shape and the banner's context and KV type), and one client on `--parallel N`
-within 3% of `--parallel 1` (N the largest C; --no-single skips it).
+within 3% of `--parallel 1` (N the largest C; --no-single skips it). For that comparison both
+krafla servers run side by side and take turns: --single-pairs requests each per round, the same
+prompt to both within a pair, the ratio taken per pair and the median over all pairs (a single
+half-second reply per server start, as before, swung by ±20% with the host).
 """
 
 import argparse
@@ -156,12 +159,16 @@ def memory_rows(samples):
 
 
 def single_rows(samples, parallel):
-    """Rows of the one-client table from {model: [(--parallel 1 figures, --parallel N figures) per round]}."""
+    """Rows of the one-client table from {model: [(--parallel 1 figures, --parallel N figures) per pair]}:
+    medians, and the quartiles of the per-pair ratios."""
     rows = []
     for model, pairs in samples.items():
         many, one, ratio = paired([(many, one) for one, many in pairs], "aggregate")
+        ratios = [n["aggregate"] / o["aggregate"] for o, n in pairs]
+        low, high = numpy.percentile(ratios, [25, 75]) if len(ratios) > 1 else (ratio, ratio)
         rows.append({"table": "single", "model": model, "parallel": parallel, "aggregate_parallel_1": one,
-                     "aggregate_parallel_n": many, "ratio": ratio, "met": verdict(ratio, TARGET_SINGLE)})
+                     "aggregate_parallel_n": many, "ratio": ratio, "ratio_q1": float(low), "ratio_q3": float(high),
+                     "pairs": len(pairs), "met": verdict(ratio, TARGET_SINGLE)})
     return rows
 
 
@@ -192,9 +199,11 @@ def memory_lines(rows):
 
 
 def single_lines(rows):
-    head = ["model", "one client: krafla --parallel 1 t/s", "--parallel N t/s", "N / 1", "target"]
+    head = ["model", "one client: krafla --parallel 1 t/s", "--parallel N t/s", "N / 1 (median of pairs)",
+            "quartiles", "pairs", "target"]
     lines = [[r["model"], f"{r['aggregate_parallel_1']:.1f}", f"{r['aggregate_parallel_n']:.1f} (N={r['parallel']})",
-              f"{r['ratio']:.3f}", f">= {TARGET_SINGLE:.2f} {r['met']}"] for r in rows]
+              f"{r['ratio']:.3f}", f"{r['ratio_q1']:.3f}–{r['ratio_q3']:.3f}", str(r["pairs"]),
+              f">= {TARGET_SINGLE:.2f} {r['met']}"] for r in rows]
     return head, lines
 
 
@@ -360,17 +369,34 @@ def run_rounds(model_list, args, clients, logs):
                     f"{krafla['aggregate']:.1f} t/s, llama-server {got['llama-server']['aggregate']:.1f} t/s; p95 TTFT "
                     f"{krafla['ttft_p95'] * 1000:.0f} vs {got['llama-server']['ttft_p95'] * 1000:.0f} ms")
             if args.single:
-                contents = prompts(1, round_index, f"{name}, one client")
-                order = [1, largest] if round_index % 2 == 0 else [largest, 1]
-                got = {}
-                for parallel in order:
-                    port = free_port()
-                    got[parallel] = measure(clients, krafla_command(pulled, port, parallel, args), port, contents,
-                                            logs, f"krafla-{name}-single-p{parallel}-r{round_index}", args)
-                single.setdefault(name, []).append((got[1], got[largest]))
-                log(f"round {round_index + 1}/{args.rounds} {name} one client: --parallel 1 {got[1]['aggregate']:.1f} "
-                    f"t/s, --parallel {largest} {got[largest]['aggregate']:.1f} t/s")
+                pairs = single_pairs(clients, pulled, largest, round_index, name, logs, args)
+                single.setdefault(name, []).extend(pairs)
+                ratios = ", ".join(f"{n['aggregate'] / one['aggregate']:.3f}" for one, n in pairs)
+                log(f"round {round_index + 1}/{args.rounds} {name} one client, --parallel {largest} / --parallel 1 "
+                    f"per pair: {ratios}")
     return samples, single
+
+
+def single_pairs(clients, pulled, largest, round_index, name, logs, args):
+    """One client on `--parallel 1` and on `--parallel largest`, both servers up side by side:
+    --single-pairs pairs of one request each, the same prompt to both servers within a pair (which
+    one goes first alternates), so a pair's ratio compares the same work moments apart. A list of
+    (--parallel 1 figures, --parallel largest figures) per pair."""
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        for parallel in (1, largest):
+            port = ports[parallel] = free_port()
+            stack.enter_context(serving(krafla_command(pulled, port, parallel, args), port, logs,
+                                        f"krafla-{name}-single-p{parallel}-r{round_index}"))
+            streamed_chat(port, "Warm up.", 8)
+        pairs = []
+        for pair in range(args.single_pairs):
+            contents = prompts(1, round_index * args.single_pairs + pair, f"{name}, one client")
+            got = {}
+            for parallel in ((1, largest) if pair % 2 == 0 else (largest, 1)):
+                got[parallel] = batch_figures(clients.batch(ports[parallel], contents, args.max_tokens, args.timeout))
+            pairs.append((got[1], got[largest]))
+        return pairs
 
 
 def comma_integers(text):
@@ -396,6 +422,8 @@ def main(argv=None):
                              "default pull and the published GGUF")
     parser.add_argument("--no-single", dest="single", action="store_false",
                         help="skip the one-client comparison of krafla --parallel 1 and --parallel N")
+    parser.add_argument("--single-pairs", type=int, default=8,
+                        help="requests to each server in the one-client comparison, per round (default 8)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one batch may take (default 600)")
     parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
     parser.add_argument("--krafla-arg", dest="krafla_args", action="append", default=[],
@@ -410,8 +438,8 @@ def main(argv=None):
     missing = [tool for tool in needed if not (args.llama_bin / tool).is_file()]
     if missing:
         parser.error(f"--llama-bin {args.llama_bin}: no {', '.join(missing)} there")
-    if args.max_tokens < 1 or args.ctx < 64 or args.threads < 1 or args.rounds < 1:
-        parser.error("--max-tokens, -t and --rounds must be at least 1, --ctx at least 64")
+    if min(args.max_tokens, args.threads, args.rounds, args.single_pairs) < 1 or args.ctx < 64:
+        parser.error("--max-tokens, -t, --rounds and --single-pairs must be at least 1, --ctx at least 64")
     args.llama_bin, args.vendor = args.llama_bin.resolve(), args.vendor.resolve()
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

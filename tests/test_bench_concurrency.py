@@ -106,6 +106,15 @@ class RowsTests:
         assert rows[0]["aggregate_parallel_1"] == 100 and rows[0]["aggregate_parallel_n"] == 96
         assert rows[0]["ratio"] == pytest.approx(0.96) and rows[0]["met"] == "NOT met"
 
+    def test_one_client_ratio_is_the_median_of_the_pairs(self, concurrency):
+        """Each pair is divided on its own: the host's speed in one pair does not leak into another.
+        Pairs at 100/96, 50/50 and 200/210 give ratios 0.96, 1.0 and 1.05, median 1.0; the medians
+        of the rates alone (100 and 96) would say 0.96."""
+        pairs = [(figures(100), figures(96)), (figures(50), figures(50)), (figures(200), figures(210))]
+        row = concurrency.single_rows({"m": pairs}, 8)[0]
+        assert row["ratio"] == pytest.approx(1.0) and row["met"] == "met" and row["pairs"] == 3
+        assert row["ratio_q1"] == pytest.approx(0.98) and row["ratio_q3"] == pytest.approx(1.025)
+
     def test_memory_row(self, concurrency):
         """Resident set over weights plus all slots' KV: 110 MiB over 80 + 20 is 1.10, which meets 1.10."""
         krafla = dict(figures(100), rss=110 * 2**20, weights=80 * 2**20, kv=20 * 2**20, kv_from="banner", slots=4)
