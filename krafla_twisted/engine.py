@@ -108,6 +108,8 @@ def _engine(lib):
     declare(lib, "kr_weight_type_supported", ctypes.c_int, ctypes.c_int32)
     # int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
     declare(lib, "kr_session_truncate", ctypes.c_int, _session_p, ctypes.c_int32, _error_p)
+    # int kr_session_copy_prefix(kr_session *dst, const kr_session *src, int32_t n_tokens, kr_error *err);
+    declare(lib, "kr_session_copy_prefix", ctypes.c_int, _session_p, _session_p, ctypes.c_int32, _error_p)
     # int kr_batch_eval(kr_model *model, const kr_batch_item *items, int32_t n_items, kr_error *err);
     declare(lib, "kr_batch_eval", ctypes.c_int, _model_p, ctypes.POINTER(kr_batch_item), ctypes.c_int32, _error_p)
     # int32_t kr_session_n_tokens(const kr_session *session);  (and n_ctx, n_batch, kv_type)
@@ -347,6 +349,18 @@ class Session(clib.OwnedHandle):
         handle = self._check_open()
         error = clib.kr_error()
         if self._lib.kr_session_truncate(handle, int(n_tokens), ctypes.byref(error)):
+            _raise(error)
+
+    def copy_prefix(self, source, n_tokens):
+        """Hold the first n_tokens positions of `source` (another Session of the same model and KV
+        type) instead of what this session held: their keys and values are copied, and what is
+        evaluated next gives the bits it would after evaluating those tokens here. KraflaError
+        (KR_ERR_UNSUPPORTED) for Qwen3.5, whose recurrent state exists only for the last position."""
+        handle = self._check_open()
+        if not isinstance(source, Session) or source.model is not self.model:
+            raise InvalidTokenError(f"{source!r} is not a session of {self.model!r}", KR_ERR_ARGUMENT)
+        error = clib.kr_error()
+        if self._lib.kr_session_copy_prefix(handle, source._check_open(), int(n_tokens), ctypes.byref(error)):
             _raise(error)
 
     def __repr__(self):

@@ -280,6 +280,7 @@ class Runtime:
         if template is not None:
             stops |= template.stop_token_ids(tokenizer)
         self.stop_token_ids = frozenset(stops)
+        self.prefix_copies = True   # seed_slot copies prefixes between slots (not Qwen3.5's sessions)
         self._uses = 0
 
     @property
@@ -326,6 +327,35 @@ class Runtime:
         best = max(free, key=lambda slot: (reused(slot), -slot.last_used, -slot.index))
         best.busy = True
         return best
+
+    def seed_slot(self, slot, prompt, keep):
+        """Give `slot`, about to hold `prompt`, a longer prefix of it than the `keep` tokens of its own
+        cache it would keep, when another slot (free or busy) holds one: that many positions of the
+        other slot's KV cache are copied in (Session.copy_prefix), at most all but the prompt's last
+        token, and the other slot is not touched. So a new chat that shares only the chat template's
+        header with a conversation gets the header from that conversation's slot while
+        choose_slot gave it another. Returns how many tokens `slot` now holds for the prompt, or
+        None when no slot held more than `keep` or the model's sessions cannot be copied (Qwen3.5)."""
+        if not self.prefix_copies:
+            return None
+        donor, shared = None, keep
+        for other in self.slots:
+            if other is not slot:
+                common = min(other.common_prefix(prompt), len(prompt) - 1)
+                if common > shared:
+                    donor, shared = other, common
+        if donor is None:
+            return None
+        try:
+            slot.session.copy_prefix(donor.session, shared)
+        except clib.KraflaError as e:
+            if e.status != header.KR_ERR_UNSUPPORTED:
+                raise
+            self.prefix_copies = False
+            return None
+        slot.cached[:] = donor.cached[:shared]
+        slot.cached_logits = None
+        return shared
 
     def release_slot(self, slot):
         if slot.cached_logits is not None and slot.cached_logits.base is not None:
@@ -468,10 +498,10 @@ class Generation:
         return self.sampler is None
 
     def attach(self, slot):
-        """Bring `slot` to the longest prefix of the prompt it holds (the last prompt token always
-        runs again for its logits, unless they are cached). Must be called in the thread that owns
-        the runtime. Qwen3.5's linear attention cannot be cut back: a slot that would need it
-        starts over."""
+        """Bring `slot` to the longest prefix of the prompt it holds, or to a longer one copied from
+        another slot (Runtime.seed_slot); the last prompt token always runs again for its logits,
+        unless they are cached. Must be called in the thread that owns the runtime. Qwen3.5's
+        linear attention cannot be cut back: a slot that would need it starts over."""
         self.slot = slot
         self.started = time.perf_counter()
         prompt = self.prompt
@@ -483,7 +513,10 @@ class Generation:
             return
         if common == len(prompt):
             common -= 1  # the last prompt token runs again to give its logits
-        if common < slot.session.n_tokens:
+        seeded = self.runtime.seed_slot(slot, prompt, common)
+        if seeded is not None:
+            common = seeded
+        elif common < slot.session.n_tokens:
             try:
                 slot.session.truncate(common)
             except clib.KraflaError:

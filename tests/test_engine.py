@@ -20,6 +20,7 @@ from tests import strategies
 from tests.support.real_models import real_model
 from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import ARCHS, KQUANTS, QUANTIZED, tiny_model_container, write_tiny_model
+from tests.test_kernels import same_bits
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
 KR_ERR_FORMAT, KR_ERR_UNSUPPORTED = header.KR_ERR_FORMAT, header.KR_ERR_UNSUPPORTED
@@ -191,6 +192,26 @@ class ModelInfoTests:
             session.truncate(0)
             np.testing.assert_array_equal(session.eval(ids), expected)
 
+    @pytest.mark.parametrize("arch", ARCHS)
+    @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
+    def test_copy_prefix(self, tiny, arch, kv):
+        """copy_prefix makes a session hold another's first positions: what it evaluates next is the
+        same bits as in a session that evaluated the whole prompt itself, though the two caches have
+        different contexts and the copy's held other tokens before (gemma3's sliding layers included)."""
+        ids = prompt(40, 60, seed=3)
+        with Model(tiny(arch, head_dim=32)) as model:
+            alone = model.session(ctx=64, kv=kv)
+            want = alone.eval_all(ids)
+            source, copy = model.session(ctx=96, kv=kv), model.session(ctx=48, kv=kv)
+            source.eval(ids[:30] + prompt(20, 60, seed=4))  # the shared 30, then a turn of its own
+            copy.eval(prompt(45, 60, seed=5))
+            for n in (30, 17, 0):
+                copy.copy_prefix(source, n)
+                assert copy.n_tokens == n
+                got = copy.eval_all(ids[n:])
+                assert same_bits(got, want[n:]), n
+            assert source.n_tokens == 50  # the source is not touched
+
     def test_prefill_without_logits(self, tiny):
         """eval(..., logits=False) fills the cache and returns None; the next logits are unchanged."""
         path = tiny("qwen2")
@@ -270,6 +291,36 @@ class EngineErrorTests:
             for bad in (4, -1):
                 with pytest.raises(InvalidTokenError, match=f"cannot truncate to {bad} tokens: the session holds 3"):
                     session.truncate(bad)
+
+    def test_copy_prefix_refusals(self, tiny, tmp_path):
+        """copy_prefix refuses what cannot be copied, naming it, and leaves both sessions as they were:
+        more tokens than the source holds or the copy's context fits, itself, another model's
+        session, another KV type, and a Qwen3.5 session (its recurrent state exists only for the
+        last position)."""
+        with Model(tiny("llama")) as model, Model(tiny("llama", seed=2)) as other:
+            source, copy = model.session(ctx=64), model.session(ctx=8)
+            source.eval(prompt(12, 60))
+            copy.eval([1, 2, 3])
+            cases = [
+                (lambda: copy.copy_prefix(source, 13), InvalidTokenError, "cannot copy 13 tokens: the source session holds 12"),
+                (lambda: copy.copy_prefix(source, -1), InvalidTokenError, "cannot copy -1 tokens"),
+                (lambda: copy.copy_prefix(source, 9), ContextFullError, "9 tokens do not fit in the context of 8"),
+                (lambda: source.copy_prefix(source, 3), InvalidTokenError, "cannot copy from itself"),
+                (lambda: copy.copy_prefix(other.session(), 0), InvalidTokenError, "is not a session of"),
+                (lambda: copy.copy_prefix(model.session(kv="f16"), 0), InvalidTokenError, "different types"),
+            ]
+            for call, error, message in cases:
+                with pytest.raises(error, match=message):
+                    call()
+                assert (source.n_tokens, copy.n_tokens) == (12, 3)
+        from tests.support.tiny_qwen35 import write_tiny_qwen35
+
+        with Model(write_tiny_qwen35(tmp_path / "q35.mlb", seed=1)) as model:
+            source, copy = model.session(ctx=32), model.session(ctx=32)
+            source.eval([1, 2, 3])
+            with pytest.raises(EngineError, match="recurrent state") as raised:
+                copy.copy_prefix(source, 3)
+            assert raised.value.status == header.KR_ERR_UNSUPPORTED
 
     def test_closed_handles(self, tiny):
         """A closed session or model raises ClosedError; closing the model closes its sessions."""

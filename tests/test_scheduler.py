@@ -194,15 +194,54 @@ class SlotChoiceTests:
 
     def test_short_prefix_does_not_evict_a_longer_cache(self, tmp_path):
         """A prompt that keeps less than half of a slot's cache (say, only a chat template's header) takes
-        the least recently used slot instead, so the longer cache survives for its own follow-up."""
+        the least recently used slot instead, so the longer cache survives for its own follow-up; the
+        shared tokens are copied into the slot it takes, and count as cached."""
         with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
             runtime = self.runtime(model, parallel=2)
             scheduler = Scheduler(runtime)
             conversation = self.run(runtime, scheduler, list(range(1, 11)))
             other = self.run(runtime, scheduler, [1, 2, 50])
-            assert (conversation.slot.index, other.slot.index, other.result.cached_tokens) == (0, 1, 0)
+            assert (conversation.slot.index, other.slot.index, other.result.cached_tokens) == (0, 1, 2)
             follow_up = self.run(runtime, scheduler, list(range(1, 11)) + list(conversation.result.tokens[:1]) + [60])
             assert (follow_up.slot.index, follow_up.result.cached_tokens) == (0, 11)
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_prefix_copied_from_a_busy_slot(self, tmp_path, arch):
+        """A request arriving while another runs gets the prefix they share copied from the running one's
+        slot (the copy stops before its last prompt token, which runs for its logits); both replies are
+        the bits each gets alone, and the running one is not disturbed."""
+        with Model(write(tmp_path / "m.mlb", arch), threads=2) as model:
+            tokenizer = LetterTokenizer(model.n_vocab)
+            sampling = SamplingParams(temperature=0.8, seed=5)
+            header = [7, 3, 9, 12, 4, 4, 30, 2, 8, 16, 5, 11]
+            prompts = (header + [40, 41, 42], header + [50])
+            want = [Generator(Runtime(model, tokenizer, ctx=64)).generate(p, max_tokens=10, sampling=sampling)
+                    for p in prompts]
+            runtime = self.runtime(model, parallel=3)
+            scheduler = Scheduler(runtime)
+            running = Generation(runtime, prompts[0], max_tokens=10, sampling=sampling)
+            scheduler.add(running)
+            for _ in range(3):
+                scheduler.step()
+            assert not running.done and not running.prefilling
+            joining = Generation(runtime, prompts[1], max_tokens=10, sampling=sampling)
+            scheduler.add(joining)
+            while scheduler.busy:
+                scheduler.step()
+            assert (running.slot.index, joining.slot.index) == (0, 1)
+            assert (running.result.cached_tokens, joining.result.cached_tokens) == (0, len(header))
+            for made, alone in zip((running, joining), want):
+                assert (made.result.text, made.result.tokens) == (alone.text, alone.tokens)
+
+    def test_no_prefix_copies_for_qwen35(self, tmp_path):
+        """Qwen3.5's recurrent state exists only for a session's last position: nothing is copied between
+        its slots (the first try finds out), and a request sharing a header takes a fresh slot as before."""
+        with Model(write(tmp_path / "m.mlb", "qwen35"), threads=1) as model:
+            runtime = self.runtime(model, parallel=2)
+            scheduler = Scheduler(runtime)
+            self.run(runtime, scheduler, list(range(1, 11)))
+            other = self.run(runtime, scheduler, [1, 2, 50])
+            assert (other.slot.index, other.result.cached_tokens, runtime.prefix_copies) == (1, 0, False)
 
     def test_busy_slots_not_chosen(self, tmp_path):
         """Requests running side by side each hold their own slot; one more waits until a slot is free,

@@ -234,6 +234,12 @@ int kr_session_eval(kr_session *session, const int32_t *tokens, int32_t n, float
 int kr_session_eval_all(kr_session *session, const int32_t *tokens, int32_t n, float *logits_out, kr_error *err);
 // Forget every position from n_tokens on (0 <= n_tokens <= kr_session_n_tokens).
 int kr_session_truncate(kr_session *session, int32_t n_tokens, kr_error *err);
+// Make `dst` hold the first n_tokens positions of `src` (0 <= n_tokens <= src's tokens, within dst's
+// context), dropping what dst held: their keys and values are copied, so evaluating on in dst
+// gives the bits it would give after evaluating those tokens itself. Both sessions of one model
+// with the same KV type; refused (KR_ERR_UNSUPPORTED) for an architecture with a recurrent state
+// (Qwen3.5), whose state exists only for the last position.
+int kr_session_copy_prefix(kr_session *dst, const kr_session *src, int32_t n_tokens, kr_error *err);
 int32_t kr_session_n_tokens(const kr_session *session);
 int32_t kr_session_n_ctx(const kr_session *session);
 int32_t kr_session_n_batch(const kr_session *session);

@@ -192,6 +192,37 @@ int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
     return KR_OK;
 }
 
+// Copy the keys and values of src's first n_tokens positions into dst, for every cached layer and
+// KV head: dst then holds those positions and nothing after them, as if it had evaluated them.
+// Positions live at the same place in every session's cache whatever its context, so this is one
+// row range per (layer, head).
+int kr_session_copy_prefix(kr_session *dst, const kr_session *src, int32_t n_tokens, kr_error *err) {
+    if (!dst || !src) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: session is NULL");
+    if (dst == src) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: a session cannot copy from itself");
+    kr_model *m = dst->model;
+    if (src->model != m) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: the sessions belong to different models");
+    if (m->arch->seq_new)  // a recurrent state holds only its last position: no prefix of it can be taken
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "a %s session keeps a recurrent state: its prefix cannot be copied",
+                       m->arch->name);
+    const kr_kv_cache *from = &src->seq.kv;
+    kr_kv_cache *to = &dst->seq.kv;
+    if (from->type != to->type)
+        return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: the KV caches are of different types (%s, %s)",
+                       kr_type_name(from->type), kr_type_name(to->type));
+    if (n_tokens < 0 || n_tokens > src->n_tokens)
+        return kr_fail(err, KR_ERR_ARGUMENT, "cannot copy %d tokens: the source session holds %d", n_tokens, src->n_tokens);
+    if (n_tokens > to->n_ctx)
+        return kr_fail(err, KR_ERR_CONTEXT, "%d tokens do not fit in the context of %d", n_tokens, to->n_ctx);
+    const size_t lanes = (size_t)m->n_cache_layers * (size_t)m->info.n_kv_heads, bytes = (size_t)n_tokens * from->row_bytes;
+    for (size_t lane = 0; lane < lanes && bytes; lane++) {
+        memcpy(to->k + lane * (size_t)to->n_ctx * to->row_bytes, from->k + lane * (size_t)from->n_ctx * from->row_bytes, bytes);
+        memcpy(to->v + lane * (size_t)to->n_ctx * to->row_bytes, from->v + lane * (size_t)from->n_ctx * from->row_bytes, bytes);
+    }
+    dst->n_tokens = n_tokens;
+    kr_ok(err);
+    return KR_OK;
+}
+
 // --- Evaluation: one session (kr_session_eval*) or several in the same steps (kr_batch_eval)
 
 // Check one item before any work; `prefix` names it in the error ("" for kr_session_eval*).
