@@ -180,7 +180,11 @@ int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int3
                         kr_error *err);
 int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows, int64_t cols, kr_matrix *out,
                    kr_error *err);
-// An f32 tensor of shape (d0,) when d1 is 0, else (d0, d1).
+// Give the model file's pages holding [data, data + bytes) back (whole pages, so a neighbour's
+// share of the first and last page goes too): the mapping is private and never written, so a page
+// read again later is faulted back in from the page cache. For what was copied out of the file.
+void kr_release_file_pages(const void *data, size_t bytes);
+// An f32 tensor of shape (d0,) when d1 is 0, else (d0, d1), copied (its file pages given back).
 int kr_bind_f32(kr_model *m, const char *path, const char *name, int64_t d0, int64_t d1, const float **out,
                 kr_error *err);
 // A layer's attention tensors: attn_q/k/v/output (wq of q_rows rows), biases and q/k norms when

@@ -99,14 +99,6 @@ static uint64_t checksum(const void *data, size_t n) {
     return h;
 }
 
-// Give the file's pages of [data, data + bytes) back: the mapping is private and never written,
-// so a page read again later is simply faulted in from the page cache.
-static void release_range(const void *data, size_t bytes) {
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t begin = ((uintptr_t)data + page - 1) / page * page, end = ((uintptr_t)data + bytes) / page * page;
-    if (end > begin) madvise((void *)begin, end - begin, MADV_DONTNEED);
-}
-
 // The model's checksum: every tensor's type, shape and bytes, and the file's size. Reading them
 // all would leave the whole file resident, so each tensor's pages are released after it.
 static uint64_t model_checksum(const kr_model *m, uint64_t *bytes) {
@@ -119,7 +111,7 @@ static uint64_t model_checksum(const kr_model *m, uint64_t *bytes) {
         memcpy(shape + 2, t.dims, sizeof t.dims);
         h = h * 0x9E3779B185EBCA87ull ^ checksum(shape, sizeof shape);
         h = h * 0x9E3779B185EBCA87ull ^ checksum(t.data, t.n_bytes);
-        release_range(t.data, t.n_bytes);
+        kr_release_file_pages(t.data, t.n_bytes);
     }
     return h;
 }
@@ -149,7 +141,7 @@ static void repoint(kr_model *m, kr_matrix **list, int n, const char *payload) {
 
 // The file's pages of the matrices just packed are not read again.
 static void release_sources(kr_matrix **list, const void **sources, int n) {
-    for (int i = 0; i < n; i++) release_range(sources[i], matrix_bytes(list[i]));
+    for (int i = 0; i < n; i++) kr_release_file_pages(sources[i], matrix_bytes(list[i]));
 }
 
 // --- The cache file
