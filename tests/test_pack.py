@@ -188,9 +188,10 @@ class PackedModelTests:
                 session.eval(tokens)
                 grown = mapped_resident_bytes(path) - before
         if pack_weights:
-            # Loaded and packed, the mapping keeps the file's header pages and nothing else: the
-            # norms and biases were copied out and their pages given back (236 pages stayed before).
-            assert before <= 64 * 1024, before
+            # Loaded and packed, the mapping keeps the file's header pages and nothing else (16 KiB
+            # here; fault-around may map up to 64 KiB around a read): the norms and biases were
+            # copied out and their pages given back (236 pages, 944 KiB, stayed before).
+            assert before <= 256 * 1024, before
             assert grown == 0, grown
         else:
             assert grown > 16 * 2**20, grown
