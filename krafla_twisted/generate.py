@@ -340,7 +340,7 @@ class Runtime:
             return None
         donor, shared = None, keep
         for other in self.slots:
-            if other is not slot:
+            if other is not slot and len(other.cached) > shared:
                 common = min(other.common_prefix(prompt), len(prompt) - 1)
                 if common > shared:
                     donor, shared = other, common
@@ -354,7 +354,6 @@ class Runtime:
             self.prefix_copies = False
             return None
         slot.cached[:] = donor.cached[:shared]
-        slot.cached_logits = None
         return shared
 
     def release_slot(self, slot):

@@ -20,6 +20,7 @@ from tests import strategies
 from tests.support.real_models import real_model
 from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import ARCHS, KQUANTS, QUANTIZED, tiny_model_container, write_tiny_model
+from tests.support.tiny_qwen35 import write_tiny_qwen35
 from tests.test_kernels import same_bits
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -313,8 +314,6 @@ class EngineErrorTests:
                 with pytest.raises(error, match=message):
                     call()
                 assert (source.n_tokens, copy.n_tokens) == (12, 3)
-        from tests.support.tiny_qwen35 import write_tiny_qwen35
-
         with Model(write_tiny_qwen35(tmp_path / "q35.mlb", seed=1)) as model:
             source, copy = model.session(ctx=32), model.session(ctx=32)
             source.eval([1, 2, 3])

@@ -127,8 +127,7 @@ static void pack_into(kr_matrix **list, int n, char *payload) {
 
 // The listed matrices now read `payload`. A tied output head is the token embedding: its rows are
 // looked up in the packed copy too (kr_dequantize_packed_row), so no page of the file's copy is
-// read again. Read from the file, each lookup mapped the 64 KiB around its row back in, several
-// MiB a reply, growing to the whole embedding (16 MiB for SmolLM2 135M, 77 MiB for Qwen2.5 0.5B).
+// read again (each lookup in the file mapped the pages around its row back in).
 static void repoint(kr_model *m, kr_matrix **list, int n, const char *payload) {
     size_t at = 0;
     for (int i = 0; i < n; i++) {

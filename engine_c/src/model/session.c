@@ -194,8 +194,8 @@ int kr_session_truncate(kr_session *s, int32_t n_tokens, kr_error *err) {
 
 // Copy the keys and values of src's first n_tokens positions into dst, for every cached layer and
 // KV head: dst then holds those positions and nothing after them, as if it had evaluated them.
-// Positions live at the same place in every session's cache whatever its context, so this is one
-// row range per (layer, head).
+// A (layer, head) lane holds its positions' rows in order from its start, so this is the first
+// n_tokens rows of each lane (the lanes' strides differ when the contexts do).
 int kr_session_copy_prefix(kr_session *dst, const kr_session *src, int32_t n_tokens, kr_error *err) {
     if (!dst || !src) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: session is NULL");
     if (dst == src) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_copy_prefix: a session cannot copy from itself");
