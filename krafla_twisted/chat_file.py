@@ -17,7 +17,8 @@ The server and `krafla run` use `chat_template` when --chat is not given (and sa
 
 import json
 
-from krafla_twisted import chat, formats
+from krafla_twisted import chat
+from krafla_twisted.container import TOKENIZER_MAGIC, ContainerFile
 
 # Conversations both renderings must agree on (with the generation prompt). Together they tell
 # apart templates that differ only in a default system prompt (qwen, smollm vs chatml), in the
@@ -156,10 +157,10 @@ def store(container, jinja_text):
 
 
 def template_of(mlt_path):
-    """The chat template name a .mlt records, or None; FormatError for an unreadable file.
+    """The chat template name a .mlt records, or None; clib.KraflaError for an unreadable file.
     A name this krafla does not know (a newer converter's) is an error naming --chat."""
-    metadata = formats.read(mlt_path, magic=formats.TOKENIZER_MAGIC).metadata
-    name = metadata.get("chat_template")
+    with ContainerFile(mlt_path, magic=TOKENIZER_MAGIC) as file:
+        name = file.metadata.get("chat_template")
     if name is None:
         return None
     if name not in chat.TEMPLATE_NAMES:

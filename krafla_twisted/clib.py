@@ -9,6 +9,7 @@ sources, then the copy inside the package. Without $KRAFLA_ISA, an ISA whose lib
 (a tree where only `make build/avx2/libkrafla.so` was run) falls back to the next best that is there.
 """
 
+import array
 import ctypes
 import os
 import threading
@@ -176,6 +177,37 @@ def declare(lib, name, restype, *argtypes):
     function = getattr(lib, name)
     function.restype = restype
     function.argtypes = list(argtypes)
+
+
+# Rows of floats and arrays of token ids go to C as buffers (the buffer protocol), not as numpy
+# arrays: numpy arrays are such buffers, and the server, which never needs numpy, passes
+# memoryviews and array.array instead (see engine.logits_rows).
+_FLOAT32_FORMATS = ("f", "<f", "=f")
+
+
+def float32_row(values, name="logits", copy=True):
+    """`values` as a ctypes float array over the same memory when it is a writeable, C-contiguous
+    1-D float32 buffer (a numpy row, a memoryview of one, an array.array('f')): C reads and
+    writes in place. Any other sequence of numbers is copied (ValueError instead with copy=False);
+    more than one dimension is ValueError."""
+    try:
+        view = memoryview(values)
+    except TypeError:
+        view = None
+    if view is not None and view.ndim != 1:
+        raise ValueError(f"{name} must be one row, got shape {view.shape}")
+    if view is None or view.format not in _FLOAT32_FORMATS or not view.c_contiguous or view.readonly:
+        if not copy:
+            raise ValueError(f"{name} must be a writeable C-contiguous row of float32")
+        view = memoryview(array.array("f", values))
+    return (ctypes.c_float * len(view)).from_buffer(view)
+
+
+def int32_array(values):
+    """`values` (a sequence or a buffer of integers) as a new ctypes int32 array; OverflowError
+    for a value outside int32, TypeError for one that is not an integer."""
+    ids = array.array("i", values)
+    return (ctypes.c_int32 * len(ids)).from_buffer(ids)
 
 
 @prototypes

@@ -12,7 +12,6 @@ which names the file and the problem.
 import ctypes
 import os
 
-import numpy as np
 
 from krafla_twisted import clib, header
 
@@ -162,9 +161,9 @@ class ContainerFile(clib.OwnedHandle):
             elif kind.value == META_STR:
                 value = ctypes.string_at(str_value.value, count.value).decode("utf-8", "replace")
             elif kind.value in (META_INTS, META_FLOATS):
-                values = np.empty(count.value, dtype=np.int64 if kind.value == META_INTS else np.float64)
-                err.check(lib.kr_file_meta_array(handle, index, values.ctypes.data, count.value, ctypes.byref(err)))
-                value = values.tolist()
+                values = ((ctypes.c_int64 if kind.value == META_INTS else ctypes.c_double) * count.value)()
+                err.check(lib.kr_file_meta_array(handle, index, values, count.value, ctypes.byref(err)))
+                value = values[:]
             else:
                 raise clib.KraflaError(f"{self.path}: metadata {name}: kind {kind.value} unknown to this binding", 2)
             metadata[name] = value
@@ -182,12 +181,14 @@ class ContainerFile(clib.OwnedHandle):
         return infos
 
     def tensor_bytes(self, name):
-        """A copy of the named tensor's raw bytes (uint8), read through the C loader's pointer."""
+        """A copy of the named tensor's raw bytes (a numpy uint8 array), read through the C loader's pointer."""
+        import numpy  # tests and tools only: a server reads no tensor here, and runs without numpy
+
         self._check_open()
         if name not in self._index:
             raise KeyError(f"{self.path}: no tensor {name}")
         _, _, _, n_bytes, data = self._infos[self._index[name]]
-        return np.frombuffer(ctypes.string_at(data, n_bytes), dtype=np.uint8)
+        return numpy.frombuffer(ctypes.string_at(data, n_bytes), dtype=numpy.uint8)
 
     def __repr__(self):
         state = "open" if self._handle else "closed"

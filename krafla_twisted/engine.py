@@ -3,8 +3,8 @@ cache and the forward pass).
 
 Two layers, as in krafla.h: the raw prototypes of the kr_model_* / kr_session_* functions, then
 owning classes that free their handle in `close()` (or at the end of a `with` block), raise
-`EngineError` (a `clib.KraflaError`) with the C library's message on a bad status, and hand numpy
-arrays to C without copies.
+`EngineError` (a `clib.KraflaError`) with the C library's message on a bad status, and hand
+buffers to C without copies.
 
     with Model("SmolLM2-135M-Instruct-Q4_0.mlb", threads=2) as model:
         session = model.session(ctx=2048, kv="f16", batch=32)
@@ -18,16 +18,19 @@ One eval at a time per model: the thread pool belongs to the model, so sessions 
 must not evaluate concurrently (the C library refuses a second concurrent eval). To serve several
 sequences at once, `Model.eval_batch` runs them in the same forward steps (kr_batch_eval), each
 getting the bits it gets alone.
+
+Logits come back as numpy arrays unless the caller gives `out` buffers: any writeable float32
+buffer of the right shape (a numpy array, or a row of `logits_rows`). numpy is imported only
+to make those arrays, so the server, which passes its own rows, runs without it (about 12 MiB
+of resident memory, much beside a small model).
 """
 
 import ctypes
 import os
 import weakref
 
-import numpy as np
-
-from krafla_twisted import clib, formats, header
-from krafla_twisted.container import ContainerFile
+from krafla_twisted import clib, header
+from krafla_twisted.container import ContainerFile, type_name
 
 # kr_status codes this module maps to exception classes.
 KR_ERR_ARGUMENT = header.KR_ERR_ARGUMENT
@@ -122,16 +125,42 @@ library_isa = clib.loaded_isa
 
 
 def supported_weight_types():
-    """The names (formats.py's: "q4_0", "q4_K", ...) of the weight types the loaded library computes on."""
+    """The names ("q4_0", "q4_K", ...) of the weight types the loaded library computes on."""
     lib = clib.load()
-    return {t.name for code, t in formats.TENSOR_TYPES.items() if lib.kr_weight_type_supported(code)}
+    return {type_name(code) for code in range(header.KR_TYPE_COUNT) if lib.kr_weight_type_supported(code)}
 
 
-def _check_out(out, shape, what):
-    """ValueError unless `out` is a writeable C-contiguous float32 array of `shape` (C writes there)."""
-    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
-            and out.flags.c_contiguous and out.flags.writeable):
+def logits_rows(count, n_vocab):
+    """`count` new rows of n_vocab float32 logits (memoryviews), one after the other in one buffer:
+    `out` for Session.eval and Model.eval_batch without numpy. Given as the "last" rows of one
+    eval_batch, they let the output head run once for the whole step."""
+    flat = memoryview(bytearray(4 * count * n_vocab)).cast("f")
+    return [flat[i * n_vocab:(i + 1) * n_vocab] for i in range(count)]
+
+
+def copy_logits(row):
+    """A copy of a row of logits (any float32 buffer) in a buffer of its own, as a memoryview."""
+    return memoryview(bytearray(row)).cast("f")
+
+
+def _new_logits(shape):
+    """A new float32 numpy array for logits no `out` was given for (numpy is imported here only)."""
+    import numpy
+
+    return numpy.empty(shape, dtype=numpy.float32)
+
+
+def _out_pointer(out, shape, what):
+    """A ctypes float array over `out`, or ValueError unless it is a writeable C-contiguous float32
+    buffer of `shape` (C writes there)."""
+    try:
+        view = memoryview(out)
+    except TypeError:
+        view = None
+    if (view is None or view.format not in ("f", "<f", "=f") or view.shape != shape or not view.c_contiguous
+            or view.readonly):
         raise ValueError(f"{what} must be a writeable C-contiguous float32 array of shape {shape}")
+    return (ctypes.c_float * (view.nbytes // 4)).from_buffer(view)
 
 
 def _raise(error):
@@ -171,8 +200,7 @@ class Model(clib.OwnedHandle):
         self.n_vocab = raw.n_vocab
         self.max_seq = raw.max_seq
         self.arch = raw.arch.decode()
-        known = formats.TENSOR_TYPES.get(raw.weight_type)
-        self.weight_type = known.name if known else str(raw.weight_type)
+        self.weight_type = type_name(raw.weight_type)
         self.n_params = raw.n_params
         self.n_layers, self.n_kv_heads, self.head_dim = raw.n_layers, raw.n_kv_heads, raw.head_dim
         self.n_bytes = raw.n_bytes
@@ -215,7 +243,7 @@ class Model(clib.OwnedHandle):
         `items` is a sequence of (session, token_ids, logits) or (session, token_ids, logits, out):
         token_ids are appended to the session as by Session.eval, `logits` is "none" (prefill),
         "last" (the last token's, np.float32 (n_vocab,)) or "all" (every token's,
-        (len(token_ids), n_vocab)); `out`, a writeable C-contiguous float32 array of that shape,
+        (len(token_ids), n_vocab)); `out`, a writeable C-contiguous float32 buffer of that shape,
         receives them instead of a new array (when the items' logits rows lie one after the other in
         memory, as the rows of one array in item order, the output head runs once for all of them
         instead of once per item). Returns one entry per item: None for "none", else
@@ -240,16 +268,14 @@ class Model(clib.OwnedHandle):
                 raise InvalidTokenError(f"item {index}: logits {mode!r} is not one of {', '.join(LOGITS_MODES)}",
                                         KR_ERR_ARGUMENT)
             tokens = session._token_array(token_ids, f"eval_batch item {index}")
-            shape = {"none": None, "last": (self.n_vocab,), "all": (tokens.size, self.n_vocab)}[mode]
-            if out is not None:
-                _check_out(out, shape, f"item {index}: out")
-            elif shape:
-                out = np.empty(shape, dtype=np.float32)
+            shape = {"none": None, "last": (self.n_vocab,), "all": (len(tokens), self.n_vocab)}[mode]
+            if out is None and shape:
+                out = _new_logits(shape)
             raw[index].session = session._check_open()
-            raw[index].tokens = tokens.ctypes.data_as(_int32_p)
-            raw[index].n_tokens = tokens.size
+            raw[index].tokens = tokens
+            raw[index].n_tokens = len(tokens)
             raw[index].logits = LOGITS_MODES[mode]
-            raw[index].logits_out = out.ctypes.data_as(_float_p) if out is not None else None
+            raw[index].logits_out = _out_pointer(out, shape, f"item {index}: out") if out is not None else None
             keep.append(tokens)
             results.append(out)
         error = clib.kr_error()
@@ -297,18 +323,18 @@ class Session(clib.OwnedHandle):
     def eval(self, token_ids, logits=True, out=None):
         """Run token_ids (a sequence or numpy array of ints) after the cached ones; return the
         last token's logits as np.float32 (n_vocab,), or None with logits=False (prefill only).
-        With `out` (a C-contiguous float32 array of n_vocab), the logits are written there and
-        `out` is returned, so a generation loop allocates nothing per token."""
+        With `out` (a writeable C-contiguous float32 buffer of n_vocab: a numpy array, a row of
+        logits_rows), the logits are written there and `out` is returned instead."""
         handle = self._check_open()
+        pointer = None
         if out is not None:
-            _check_out(out, (self.model.n_vocab,), "out")
-            logits = True
+            pointer = _out_pointer(out, (self.model.n_vocab,), "out")
         tokens = self._token_array(token_ids, "eval")
         if logits and out is None:
-            out = np.empty(self.model.n_vocab, dtype=np.float32)
+            out = _new_logits(self.model.n_vocab)
+            pointer = _out_pointer(out, (self.model.n_vocab,), "out")
         error = clib.kr_error()
-        status = self._lib.kr_session_eval(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
-                                           out.ctypes.data_as(_float_p) if logits else None, ctypes.byref(error))
+        status = self._lib.kr_session_eval(handle, tokens, len(tokens), pointer, ctypes.byref(error))
         if status:
             _raise(error)
         return out
@@ -319,30 +345,44 @@ class Session(clib.OwnedHandle):
         bit for bit (perplexity and scoring)."""
         handle = self._check_open()
         tokens = self._token_array(token_ids, "eval_all")
-        out = np.empty((tokens.size, self.model.n_vocab), dtype=np.float32)
+        shape = (len(tokens), self.model.n_vocab)
+        out = _new_logits(shape)
         error = clib.kr_error()
-        status = self._lib.kr_session_eval_all(handle, tokens.ctypes.data_as(_int32_p), tokens.size,
-                                               out.ctypes.data_as(_float_p), ctypes.byref(error))
+        status = self._lib.kr_session_eval_all(handle, tokens, len(tokens), _out_pointer(out, shape, "out"),
+                                               ctypes.byref(error))
         if status:
             _raise(error)
         return out
 
     def _token_array(self, token_ids, method):
-        """token_ids as a C-contiguous int32 array, or InvalidTokenError naming the bad value."""
-        tokens = np.asarray(token_ids)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise InvalidTokenError(f"{method} needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}",
+        """token_ids (a 1-D sequence or buffer of integers) as a ctypes int32 array, or
+        InvalidTokenError naming the bad value (the C library checks the vocabulary's range)."""
+        shape = getattr(token_ids, "shape", None)
+        if shape is not None and len(shape) != 1:
+            raise InvalidTokenError(f"{method} needs a non-empty 1-D sequence of token ids, got shape {shape}",
                                     KR_ERR_ARGUMENT)
-        if tokens.dtype.kind not in "iu":
-            raise InvalidTokenError(f"token ids must be integers, not {tokens.dtype}", KR_ERR_ARGUMENT)
-        if tokens.dtype != np.int32:
-            out_of_range = (tokens < 0) | (tokens >= self.model.n_vocab)
-            if out_of_range.any():
-                index = int(np.argmax(out_of_range))
-                raise InvalidTokenError(f"token id {int(tokens[index])} at index {index} is outside "
-                                        f"[0, {self.model.n_vocab})", KR_ERR_ARGUMENT)
-            tokens = tokens.astype(np.int32)
-        return np.ascontiguousarray(tokens)
+        try:
+            tokens = clib.int32_array(token_ids)
+        except (TypeError, OverflowError):
+            raise self._bad_token(token_ids) from None
+        if not len(tokens):
+            raise InvalidTokenError(f"{method} needs a non-empty 1-D sequence of token ids, got none", KR_ERR_ARGUMENT)
+        return tokens
+
+    def _bad_token(self, token_ids):
+        """The InvalidTokenError for the first id that is not an integer or does not fit int32."""
+        try:
+            values = list(token_ids)
+        except TypeError:
+            return InvalidTokenError(f"token ids must be a sequence of integers, not {type(token_ids).__name__}",
+                                     KR_ERR_ARGUMENT)
+        for index, value in enumerate(values):
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                return InvalidTokenError(f"token ids must be integers, not {type(value).__name__}", KR_ERR_ARGUMENT)
+            if not 0 <= value < self.model.n_vocab:
+                return InvalidTokenError(f"token id {int(value)} at index {index} is outside [0, {self.model.n_vocab})",
+                                         KR_ERR_ARGUMENT)
+        return InvalidTokenError("token ids must be integers", KR_ERR_ARGUMENT)
 
     def truncate(self, n_tokens):
         """Forget every position from n_tokens on (0 <= n_tokens <= self.n_tokens)."""

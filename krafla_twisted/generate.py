@@ -28,9 +28,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from krafla_twisted import chat, clib, header
+from krafla_twisted import chat, clib, header, sampler
+from krafla_twisted.engine import copy_logits, logits_rows
 from krafla_twisted.sampler import Sampler
 
 
@@ -116,22 +115,15 @@ class TokenLogprob:
 def token_logprob(logits, token, top):
     """The TokenLogprob of `token` under `logits` (the model's, unmodified) with `top` alternatives;
     ties among the top are ordered by token id."""
-    values = logits.astype(np.float64)
-    peak = values.max()
-    logsum = peak + math.log(np.exp(values - peak).sum())
-    best = ()
-    if top:
-        candidates = np.argpartition(-values, top - 1)[:top] if top < len(values) else np.arange(len(values))
-        ordered = sorted(candidates.tolist(), key=lambda t: (-values[t], t))
-        best = tuple((t, float(values[t] - logsum)) for t in ordered)
-    return TokenLogprob(int(token), float(values[token] - logsum), best)
+    logprob, best = sampler.logprobs(logits, token, top)
+    return TokenLogprob(int(token), logprob, best)
 
 
 def apply_logit_bias(logits, logit_bias):
     """Add OpenAI's logit_bias ({token id: -100..100}) to a copy of `logits`; -100 bans a token."""
-    biased = logits.copy()
+    biased = copy_logits(logits)
     for token, bias in logit_bias.items():
-        biased[token] = -np.inf if bias <= -100 else biased[token] + bias
+        biased[token] = -math.inf if bias <= -100 else biased[token] + bias
     return biased
 
 
@@ -357,9 +349,9 @@ class Runtime:
         return shared
 
     def release_slot(self, slot):
-        if slot.cached_logits is not None and slot.cached_logits.base is not None:
-            # A row of a step's array (Scheduler): kept alone, so the other rows are not kept with it.
-            slot.cached_logits = slot.cached_logits.copy()
+        if slot.cached_logits is not None:
+            # Perhaps a row of a step's buffer (Scheduler): kept alone, so the other rows are not kept with it.
+            slot.cached_logits = copy_logits(slot.cached_logits)
         self._uses += 1
         slot.last_used = self._uses
         slot.busy = False
@@ -589,7 +581,7 @@ class Generation:
         if self.logit_bias:
             chosen_from = apply_logit_bias(logits, self.logit_bias)
         if constraint is not None:
-            chosen_from = constraint.mask(chosen_from if chosen_from is not logits else logits.copy())
+            chosen_from = constraint.mask(chosen_from if chosen_from is not logits else copy_logits(logits))
         token = self.sampler.sample(chosen_from, history)
         if token in self.runtime.stop_token_ids:
             return self._end("stop")
@@ -682,7 +674,7 @@ def run_alone(generation):
             wanted = generation.next_input(max(1, runtime.batch))
             if wanted is None:
                 break
-            generation.feed(slot.session.eval(wanted[0]))
+            generation.feed(slot.session.eval(wanted[0], out=logits_rows(1, runtime.model.n_vocab)[0]))
     except BaseException:
         generation._close_sampler()
         raise

@@ -14,11 +14,12 @@ number of requests. Grammars are bounded by llguidance's parser limits (LIMITS):
 would need more is refused with GrammarError (a 400), and no step of a matcher can run long.
 """
 
+import ctypes
 import json
 import threading
 import weakref
 
-import numpy as np
+from krafla_twisted import sampler
 
 # JSON in replies is written on one line as Python's json.dumps writes it ({"a": 1, "b": [2]}):
 # flexible whitespace lets a small model pad a value with newlines until max_tokens, and this is
@@ -79,8 +80,8 @@ class Vocabulary:
     def __init__(self, tokenizer, stop_token_ids):
         llguidance = _llguidance()
         self.n_vocab = tokenizer.n_vocab
-        self.stop_token_ids = np.array(sorted(stop_token_ids), dtype=np.int64)
-        if not len(self.stop_token_ids):
+        self.stop_token_ids = tuple(sorted(int(t) for t in stop_token_ids))
+        if not self.stop_token_ids:
             raise GrammarError("this model has no end-of-reply token, so a constrained reply could not end")
         tokens = []
         special = []
@@ -91,7 +92,7 @@ class Vocabulary:
                 piece = b"\xff" + piece
                 special.append(token)
             tokens.append(piece)
-        end = int(self.stop_token_ids[0])
+        end = self.stop_token_ids[0]
 
         class Wrapped:
             eos_token_id = end
@@ -130,28 +131,38 @@ class Constraint:
         if self.matcher.is_error():
             raise GrammarError(_readable(self.matcher.get_error()))
         words = (vocabulary.n_vocab + 31) // 32
-        self._bits = np.zeros(words, dtype=np.uint32)
+        self._bits = (ctypes.c_uint32 * words)()
 
     @property
     def done(self):
         """The value is complete and nothing may follow it."""
         return self.matcher.is_stopped()
 
+    def allowed_bits(self):
+        """The tokens the grammar allows next, as a ctypes uint32 array: token i is bit i % 32 of
+        word i // 32 (the model's stop tokens stand for llguidance's end token). It is this
+        constraint's own array, overwritten by the next call."""
+        self._check()
+        bits = self._bits
+        self.matcher.unsafe_compute_mask_ptr(ctypes.addressof(bits), ctypes.sizeof(bits))
+        self._check()
+        end = self.vocabulary.end_token
+        if bits[end >> 5] >> (end & 31) & 1:
+            for token in self.vocabulary.stop_token_ids:
+                bits[token >> 5] |= 1 << (token & 31)
+        else:
+            for token in self.vocabulary.stop_token_ids:
+                bits[token >> 5] &= ~(1 << (token & 31))
+        return bits
+
     def allowed(self):
-        """A bool array over the vocabulary: the tokens the grammar allows next (the model's stop
-        tokens stand for llguidance's end token)."""
-        self._check()
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        self._check()
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocabulary.n_vocab].astype(bool)
-        end = allowed[self.vocabulary.end_token]
-        allowed[self.vocabulary.stop_token_ids] = end
-        return allowed
+        """A list of bools over the vocabulary: the tokens the grammar allows next."""
+        bits = self.allowed_bits()
+        return [bool(bits[token >> 5] >> (token & 31) & 1) for token in range(self.vocabulary.n_vocab)]
 
     def mask(self, logits):
-        """Set the logits of every token the grammar forbids to -inf, in place."""
-        logits[~self.allowed()] = -np.inf
-        return logits
+        """Set the logits (a writeable float32 row) of every token the grammar forbids to -inf, in place."""
+        return sampler.mask_logits(logits, self.allowed_bits())
 
     def accept(self, token):
         """Move on by the sampled token (a stop token counts as the end)."""

@@ -1,12 +1,11 @@
 """ctypes bindings for the sampler section of krafla.h (engine_c/src/sampler/sampler.c).
 
 `Sampler(params, n_vocab)` owns a kr_sampler: `.sample(logits, history)` returns the next token id.
-The raw prototypes come first, then the owning class.
+`logprobs(logits, token, top)` and `mask_logits(logits, allowed)` are the rest of what a reply
+does with a row of logits. The raw prototypes come first, then the owning class.
 """
 
 import ctypes
-
-import numpy as np
 
 from krafla_twisted import clib
 
@@ -23,7 +22,9 @@ class kr_sampler_params(ctypes.Structure):
 
 
 _float_p = ctypes.POINTER(ctypes.c_float)
+_double_p = ctypes.POINTER(ctypes.c_double)
 _int32_p = ctypes.POINTER(ctypes.c_int32)
+_uint32_p = ctypes.POINTER(ctypes.c_uint32)
 _error_p = ctypes.POINTER(clib.kr_error)
 
 
@@ -39,6 +40,12 @@ def _sampler(lib):
                  ctypes.c_int32, _int32_p, _error_p)
     # int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
     clib.declare(lib, "kr_sampler_reseed", ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _error_p)
+    # int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int32_t *top_ids,
+    #                 double *top_logprobs, double *token_logprob, kr_error *err);
+    clib.declare(lib, "kr_logprobs", ctypes.c_int, _float_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _int32_p,
+                 _double_p, _double_p, _error_p)
+    # int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *err);
+    clib.declare(lib, "kr_logits_mask", ctypes.c_int, _float_p, ctypes.c_int32, _uint32_p, _error_p)
 
 
 SEED_MODULUS = 2**64
@@ -73,15 +80,12 @@ class Sampler(clib.OwnedHandle):
     def sample(self, logits, history=()):
         """The next token id for `logits` (n_vocab floats) after `history` (token ids, oldest first)."""
         handle = self._check_open()
-        logits = np.ascontiguousarray(logits, dtype=np.float32)
-        if logits.ndim != 1:
-            raise ValueError(f"logits must be one row, got shape {logits.shape}")
-        history = np.ascontiguousarray(history, dtype=np.int32)
+        row = clib.float32_row(logits)
+        history = clib.int32_array(history)
         token = ctypes.c_int32(-1)
         err = clib.kr_error()
-        status = self._lib.kr_sampler_sample(
-            handle, logits.ctypes.data_as(_float_p), logits.shape[0],
-            history.ctypes.data_as(_int32_p), history.shape[0], ctypes.byref(token), ctypes.byref(err))
+        status = self._lib.kr_sampler_sample(handle, row, len(row), history, len(history), ctypes.byref(token),
+                                             ctypes.byref(err))
         err.check(status)
         return token.value
 
@@ -91,6 +95,29 @@ class Sampler(clib.OwnedHandle):
 
     def _closed_error(self):
         return clib.KraflaError("sampler is closed", clib.KR_ERR_STATE)
+
+
+def logprobs(logits, token, top):
+    """The log-softmax of `logits` (a row of n_vocab floats) at `token`, and the `top` most likely
+    tokens best first (ties to the lower id): (logprob, ((id, logprob), ...)), in double precision."""
+    row = clib.float32_row(logits)
+    top = min(int(top), len(row))
+    ids, values, value = (ctypes.c_int32 * top)(), (ctypes.c_double * top)(), ctypes.c_double()
+    err = clib.kr_error()
+    err.check(clib.load().kr_logprobs(row, len(row), _int32(token, "token"), top, ids, values, ctypes.byref(value),
+                                      ctypes.byref(err)))
+    return value.value, tuple(zip(ids, values))
+
+
+def mask_logits(logits, allowed):
+    """Set to -inf, in place, the logits of every token whose bit in `allowed` (a ctypes uint32
+    array, token i at bit i % 32 of word i // 32) is clear; returns `logits`."""
+    row = clib.float32_row(logits, copy=False)
+    if len(allowed) * 32 < len(row):
+        raise ValueError(f"a mask of {len(allowed) * 32} bits for {len(row)} logits")
+    err = clib.kr_error()
+    err.check(clib.load().kr_logits_mask(row, len(row), allowed, ctypes.byref(err)))
+    return logits
 
 
 def _int32(value, name):

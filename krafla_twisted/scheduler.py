@@ -26,7 +26,7 @@ may read for /metrics.
 import collections
 from dataclasses import dataclass
 
-import numpy as np
+from krafla_twisted.engine import logits_rows
 
 # --parallel's default: see docs/server.md ("Slots and batching") for the measurement behind it.
 DEFAULT_PARALLEL = 4
@@ -147,10 +147,10 @@ class Scheduler:
 
     def _evaluate(self, items):
         model = self.runtime.model
-        # The "last" rows of one array, one after the other: the engine then runs the output head
+        # The "last" rows of one buffer, one after the other: the engine then runs the output head
         # once for the whole step (one matrix-matrix product) instead of once per sequence, which
         # costs as many passes over the largest matrix as there are replies.
-        rows = iter(np.empty((sum(mode == "last" for _, _, mode in items), model.n_vocab), np.float32))
+        rows = iter(logits_rows(sum(mode == "last" for _, _, mode in items), model.n_vocab))
         batch = [(g.slot.session, tokens, mode) + ((next(rows),) if mode == "last" else ())
                  for g, tokens, mode in items]
         try:

@@ -13,7 +13,6 @@ A Tokenizer is immutable once open; any thread may use it.
 import codecs
 import ctypes
 
-import numpy as np
 
 from krafla_twisted import clib, header
 
@@ -133,28 +132,28 @@ class Tokenizer(clib.OwnedHandle):
         count = ctypes.c_int64()
         capacity = len(data) + 8
         while True:
-            out = np.empty(capacity, np.int32)
+            out = (ctypes.c_int32 * capacity)()
             status = self._lib.kr_tokenizer_encode(
                 handle, data, len(data), _tristate(add_bos), _tristate(add_eos), int(bool(special)),
-                out.ctypes.data_as(_I32P), capacity, ctypes.byref(count), ctypes.byref(err))
+                out, capacity, ctypes.byref(count), ctypes.byref(err))
             err.check(status)
             if count.value <= capacity:
-                return out[:count.value].tolist()
+                return out[:count.value]
             capacity = count.value
 
     def decode(self, ids, special=False):
         """The bytes of `ids`; control tokens give nothing unless special=True."""
         handle = self._check_open()
-        array = np.ascontiguousarray(ids, dtype=np.int64)
-        if array.size and (array.min() < -2**31 or array.max() >= 2**31):
-            raise ValueError(f"token id out of range for this vocabulary of {self.n_vocab}")
-        array = array.astype(np.int32)
+        try:
+            array = clib.int32_array(ids)
+        except OverflowError:
+            raise ValueError(f"token id out of range for this vocabulary of {self.n_vocab}") from None
         err = clib.kr_error()
         size = ctypes.c_int64()
         capacity = 16 * len(array) + 16
         while True:
             out = ctypes.create_string_buffer(capacity)
-            status = self._lib.kr_tokenizer_decode(handle, array.ctypes.data_as(_I32P), len(array), int(bool(special)),
+            status = self._lib.kr_tokenizer_decode(handle, array, len(array), int(bool(special)),
                                                    out, capacity, ctypes.byref(size), ctypes.byref(err))
             if status:
                 raise ValueError(err.message.decode("utf-8", "replace"))
@@ -197,11 +196,11 @@ class Tokenizer(clib.OwnedHandle):
         err = clib.kr_error()
         count = ctypes.c_int64()
         capacity = len(data) + 1
-        ends = np.empty(capacity, np.int64)
-        err.check(self._lib.kr_tokenizer_pretokenize(self._check_open(), data, len(data), ends.ctypes.data_as(_I64P), capacity,
+        ends = (ctypes.c_int64 * capacity)()
+        err.check(self._lib.kr_tokenizer_pretokenize(self._check_open(), data, len(data), ends, capacity,
                                                      ctypes.byref(count), ctypes.byref(err)))
-        starts = [0] + ends[:count.value - 1].tolist()
-        return [data[a:b] for a, b in zip(starts, ends[:count.value].tolist())]
+        starts = [0] + ends[:count.value - 1]
+        return [data[a:b] for a, b in zip(starts, ends[:count.value])]
 
     def streaming_decoder(self, special=False):
         return StreamingDecoder(self, special)

@@ -6,6 +6,7 @@ weight type (hypothesis-chosen shapes) and on the real models, and must refuse b
 token ids, positions past the context and closed handles with a clear message.
 """
 
+import array
 import gc
 import json
 
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import cli, clib, formats, header
+from krafla_twisted import cli, clib, engine, formats, header
 from krafla_twisted.engine import ClosedError, ContextFullError, EngineError, InvalidTokenError, Model
 from tests import strategies
 from tests.support.real_models import real_model
@@ -239,10 +240,35 @@ class ModelInfoTests:
             np.testing.assert_array_equal(buffer, expected)
             assert session.handle and model.handle
             for bad in (np.zeros(model.n_vocab, np.float64), np.zeros(model.n_vocab + 1, np.float32),
-                        np.zeros((model.n_vocab, 2), np.float32)[:, 0]):
+                        np.zeros((model.n_vocab, 2), np.float32)[:, 0], bytes(4 * model.n_vocab), [0.0] * model.n_vocab):
                 with pytest.raises(ValueError, match="out must be"):
                     session.eval([1], out=bad)
             assert session.n_tokens == 9
+
+    def test_numpy_free_buffers(self, tiny):
+        """What the server passes instead of numpy arrays gives the same bits: token ids as a tuple,
+        an array.array or numpy int64, logits into logits_rows' memoryviews (eval and eval_batch,
+        rows of one buffer), and copy_logits keeps a row apart from its buffer."""
+        path = tiny("llama")
+        ids = prompt(9, 60)
+        with Model(path) as model:
+            session = model.session()
+            expected = session.eval(ids)
+            for tokens in (tuple(ids), array.array("i", ids), np.array(ids, np.int64)):
+                session.truncate(0)
+                row = engine.logits_rows(1, model.n_vocab)[0]
+                assert session.eval(tokens, out=row) is row
+                assert row.tobytes() == expected.tobytes()
+            other = model.session()
+            other.eval(ids[:5])
+            session.truncate(8)
+            rows = engine.logits_rows(2, model.n_vocab)
+            outputs = model.eval_batch([(session, ids[8:], "last", rows[0]), (other, ids[5:], "last", rows[1])])
+            assert outputs == rows
+            assert rows[0].tobytes() == rows[1].tobytes() == expected.tobytes()
+            kept = engine.copy_logits(rows[0])
+            rows[0][0] = 1e9
+            assert kept.tobytes() == expected.tobytes() and kept.format == "f"
 
 
 class EngineErrorTests:
@@ -261,15 +287,27 @@ class EngineErrorTests:
             assert session.n_tokens == 2
 
     def test_bad_token_ids_from_python_ints(self, tiny):
-        """Python ints beyond int32 are refused before they could wrap around."""
+        """Python ints beyond int32 are refused before they could wrap around; ids out of the
+        vocabulary from a list as from an int32 array; not integers, none or two dimensions."""
         with Model(tiny("llama")) as model:
             session = model.session()
             with pytest.raises(InvalidTokenError, match="token id 4294967297 at index 0"):
                 session.eval([2**32 + 1])
+            with pytest.raises(InvalidTokenError, match=r"token id 67 at index 2 is outside \[0, 67\)"):
+                session.eval([1, 2, 67])
             with pytest.raises(InvalidTokenError, match="non-empty"):
                 session.eval([])
-            with pytest.raises(InvalidTokenError, match="integers"):
+            with pytest.raises(InvalidTokenError, match="integers, not float"):
                 session.eval([1.5])
+            with pytest.raises(InvalidTokenError, match="integers, not float64"):
+                session.eval(np.array([1.0, 2.0]))
+            with pytest.raises(InvalidTokenError, match="integers, not str"):
+                session.eval("12")
+            with pytest.raises(InvalidTokenError, match=r"1-D sequence of token ids, got shape \(1, 2\)"):
+                session.eval(np.array([[1, 2]]))
+            with pytest.raises(InvalidTokenError, match="sequence of integers, not int"):
+                session.eval(7)
+            assert session.n_tokens == 0
 
     def test_context_full(self, tiny):
         """Tokens past the context raise ContextFullError before any work; what fits still runs."""

@@ -71,12 +71,16 @@ class FakeSession:
     def n_tokens(self):
         return len(self.tokens)
 
-    def eval(self, tokens):
+    def eval(self, tokens, out=None):
+        """As Session.eval: the logits, written into `out` (a float32 buffer) when one is given."""
         tokens = [int(t) for t in tokens]
         assert tokens and len(self.tokens) + len(tokens) <= self.n_ctx
         self.evals.append(tokens)
         self.tokens.extend(tokens)
-        return self.logits()
+        if out is None:
+            return self.logits()
+        memoryview(out)[:] = memoryview(self.logits())
+        return out
 
     def truncate(self, n):
         assert 0 <= n <= len(self.tokens)

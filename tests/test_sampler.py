@@ -1,8 +1,10 @@
 """The C sampler (engine_c/src/sampler/sampler.c) against numpy references: greedy is argmax, top-k 1 is
 greedy, the repeat penalty follows llama.cpp's rule, top-k/top-p keep the right tokens, draws
 follow the softmax, and the random stream is xoshiro256** seeded by splitmix64 (reimplemented
-here in Python), so a seed fixes the output."""
+here in Python), so a seed fixes the output. Also the rest of what a reply does with a row of
+logits in C: its log probabilities and a grammar's mask."""
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -12,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from krafla_twisted import clib
-from krafla_twisted.sampler import Sampler
+from krafla_twisted.sampler import Sampler, logprobs, mask_logits
 
 
 @dataclass
@@ -328,3 +330,83 @@ class ValidationTests:
         sampler.close()
         with pytest.raises(clib.KraflaError, match="closed"):
             sampler.sample(np.zeros(3, dtype=np.float32))
+
+
+def reference_logprobs(logits, token, top):
+    """The log-softmax in float64 with numpy, and the `top` best (id, logprob), ties to the lower id."""
+    values = np.asarray(logits, dtype=np.float64)
+    logsum = values.max() + math.log(np.exp(values - values.max()).sum())
+    order = sorted(range(len(values)), key=lambda t: (-values[t], t))[:top]
+    return values[token] - logsum, [(t, values[t] - logsum) for t in order]
+
+
+class LogprobsTests:
+    """kr_logprobs (the API's logprobs, computed in C so the server needs no numpy) against numpy."""
+
+    @settings(max_examples=200, deadline=None)
+    @given(logits=logit_rows, data=st.data())
+    @example(logits=np.array([1, 3, 3, 0, 3, -np.inf], dtype=np.float32), data=None)
+    def test_matches_numpy(self, logits, data):
+        """The token's logprob and the top alternatives, best first with ties to the lower id, as
+        numpy gives them to within rounding of the sum."""
+        if data is None:
+            token, top = 5, 4
+        else:
+            token = data.draw(st.integers(0, len(logits) - 1))
+            top = data.draw(st.integers(0, len(logits)))
+        value, best = logprobs(logits, token, top)
+        expected, expected_best = reference_logprobs(logits, token, top)
+        assert value == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [t for t, _ in best] == [t for t, _ in expected_best]
+        assert [v for _, v in best] == pytest.approx([v for _, v in expected_best], rel=1e-12, abs=1e-12)
+
+    def test_any_float32_row(self):
+        """A memoryview of float32 (the server's rows) and a float64 array (converted) give the same figures."""
+        rng = np.random.default_rng(5)
+        logits = rng.normal(0, 3, 1000).astype(np.float32)
+        expected = logprobs(logits, 17, 20)
+        assert logprobs(memoryview(logits), 17, 20) == expected
+        assert logprobs(logits.astype(np.float64), 17, 20) == expected
+        assert logprobs(logits, 17, 5000) == logprobs(logits, 17, 1000)  # top beyond the vocabulary: all of it
+
+    def test_bad_calls(self):
+        """NaN, +inf, all -inf and a token outside the row are errors with a message, not crashes."""
+        with pytest.raises(clib.KraflaError, match="NaN"):
+            logprobs(np.array([0, np.nan, 0], dtype=np.float32), 0, 1)
+        with pytest.raises(clib.KraflaError, match=r"\+inf"):
+            logprobs(np.array([0, np.inf, 0], dtype=np.float32), 0, 1)
+        with pytest.raises(clib.KraflaError, match="every logit is -inf"):
+            logprobs(np.full(3, -np.inf, dtype=np.float32), 0, 1)
+        with pytest.raises(clib.KraflaError, match="token 3 is outside"):
+            logprobs(np.zeros(3, dtype=np.float32), 3, 1)
+        with pytest.raises(ValueError, match="one row"):
+            logprobs(np.zeros((2, 3), dtype=np.float32), 0, 1)
+
+
+class MaskTests:
+    """kr_logits_mask (a grammar's mask) against numpy's unpacking of the same bits."""
+
+    @settings(max_examples=100, deadline=None)
+    @given(n=st.integers(1, 200), seed=st.integers(0, 2**32 - 1))
+    def test_forbidden_tokens_become_minus_inf(self, n, seed):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(0, 1, n).astype(np.float32)
+        words = rng.integers(0, 2**32, (n + 31) // 32, dtype=np.uint64).astype(np.uint32)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+        expected = np.where(allowed, logits, -np.inf).astype(np.float32)
+        bits = (ctypes.c_uint32 * len(words))(*words.tolist())
+        assert mask_logits(logits, bits) is logits
+        assert logits.tobytes() == expected.tobytes()
+
+    def test_in_place_only(self):
+        """A row that cannot be written in place, or a mask short of bits, is refused."""
+        bits = (ctypes.c_uint32 * 1)(5)
+        with pytest.raises(ValueError, match="writeable C-contiguous row of float32"):
+            mask_logits(np.zeros(4, dtype=np.float64), bits)
+        with pytest.raises(ValueError, match="writeable"):
+            mask_logits(np.zeros(8, dtype=np.float32)[::2], bits)
+        with pytest.raises(ValueError, match="32 bits for 40 logits"):
+            mask_logits(np.zeros(40, dtype=np.float32), bits)
+        row = memoryview(bytearray(16)).cast("f")
+        mask_logits(row, bits)
+        assert row.tolist() == [0.0, -math.inf, 0.0, -math.inf]

@@ -49,7 +49,7 @@ class RecordingConstraint:
         self.done = False
 
     def mask(self, logits):
-        self.logits.append(logits.copy())
+        self.logits.append(np.array(logits, dtype=np.float32))  # a copy: the row is the step's
         return logits
 
     def accept(self, token):

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 
 import pytest
 
@@ -125,6 +126,35 @@ class StartupTests:
             # bindings (about 12 MiB resident); test_listen serves TLS when --listen asks for it.
             with open(f"/proc/{server.process.pid}/maps") as f:
                 assert "cryptography/hazmat/bindings" not in f.read()
+        finally:
+            server.stop()
+
+    def test_serves_without_numpy(self, model):
+        """The server never loads numpy (about 12 MiB resident): replies in two slots side by side,
+        streamed, with logprobs and logit_bias, and held to a JSON schema, all come from buffers
+        the C library fills and reads. (Tests elsewhere check each of these replies' content.)"""
+        server = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", "smollm", "-t", "1", "--ctx", "256",
+                                "--parallel", "2"]).start()
+        try:
+            chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6}
+            requests = [
+                ("/chat/completions", chat),
+                ("/chat/completions", dict(chat, stream=True)),
+                ("/chat/completions", dict(chat, logprobs=True, top_logprobs=3, logit_bias={"42": 3})),
+                ("/completions", {"prompt": "Once upon", "max_tokens": 4, "logprobs": 2, "temperature": 0.8, "seed": 3}),
+                ("/chat/completions", dict(chat, response_format={"type": "json_object"})),
+            ]
+            statuses = []
+            calls = [threading.Thread(target=lambda r=r: statuses.append(treq_call("POST", server.url(r[0]), r[1])[0]))
+                     for r in requests]
+            for call in calls:
+                call.start()
+            for call in calls:
+                call.join()
+            assert statuses == [200] * len(requests)
+            with open(f"/proc/{server.process.pid}/maps") as f:
+                maps = f.read()
+            assert "libkrafla" in maps and "_multiarray_umath" not in maps
         finally:
             server.stop()
 

@@ -320,6 +320,16 @@ int kr_sampler_sample(kr_sampler *sampler, const float *logits, int32_t n_logits
                       int32_t n_history, int32_t *token_out, kr_error *err);
 // Restart the random stream as if the sampler were new with this seed.
 int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err);
+
+// What the API reports of a row of logits beside the sampled token (its `logprobs`): the
+// log-softmax in double precision, summed in id order. *token_logprob gets `token`'s;
+// top_ids/top_logprobs get the `top` (0..n) most likely tokens, best first, ties to the lower id.
+// NaN or +inf logits, or all -inf, are KR_ERR_ARGUMENT, as for kr_sampler_sample.
+int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int32_t *top_ids, double *top_logprobs,
+                double *token_logprob, kr_error *err);
+// A grammar's mask: logits[i] = -inf for every i < n whose bit in `allowed` is clear (token i is
+// bit i % 32 of allowed[i / 32], llguidance's layout).
+int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *err);
 // --- end Sampler
 
 

@@ -333,3 +333,76 @@ int kr_sampler_reseed(kr_sampler *sampler, uint64_t seed, kr_error *err) {
     kr_ok(err);
     return KR_OK;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Log probabilities and grammar masks: the rest of what a reply does with a row of logits, so
+// the server handles rows as plain buffers.
+
+// Keep best[0..*kept) (at most `top`) the best of the tokens offered so far, best first.
+static void offer(kr_candidate *best, int32_t *kept, int32_t top, kr_candidate c) {
+    int32_t k = *kept;
+    if (k == top) {
+        if (!better(c, best[k - 1])) return;
+        k--;
+    }
+    while (k > 0 && better(c, best[k - 1])) {
+        best[k] = best[k - 1];
+        k--;
+    }
+    best[k] = c;
+    if (*kept < top) (*kept)++;
+}
+
+// Past this many alternatives, sorting every token beats inserting into the kept list.
+#define LOGPROBS_INSERT_MAX 64
+
+int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int32_t *top_ids, double *top_logprobs,
+                double *token_logprob, kr_error *err) {
+    if (!logits || !token_logprob || (top > 0 && (!top_ids || !top_logprobs)))
+        return kr_fail(err, KR_ERR_ARGUMENT, "logits and outputs must not be NULL");
+    if (n <= 0) return kr_fail(err, KR_ERR_ARGUMENT, "no logits (n = %d)", n);
+    if (token < 0 || token >= n)
+        return kr_fail(err, KR_ERR_ARGUMENT, "token %d is outside the vocabulary (0..%d)", token, n - 1);
+    if (top < 0 || top > n) return kr_fail(err, KR_ERR_ARGUMENT, "top %d is outside 0..%d", top, n);
+    int64_t peak_index = kr_argmax_f32(logits, n);
+    if (peak_index < 0) {
+        for (int32_t i = 0; i < n; i++)
+            if (isnan(logits[i]) || logits[i] == INFINITY)
+                return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
+        return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: there are no probabilities");
+    }
+    const double peak = (double)logits[peak_index];
+    double total = 0.0;
+    for (int32_t i = 0; i < n; i++) total += exp((double)logits[i] - peak);
+    const double logsum = peak + log(total);
+    *token_logprob = (double)logits[token] - logsum;
+    if (top == 0) {
+        kr_ok(err);
+        return KR_OK;
+    }
+    kr_candidate *best = malloc((size_t)(top <= LOGPROBS_INSERT_MAX ? top : n) * sizeof *best);
+    if (!best) return kr_fail(err, KR_ERR_MEMORY, "out of memory for %d alternatives", top);
+    if (top <= LOGPROBS_INSERT_MAX) {
+        int32_t kept = 0;
+        for (int32_t i = 0; i < n; i++) offer(best, &kept, top, (kr_candidate){logits[i], i});
+    } else {
+        for (int32_t i = 0; i < n; i++) best[i] = (kr_candidate){logits[i], i};
+        qsort(best, (size_t)n, sizeof *best, compare_best_first);
+    }
+    for (int32_t k = 0; k < top; k++) {
+        top_ids[k] = best[k].id;
+        top_logprobs[k] = best[k].weight - logsum;
+    }
+    free(best);
+    kr_ok(err);
+    return KR_OK;
+}
+
+int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *err) {
+    if (!logits || !allowed) return kr_fail(err, KR_ERR_ARGUMENT, "logits and mask must not be NULL");
+    if (n < 0) return kr_fail(err, KR_ERR_ARGUMENT, "bad number of logits %d", n);
+    for (int32_t i = 0; i < n; i++)
+        if (!(allowed[i >> 5] >> (i & 31) & 1u)) logits[i] = -INFINITY;
+    kr_ok(err);
+    return KR_OK;
+}
