@@ -250,6 +250,22 @@ static int32_t draw(kr_sampler *s, const kr_candidate *candidates, int32_t n, do
     return last_positive;  // rounding left target at the very top
 }
 
+// The index of the best logit, or -1 with err naming the first NaN or +inf (all -inf: `when_none`
+// says what cannot be done). One pass checks the row and finds its best token (kernels: a scan of
+// 150k logits one comparison chain at a time took a millisecond); the offending value is named
+// only on failure.
+static int64_t checked_argmax(const float *logits, int32_t n, const char *when_none, kr_error *err) {
+    int64_t best = kr_argmax_f32(logits, n);
+    if (best >= 0) return best;
+    for (int32_t i = 0; i < n; i++)
+        if (isnan(logits[i]) || logits[i] == INFINITY) {
+            kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
+            return -1;
+        }
+    kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: %s", when_none);
+    return -1;
+}
+
 int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, const int32_t *history,
                       int32_t n_history, int32_t *token_out, kr_error *err) {
     if (!s || !logits || !token_out) return kr_fail(err, KR_ERR_ARGUMENT, "sampler, logits and output must not be NULL");
@@ -262,15 +278,8 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
             return kr_fail(err, KR_ERR_ARGUMENT, "history token %d at position %d is outside the vocabulary (0..%d)",
                            history[i], i, s->n_vocab - 1);
     const int32_t n = s->n_vocab;
-    // One pass checks the row and finds its best token (kernels: a scan of 150k logits one
-    // comparison chain at a time took a millisecond); the offending value is named only on failure.
-    int64_t best = kr_argmax_f32(logits, n);
-    if (best < 0) {
-        for (int32_t i = 0; i < n; i++)
-            if (isnan(logits[i]) || logits[i] == INFINITY)
-                return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
-        return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: no token can be chosen");
-    }
+    int64_t best = checked_argmax(logits, n, "no token can be chosen", err);
+    if (best < 0) return KR_ERR_ARGUMENT;
 
     // The penalty works on a copy; it saturates, so the row stays valid and the scan finds a token.
     const kr_sampler_params *p = &s->params;
@@ -364,13 +373,8 @@ int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int3
     if (token < 0 || token >= n)
         return kr_fail(err, KR_ERR_ARGUMENT, "token %d is outside the vocabulary (0..%d)", token, n - 1);
     if (top < 0 || top > n) return kr_fail(err, KR_ERR_ARGUMENT, "top %d is outside 0..%d", top, n);
-    int64_t peak_index = kr_argmax_f32(logits, n);
-    if (peak_index < 0) {
-        for (int32_t i = 0; i < n; i++)
-            if (isnan(logits[i]) || logits[i] == INFINITY)
-                return kr_fail(err, KR_ERR_ARGUMENT, "logit of token %d is %s", i, isnan(logits[i]) ? "NaN" : "+inf");
-        return kr_fail(err, KR_ERR_ARGUMENT, "every logit is -inf: there are no probabilities");
-    }
+    int64_t peak_index = checked_argmax(logits, n, "there are no probabilities", err);
+    if (peak_index < 0) return KR_ERR_ARGUMENT;
     const double peak = (double)logits[peak_index];
     double total = 0.0;
     for (int32_t i = 0; i < n; i++) total += exp((double)logits[i] - peak);
