@@ -182,25 +182,38 @@ def declare(lib, name, restype, *argtypes):
 # Rows of floats and arrays of token ids go to C as buffers (the buffer protocol), not as numpy
 # arrays: numpy arrays are such buffers, and the server, which never needs numpy, passes
 # memoryviews and array.array instead (see engine.logits_rows).
-_FLOAT32_FORMATS = ("f", "<f", "=f")
+
+
+def writeable_float32(values):
+    """A memoryview of `values` when it is a writeable C-contiguous float32 buffer (a numpy array,
+    a memoryview of one, an array.array('f')), which C may write in place; else None."""
+    try:
+        view = memoryview(values)
+    except TypeError:
+        return None
+    if view.format not in ("f", "<f", "=f") or not view.c_contiguous or view.readonly:
+        return None
+    return view
+
+
+def float32_array(view):
+    """A ctypes float array over the memory of `view` (from writeable_float32)."""
+    return (ctypes.c_float * (view.nbytes // 4)).from_buffer(view)
 
 
 def float32_row(values, name="logits", copy=True):
     """`values` as a ctypes float array over the same memory when it is a writeable, C-contiguous
-    1-D float32 buffer (a numpy row, a memoryview of one, an array.array('f')): C reads and
-    writes in place. Any other sequence of numbers is copied (ValueError instead with copy=False);
-    more than one dimension is ValueError."""
-    try:
-        view = memoryview(values)
-    except TypeError:
-        view = None
-    if view is not None and view.ndim != 1:
-        raise ValueError(f"{name} must be one row, got shape {view.shape}")
-    if view is None or view.format not in _FLOAT32_FORMATS or not view.c_contiguous or view.readonly:
+    1-D float32 buffer: C reads and writes in place. Any other sequence of numbers is copied
+    (ValueError instead with copy=False); more than one dimension is ValueError."""
+    shape = getattr(values, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"{name} must be one row, got shape {shape}")
+    view = writeable_float32(values)
+    if view is None:
         if not copy:
             raise ValueError(f"{name} must be a writeable C-contiguous row of float32")
         view = memoryview(array.array("f", values))
-    return (ctypes.c_float * len(view)).from_buffer(view)
+    return float32_array(view)
 
 
 def int32_array(values):

@@ -12,7 +12,6 @@ which names the file and the problem.
 import ctypes
 import os
 
-
 from krafla_twisted import clib, header
 
 MODEL_MAGIC = header.KR_MODEL_MAGIC.encode("ascii")

@@ -153,14 +153,10 @@ def _new_logits(shape):
 def _out_pointer(out, shape, what):
     """A ctypes float array over `out`, or ValueError unless it is a writeable C-contiguous float32
     buffer of `shape` (C writes there)."""
-    try:
-        view = memoryview(out)
-    except TypeError:
-        view = None
-    if (view is None or view.format not in ("f", "<f", "=f") or view.shape != shape or not view.c_contiguous
-            or view.readonly):
+    view = clib.writeable_float32(out)
+    if view is None or view.shape != shape:
         raise ValueError(f"{what} must be a writeable C-contiguous float32 array of shape {shape}")
-    return (ctypes.c_float * (view.nbytes // 4)).from_buffer(view)
+    return clib.float32_array(view)
 
 
 def _raise(error):
@@ -326,13 +322,10 @@ class Session(clib.OwnedHandle):
         With `out` (a writeable C-contiguous float32 buffer of n_vocab: a numpy array, a row of
         logits_rows), the logits are written there and `out` is returned instead."""
         handle = self._check_open()
-        pointer = None
-        if out is not None:
-            pointer = _out_pointer(out, (self.model.n_vocab,), "out")
-        tokens = self._token_array(token_ids, "eval")
         if logits and out is None:
             out = _new_logits(self.model.n_vocab)
-            pointer = _out_pointer(out, (self.model.n_vocab,), "out")
+        pointer = _out_pointer(out, (self.model.n_vocab,), "out") if out is not None else None
+        tokens = self._token_array(token_ids, "eval")
         error = clib.kr_error()
         status = self._lib.kr_session_eval(handle, tokens, len(tokens), pointer, ctypes.byref(error))
         if status:

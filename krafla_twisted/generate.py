@@ -350,7 +350,8 @@ class Runtime:
 
     def release_slot(self, slot):
         if slot.cached_logits is not None:
-            # Perhaps a row of a step's buffer (Scheduler): kept alone, so the other rows are not kept with it.
+            # Often a row of a step's buffer (Scheduler): copied, so that the slot keeps its own row
+            # and not the whole step's buffer.
             slot.cached_logits = copy_logits(slot.cached_logits)
         self._uses += 1
         slot.last_used = self._uses

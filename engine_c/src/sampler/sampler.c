@@ -384,12 +384,14 @@ int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int3
         kr_ok(err);
         return KR_OK;
     }
-    kr_candidate *best = malloc((size_t)(top <= LOGPROBS_INSERT_MAX ? top : n) * sizeof *best);
-    if (!best) return kr_fail(err, KR_ERR_MEMORY, "out of memory for %d alternatives", top);
+    kr_candidate few[LOGPROBS_INSERT_MAX];  // the API asks for at most 20: no allocation per token
+    kr_candidate *best = few;
     if (top <= LOGPROBS_INSERT_MAX) {
         int32_t kept = 0;
         for (int32_t i = 0; i < n; i++) offer(best, &kept, top, (kr_candidate){logits[i], i});
     } else {
+        best = malloc((size_t)n * sizeof *best);
+        if (!best) return kr_fail(err, KR_ERR_MEMORY, "out of memory for %d alternatives", top);
         for (int32_t i = 0; i < n; i++) best[i] = (kr_candidate){logits[i], i};
         qsort(best, (size_t)n, sizeof *best, compare_best_first);
     }
@@ -397,7 +399,7 @@ int kr_logprobs(const float *logits, int32_t n, int32_t token, int32_t top, int3
         top_ids[k] = best[k].id;
         top_logprobs[k] = best[k].weight - logsum;
     }
-    free(best);
+    if (best != few) free(best);
     kr_ok(err);
     return KR_OK;
 }
