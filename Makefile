@@ -11,10 +11,11 @@ CFLAGS_generic := $(CFLAGS_COMMON)
 CFLAGS_avx2 := $(CFLAGS_COMMON) -mavx2 -mfma -mf16c -DKR_HAVE_AVX2=1
 CFLAGS_avx512 := $(CFLAGS_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -DKR_HAVE_AVX512=1
 
-# engine_c/src/<layer>/*.c: runtime, format, tokenizer, kernels, model, sampler
+# engine_c/src/<layer>/*.c and *.h, each layer using only the ones before it: runtime, types, format,
+# kernels, tokenizer and sampler, model (tests/test_include_graph.py checks the #includes).
 SOURCES := $(wildcard engine_c/src/*/*.c)
 HEADERS := $(wildcard engine_c/include/*.h engine_c/src/*/*.h)
-# One library per ISA; krafla_twisted/clib.py loads the best this CPU runs ($KRAFLA_ISA overrides).
+# One library per ISA; krafla_twisted/engine/clib.py loads the best this CPU runs ($KRAFLA_ISA overrides).
 # `make lib` builds all three; ISA names the one `make test` / `make test-isa` run against.
 ISAS := generic avx2 avx512
 LIBRARIES := $(foreach isa,$(ISAS),$(BUILD)/$(isa)/libkrafla.so)

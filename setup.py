@@ -20,7 +20,7 @@ class BuildWithEngine(build_py):
             native = os.path.join(self.build_lib, "krafla_twisted", "_native", isa)
             os.makedirs(native, exist_ok=True)
             shutil.copy(library, os.path.join(native, "libkrafla.so"))
-        # krafla_twisted/header.py reads the constants of the C API from the header beside the libraries.
+        # krafla_twisted/engine/header.py reads the constants of the C API from the header beside the libraries.
         shutil.copy(os.path.join("engine_c", "include", "krafla.h"), os.path.join(self.build_lib, "krafla_twisted", "_native", "krafla.h"))
 
 
@@ -52,8 +52,9 @@ setup(
             "jsonschema>=4.20", "hypothesis-jsonschema>=0.23", "instructor>=1.7", "pydantic-ai-slim[openai]>=1.0",
             "langchain-openai>=0.3",
             "litellm>=1.50",  # tests: its own matcher recognises our context-length error (as aider relies on)
+            "import-linter>=2.16",  # tests: the layers of krafla_twisted hold (.importlinter)
         ],
     },
-    entry_points={"console_scripts": ["krafla=krafla_twisted.cli:main"]},
+    entry_points={"console_scripts": ["krafla=krafla_twisted.cli.main:main"]},
     cmdclass={"build_py": BuildWithEngine},
 )

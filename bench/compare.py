@@ -19,7 +19,7 @@ What it does, caching every product under vendor/ (gitignored; nothing there is 
    (targets llama-bench and llama-quantize): `avx2`, the peer of krafla's AVX2 build
    (GGML_NATIVE=OFF GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON), and `native` (GGML_NATIVE=ON: AVX-512
    here), the peer of krafla's ISA=avx512 build.
-3. The GGUFs: each known model's pulled GGUF (krafla_twisted.models.fetch_source) requantized by
+3. The GGUFs: each known model's pulled GGUF (krafla_twisted.cli.models.fetch_source) requantized by
    llama-quantize --allow-requantize to Q4_0, with the token embedding and output head given the
    block types krafla's q4_0 .mlb holds (q8_0/q4_0), so both programs read the same kind of blocks.
 4. `krafla bench MODEL.mlb -t T -p P -n N --json -r 1` and `llama-bench -m MODEL.gguf -t T -p P -n N
@@ -137,7 +137,7 @@ def build_llama(vendor, tree, flavor, jobs, prebuilt=None):
 
 def krafla_types(mlb):
     """(token embedding type, output head type) of a krafla .mlb, e.g. ('q8_0', 'q8_0')."""
-    from krafla_twisted.container import ContainerFile
+    from krafla_twisted.engine.container import ContainerFile
 
     types = {name: type_name for name, type_name, _shape, _bytes in ContainerFile(str(mlb)).tensors}
     embedding = types["token_embd.weight"]
@@ -146,7 +146,7 @@ def krafla_types(mlb):
 
 def llama_gguf(vendor, name, quantize):
     """The Q4_0 GGUF llama.cpp runs for the known model `name`, made once from the pulled GGUF."""
-    from krafla_twisted import models
+    from krafla_twisted.cli import models
 
     pulled = models.pull(name, type_name="q4_0")
     source = models.fetch_source(name)
@@ -173,7 +173,7 @@ def requantized(quantize, source, out, *options, threads=None):
 def krafla_bench(library, isa, mlb, threads, prompt, generate, extra=()):
     """{'pp': tokens/s, 'tg': tokens/s} from one `krafla bench -r 1` (after its warm-up run)."""
     env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
-    cmd = [sys.executable, "-m", "krafla_twisted.cli", "bench", mlb, "-t", threads, "-p", prompt, "-n", generate,
+    cmd = [sys.executable, "-m", "krafla_twisted.cli.main", "bench", mlb, "-t", threads, "-p", prompt, "-n", generate,
            "-r", "1", "--json", *extra]
     out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True, env=env).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -193,7 +193,7 @@ def llama_bench(binaries, gguf, threads, prompt, generate, extra=()):
 
 def published_models(names):
     """--published: {name: (krafla's default pull, the original GGUF)}."""
-    from krafla_twisted import models
+    from krafla_twisted.cli import models
 
     return {name: (models.pull(name), models.fetch_source(name)) for name in names}
 
@@ -412,7 +412,7 @@ def main(argv=None):
     parser.add_argument("--server-requests", type=int, default=3)
     parser.add_argument("--server-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    from krafla_twisted import clib
+    from krafla_twisted.engine import clib
 
     if args.published:
         args.isa = args.isa or clib.cpu_isa()  # what a default install loads

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy
 
-from krafla_twisted import generate  # KV_VALUE_BYTES: the bytes of one cached value per KV type
+from krafla_twisted.generation import generate  # KV_VALUE_BYTES: the bytes of one cached value per KV type
 
 from compare import (chat_body, free_port, llama_gguf, log, markdown_table, stop_server, stream_event,
                      streamed_chat, wait_healthy)  # bench/compare.py, beside this script
@@ -333,7 +333,7 @@ def krafla_banner(text):
 
 def model_files(name, args):
     """(krafla's pulled model, the GGUF llama-server runs) on the same weights."""
-    from krafla_twisted import models
+    from krafla_twisted.cli import models
 
     if args.weights == "q4_0":
         return llama_gguf(args.vendor, name, args.llama_bin / "llama-quantize")
@@ -341,7 +341,7 @@ def model_files(name, args):
 
 
 def run_rounds(model_list, args, clients, logs):
-    from krafla_twisted.container import ContainerFile
+    from krafla_twisted.engine.container import ContainerFile
 
     samples, single = {}, {}
     largest = max(args.clients)

@@ -14,7 +14,7 @@ import resource
 
 import numpy as np
 
-from krafla_twisted.engine import Model
+from krafla_twisted.engine.model import Model
 
 
 def cpu_seconds():

@@ -14,7 +14,8 @@ import argparse
 import statistics
 import time
 
-from krafla_twisted import generate, grammar, models, startup
+from krafla_twisted.cli import models, startup
+from krafla_twisted.generation import generate, grammar
 
 
 def main():

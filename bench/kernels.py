@@ -16,7 +16,7 @@ has 640 columns, so 2048x1024 stands in for it).
 import argparse
 import numpy as np
 
-from krafla_twisted import kernels
+from krafla_twisted.engine import kernels
 
 SHAPES = [(1536, 576), (576, 1536), (4864, 896), (896, 4864)]  # (rows, cols) of W
 KQUANT_SHAPES = [(896, 4864), (640, 2048), (2048, 1024)]

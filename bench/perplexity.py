@@ -49,11 +49,11 @@ def llama_perplexity(binaries, gguf, args):
 
 def krafla_perplexity(pulled, args):
     """(PPL, error, weight type) from `krafla perplexity --json`."""
-    from krafla_twisted.engine import Model
+    from krafla_twisted.engine.model import Model
 
     with Model(pulled.mlb) as model:
         weight_type = model.weight_type
-    cmd = [sys.executable, "-m", "krafla_twisted.cli", "perplexity", pulled.mlb, "-z", pulled.mlt, "-f", args.text,
+    cmd = [sys.executable, "-m", "krafla_twisted.cli.main", "perplexity", pulled.mlb, "-z", pulled.mlt, "-f", args.text,
            "--ctx", args.ctx, "--chunks", args.chunks, "-t", args.threads, "--json"]
     log("+", " ".join(str(c) for c in cmd))
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
@@ -69,7 +69,7 @@ def q4_0_gguf(binaries, source, vendor):
 
 
 def measure(name, binaries, args):
-    from krafla_twisted import models
+    from krafla_twisted.cli import models
 
     source = models.fetch_source(name)
     row = {"model": name, "source": source.name}

@@ -83,7 +83,7 @@ def measure(pulled, batch, args):
 
 
 def main():
-    from krafla_twisted import models
+    from krafla_twisted.cli import models
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m", help="known model names, comma-separated")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from krafla_twisted.tokenizer import Tokenizer  # noqa: E402
+from krafla_twisted.engine.tokenizer import Tokenizer  # noqa: E402
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog. ", "It's 2024, isn't it? ", "    return x * 2\n",

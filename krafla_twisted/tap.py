@@ -17,9 +17,10 @@ from twisted.application import service
 from twisted.logger import Logger
 from twisted.python import usage
 
-from krafla_twisted import clib, options
 from krafla_twisted.api.resources import DEFAULT_MAX_QUEUE
-from krafla_twisted.scheduler import DEFAULT_PARALLEL
+from krafla_twisted.cli import options
+from krafla_twisted.engine import clib
+from krafla_twisted.generation.scheduler import DEFAULT_PARALLEL
 
 log = Logger(namespace="krafla")
 
@@ -222,7 +223,6 @@ class KraflaService(service.Service):
     def startService(self):
         from twisted.internet import endpoints
 
-        from krafla_twisted import pack, startup
         from krafla_twisted.api import listen, metrics
         from krafla_twisted.api.access import Access
         from krafla_twisted.api.backend import Backend
@@ -230,11 +230,13 @@ class KraflaService(service.Service):
         from krafla_twisted.api.routes import build_root
         from krafla_twisted.api.site import APISite
         from krafla_twisted.api.worker import EngineWorker
+        from krafla_twisted.cli import startup
+        from krafla_twisted.engine import pack
 
         super().startService()
         config = self.config
         if config.get("model") is None:
-            from krafla_twisted import models
+            from krafla_twisted.cli import models
 
             log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
         try:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 from hypothesis import strategies as st
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 from tests.support import tiny_models
 
 # ------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def tiny_models_args(draw, archs=tiny_models.ARCHS, weight_types=tiny_models.WEI
 
 
 # ------------------------------------------------------------------------------------------
-# Container contents (krafla_twisted/formats.py)
+# Container contents (krafla_twisted/engine/formats.py)
 
 names = st.text(st.characters(exclude_characters="\0", exclude_categories=("Cs",)), min_size=1, max_size=40).filter(
     lambda s: len(s.encode()) <= formats.MAX_NAME)

@@ -1,4 +1,4 @@
-"""The backend: a validated request mapped onto krafla_twisted.generate with the real SmolLM2 model, in process.
+"""The backend: a validated request mapped onto generation/generate.py with the real SmolLM2 model, in process.
 
 Pins the mapping itself: the server's option defaults under the request's fields, -n as the default
 max_tokens, chat stop strings, and the generator's and renderer's refusals turned into OpenAI 400s.
@@ -6,10 +6,10 @@ max_tokens, chat stop strings, and the generator's and renderer's refusals turne
 
 import pytest
 
-from krafla_twisted import startup
 from krafla_twisted.api.backend import Backend
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
 from krafla_twisted.api.schema import CompletionRequest, SamplingOverrides
+from krafla_twisted.cli import startup
 from tests.support.real_models import real_model
 
 

@@ -173,7 +173,7 @@ class ScheduledWorkerTests(unittest.TestCase):
         """Completions handed to the scheduler (scheduler.Pending) run side by side in its steps; a plain job
         (/tokenize) submitted while they step runs between two steps, not after the replies; each Deferred
         fires with its conclude()'s result; a generation cancelled while it waits for a slot fires with None."""
-        from krafla_twisted.scheduler import Pending
+        from krafla_twisted.generation.scheduler import Pending
 
         log, results = [], {}
         backend = SchedulingBackend(log)

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from hypothesis import given, settings, strategies as st
 
-from krafla_twisted import clib, formats, kernels
+from krafla_twisted.engine import clib, formats, kernels
 from tests.test_kernels import avx2_or_skip, float32_sum_tolerance, same_bits
 
 TYPES = {name: formats.TENSOR_TYPES_BY_NAME[name].code for name in ("f32", "f16", "q8_0")}

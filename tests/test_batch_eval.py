@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import clib
-from krafla_twisted.engine import ContextFullError, EngineError, InvalidTokenError, Model, kr_batch_item
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.model import ContextFullError, EngineError, InvalidTokenError, Model, kr_batch_item
 from tests import strategies
 from tests.support.tiny_models import ARCHS, KQUANTS, WEIGHT_TYPES, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35

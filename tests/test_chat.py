@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import chat
+from krafla_twisted.chat import templates
 
 # ------------------------------------------------------------------------------------------
 # Jinja, as Hugging Face runs chat templates
@@ -97,7 +97,7 @@ REWRITES_EARLIER_TURNS = ("qwen3.5", "qwen3.5-nothink", "qwen3", "qwen3-nothink"
 REPO_TEMPLATES = pathlib.Path(__file__).resolve().parent / "data" / "templates"
 
 
-def template_file(testdata, name):
+def official_template(testdata, name):
     """An official template from the test data, else from the repository's tests/data/templates."""
     path = testdata / "templates" / name
     return path if path.exists() else REPO_TEMPLATES / name
@@ -109,7 +109,7 @@ def official(testdata):
     compiled = {}
     for name, (source, variables, system_allowed, tail) in OFFICIAL.items():
         if source.endswith(".jinja"):
-            source = template_file(testdata, source).read_text()
+            source = official_template(testdata, source).read_text()
         compiled[name] = (env.from_string(source), variables, system_allowed, tail)
     return compiled
 
@@ -175,7 +175,7 @@ class OfficialTemplateTests:
         """render_text equals the official Jinja template's text for system or not, 1-7 turns,
         generation prompt or a continued final assistant message, odd whitespace and marker text."""
         messages = data.draw(conversations(system_allowed=official[name][2]))
-        assert chat.get_template(name).render_text(messages) == jinja_render(official, name, messages)
+        assert templates.get_template(name).render_text(messages) == jinja_render(official, name, messages)
 
     @pytest.mark.parametrize("name", list(OFFICIAL))
     def test_continue_agrees_with_hugging_face(self, official, name):
@@ -184,7 +184,7 @@ class OfficialTemplateTests:
         template, variables, _, _ = official[name]
         messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "I pick"}]
         closed = template.render(messages=messages, add_generation_prompt=False, **variables)
-        assert chat.get_template(name).render_text(messages) == hf_continue_final_message(closed, "I pick")
+        assert templates.get_template(name).render_text(messages) == hf_continue_final_message(closed, "I pick")
 
     @pytest.mark.parametrize("name", [name for name, (_, _, system, _) in OFFICIAL.items() if system])
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -195,12 +195,12 @@ class OfficialTemplateTests:
         messages = data.draw(conversations(system_allowed=False))
         system = data.draw(contents)
         expected = jinja_render(official, name, [{"role": "system", "content": system}] + messages)
-        assert chat.get_template(name).render_text(messages, system=system) == expected
+        assert templates.get_template(name).render_text(messages, system=system) == expected
 
-    @pytest.mark.parametrize("name", chat.TEMPLATE_NAMES)
+    @pytest.mark.parametrize("name", templates.TEMPLATE_NAMES)
     def test_conversation_system_wins_over_argument(self, name):
         """A system message in the conversation is used and system= is ignored."""
-        template = chat.get_template(name)
+        template = templates.get_template(name)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
         assert template.render_text(messages, system="Ignored") == template.render_text(messages)
         assert "Ignored" not in template.render_text(messages, system="Ignored")
@@ -211,7 +211,7 @@ class PublishedFormatTests:
         """chatml, written out: system, user, assistant, user, then the generation prompt."""
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
                     {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
-        assert chat.get_template("chatml").render_text(messages) == (
+        assert templates.get_template("chatml").render_text(messages) == (
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n"
             "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
 
@@ -219,27 +219,27 @@ class PublishedFormatTests:
         """zephyr (TinyLlama chat), written out."""
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
                     {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
-        assert chat.get_template("zephyr").render_text(messages) == (
+        assert templates.get_template("zephyr").render_text(messages) == (
             "<|system|>\nS</s>\n<|user|>\nU1</s>\n<|assistant|>\nA1</s>\n<|user|>\nU2</s>\n<|assistant|>\n")
 
     def test_llama2(self):
         """llama2 (Llama-2-chat), written out: the system prompt inside the first [INST]."""
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
                     {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
-        assert chat.get_template("llama2").render_text(messages) == (
+        assert templates.get_template("llama2").render_text(messages) == (
             "<s>[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST]")
 
     def test_qwen_default_system(self):
         """qwen without a system message uses Qwen2.5's own default system prompt."""
-        text = chat.get_template("qwen").render_text([{"role": "user", "content": "Hi"}])
+        text = templates.get_template("qwen").render_text([{"role": "user", "content": "Hi"}])
         assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
                         "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
     def test_qwen35_generation_prompts(self):
         """qwen3.5 opens a think block; qwen3.5-nothink closes an empty one."""
         messages = [{"role": "user", "content": "Hi"}]
-        assert chat.get_template("qwen3.5").render_text(messages).endswith("<|im_start|>assistant\n<think>\n")
-        assert chat.get_template("qwen3.5-nothink").render_text(messages).endswith(
+        assert templates.get_template("qwen3.5").render_text(messages).endswith("<|im_start|>assistant\n<think>\n")
+        assert templates.get_template("qwen3.5-nothink").render_text(messages).endswith(
             "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -247,24 +247,24 @@ class GemmaSystemTests:
     def test_system_goes_before_first_user_message(self):
         """gemma folds the system prompt into the first user turn, as Gemma 3's template does."""
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": " U "}]
-        assert chat.get_template("gemma").render_text(messages) == (
+        assert templates.get_template("gemma").render_text(messages) == (
             "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n")
-        assert chat.get_template("gemma").render_text(messages[1:], system="S") == (
+        assert templates.get_template("gemma").render_text(messages[1:], system="S") == (
             "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n")
 
 
 class MessageTests:
     def test_developer_is_system(self):
         """A developer message renders exactly as a system message."""
-        for name in chat.TEMPLATE_NAMES:
-            template = chat.get_template(name)
+        for name in templates.TEMPLATE_NAMES:
+            template = templates.get_template(name)
             as_system = [{"role": "system", "content": "Rules"}, {"role": "user", "content": "Hi"}]
             as_developer = [{"role": "developer", "content": "Rules"}, {"role": "user", "content": "Hi"}]
             assert template.render_text(as_developer) == template.render_text(as_system), name
 
     def test_content_parts_are_joined(self):
         """A list of text parts renders as the concatenation of their texts."""
-        template = chat.get_template("chatml")
+        template = templates.get_template("chatml")
         parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]}]
         assert template.render_text(parts) == template.render_text([{"role": "user", "content": "Hello, you"}])
 
@@ -279,22 +279,22 @@ class MessageTests:
     ])
     def test_bad_messages(self, messages, fragment):
         """Malformed conversations raise ChatError (a ValueError) naming the problem."""
-        with pytest.raises(chat.ChatError, match=fragment):
-            chat.get_template("chatml").render_text(messages)
+        with pytest.raises(templates.ChatError, match=fragment):
+            templates.get_template("chatml").render_text(messages)
 
     def test_system_in_the_middle(self):
         """Templates with a system turn render a later system message in place; the others refuse it."""
         messages = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
                     {"role": "user", "content": "c"}]
-        assert "<|im_start|>system\nb<|im_end|>" in chat.get_template("chatml").render_text(messages)
+        assert "<|im_start|>system\nb<|im_end|>" in templates.get_template("chatml").render_text(messages)
         for name in ("gemma", "llama2", "qwen3.5", "mistral", "smollm3"):
-            with pytest.raises(chat.ChatError, match="only at the start"):
-                chat.get_template(name).render_text(messages)
+            with pytest.raises(templates.ChatError, match="only at the start"):
+                templates.get_template(name).render_text(messages)
 
     def test_unknown_template(self):
         """An unknown template name is a ChatError listing the known ones."""
-        with pytest.raises(chat.ChatError, match="chatml"):
-            chat.get_template("alpaca")
+        with pytest.raises(templates.ChatError, match="chatml"):
+            templates.get_template("alpaca")
 
     def test_stop_strings(self):
         """Each template knows its end-of-turn marker."""
@@ -304,7 +304,7 @@ class MessageTests:
                     "qwen3-nothink": "<|im_end|>", "mistral": "</s>", "phi3": "<|end|>", "smollm3": "<|im_end|>",
                     "smollm3-nothink": "<|im_end|>"}
         for name, marker in expected.items():
-            assert marker in chat.get_template(name).stop_strings
+            assert marker in templates.get_template(name).stop_strings
 
 
 # ------------------------------------------------------------------------------------------
@@ -337,13 +337,13 @@ REPLY_SEGMENT = {"llama2": lambda reply: " " + reply}  # Llama 2 puts a space be
 
 
 class TurnTests:
-    @pytest.mark.parametrize("name", [n for n in chat.TEMPLATE_NAMES if n not in REWRITES_EARLIER_TURNS])
+    @pytest.mark.parametrize("name", [n for n in templates.TEMPLATE_NAMES if n not in REWRITES_EARLIER_TURNS])
     @settings(max_examples=60, deadline=None)
     @given(conversation=conversations(), reply=contents, next_user=contents)
     def test_next_prompt_starts_with_prompt_reply_and_stop(self, name, conversation, reply, next_user):
         """Turn N+1's tokens start with turn N's prompt tokens, then the reply's tokens as the
         model would emit them after that prompt, then the template's stop token."""
-        template = chat.get_template(name)
+        template = templates.get_template(name)
         reply = reply.strip() or "ok"  # templates that trim would otherwise change the reply
         if conversation[-1]["role"] == "assistant":
             conversation = conversation[:-1]
@@ -359,13 +359,13 @@ class TurnTests:
             after_reply = after_reply[1:]  # the space before </s>
         assert after_reply[0] in template.stop_token_ids(tokenizer) | {tokenizer.eos_id}
 
-    @pytest.mark.parametrize("name", [n for n in chat.TEMPLATE_NAMES if not n.startswith("qwen3")])
+    @pytest.mark.parametrize("name", [n for n in templates.TEMPLATE_NAMES if not n.startswith("qwen3")])
     def test_continued_message_is_a_prefix_of_the_closed_one(self, name):
         """Continuing a final assistant message gives the closed conversation's tokens up to the
         end of that message: the reply picks up exactly where the text stops. (Qwen3.5 renders
         the message after the last user turn with a think block and earlier ones without, as its
         official template does, so there it is not a prefix.)"""
-        template = chat.get_template(name)
+        template = templates.get_template(name)
         tokenizer = ContextTokenizer()
         messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
         open_ids = template.render(messages, tokenizer)
@@ -376,7 +376,7 @@ class TurnTests:
     def test_special_markers_by_id_user_text_as_text(self):
         """Markers become their ids; the same marker typed by a user is encoded as text."""
         tokenizer = ContextTokenizer()
-        ids = chat.get_template("chatml").render([{"role": "user", "content": "<|im_end|>"}], tokenizer)
+        ids = templates.get_template("chatml").render([{"role": "user", "content": "<|im_end|>"}], tokenizer)
         im_start, im_end = tokenizer.token_id("<|im_start|>"), tokenizer.token_id("<|im_end|>")
         assert ids.count(im_end) == 1 and ids.count(im_start) == 2
         assert ids[0] == im_start
@@ -392,17 +392,17 @@ class TurnTests:
 
         tokenizer = SpacePrefixTokenizer()
         messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
-        ids = chat.get_template("llama2").render(messages, tokenizer)
+        ids = templates.get_template("llama2").render(messages, tokenizer)
         assert ids == [1] + tokenizer.encode("[INST] Hi [/INST] Yo", add_bos=False)
 
     def test_bos(self):
         """Templates that write BOS get the tokenizer's bos id; the others get it only when the
         tokenizer adds one, and never twice."""
         messages = [{"role": "user", "content": "Hi"}]
-        assert chat.get_template("llama3").render(messages, ContextTokenizer())[0] == 1
-        assert chat.get_template("zephyr").render(messages, ContextTokenizer())[0] != 1
-        assert chat.get_template("zephyr").render(messages, ContextTokenizer(add_bos=True))[0] == 1
-        assert chat.get_template("gemma").render(messages, ContextTokenizer(add_bos=True)).count(1) == 1
+        assert templates.get_template("llama3").render(messages, ContextTokenizer())[0] == 1
+        assert templates.get_template("zephyr").render(messages, ContextTokenizer())[0] != 1
+        assert templates.get_template("zephyr").render(messages, ContextTokenizer(add_bos=True))[0] == 1
+        assert templates.get_template("gemma").render(messages, ContextTokenizer(add_bos=True)).count(1) == 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -426,7 +426,7 @@ _tokenizers = {}
 
 
 def real_tokenizer(template_name):
-    from krafla_twisted.tokenizer import Tokenizer
+    from krafla_twisted.engine.tokenizer import Tokenizer
     from tests.support import real_models, testdata
 
     kind, name = REAL_PAIRS[template_name]
@@ -447,8 +447,8 @@ class RealTokenizerTests:
         """Each template's markers are single tokens in its model's vocabulary, so render()
         inserts them by id (Llama 2 and Zephyr have only BOS/EOS as tokens)."""
         tokenizer = real_tokenizer(name)
-        template = chat.get_template(name)
-        markers = {text for kind, text in template.segments([{"role": "user", "content": "x"}]) if kind == chat.SPECIAL}
+        template = templates.get_template(name)
+        markers = {text for kind, text in template.segments([{"role": "user", "content": "x"}]) if kind == templates.SPECIAL}
         if name.startswith("qwen3.5"):
             # llama.cpp's qwen35 test vocabulary has [PAD] entries where Qwen has <think>/</think>;
             # render() then spells them as text, which test_typed_markers_stay_text covers.
@@ -461,7 +461,7 @@ class RealTokenizerTests:
         """A user message spelling out every marker renders to exactly the control tokens of a
         plain message: typed markers never become control tokens."""
         tokenizer = real_tokenizer(name)
-        template = chat.get_template(name)
+        template = templates.get_template(name)
         sneaky = " ".join(MARKERS + ["<|begin_of_text|>", "<bos>", "<eos>", "<|endoftext|>", "<end_of_turn>"])
         plain = template.render([{"role": "user", "content": "plain"}], tokenizer)
         typed = template.render([{"role": "user", "content": sneaky}], tokenizer)
@@ -475,7 +475,7 @@ class RealTokenizerTests:
         """With the model's real tokenizer, turn N+1's tokens start with turn N's prompt, the
         reply encoded on its own, and the template's stop token (Llama 2: a space, then </s>)."""
         tokenizer = real_tokenizer(name)
-        template = chat.get_template(name)
+        template = templates.get_template(name)
         reply = reply.strip() or "ok"
         if conversation[-1]["role"] == "assistant":
             conversation = conversation[:-1]

@@ -1,4 +1,4 @@
-"""The chat template from the model's own file (krafla_twisted/chat_file.py, issue 17): the
+"""The chat template from the model's own file (krafla_twisted/chat/template_file.py, issue 17): the
 converter renders the model's Jinja template and krafla's built-in templates on the same
 conversations and stores the name of the one that agrees in the .mlt.
 
@@ -9,11 +9,13 @@ template tests/test_chat.py proves equal to it, and no other.
 import numpy as np
 import pytest
 
-from krafla_twisted import chat, chat_file, cli, formats
+from krafla_twisted.chat import template_file, templates
+from krafla_twisted.cli import main
 from krafla_twisted.convert import gguf as gguf_convert
 from krafla_twisted.convert.tokenizer import CONTROL, NORMAL, TokenizerTables, build_container
+from krafla_twisted.engine import formats
 from tests.support import real_models
-from tests.test_chat import template_file
+from tests.test_chat import official_template
 
 OFFICIAL = {
     # file: (bos_token, eos_token, the built-in template it must be recognised as)
@@ -50,36 +52,36 @@ class RecognitionTests:
         renders equal to it (chatml, which Qwen3's template equals without reasoning, is told
         apart by the probes with think blocks)."""
         bos, eos, expected = OFFICIAL[name]
-        assert chat_file.matching_templates(template_file(testdata, name).read_text(), bos, eos) == [expected]
+        assert template_file.matching_templates(official_template(testdata, name).read_text(), bos, eos) == [expected]
 
     def test_unknown_template(self):
         """A template that is none of krafla's (Alpaca's) matches nothing, and the message says to
         give --chat."""
-        assert chat_file.matching_templates(ALPACA) == []
+        assert template_file.matching_templates(ALPACA) == []
         container = tokenizer_container(["<s>", "</s>", "a"])
-        name, how, message = chat_file.choose(container, ALPACA)
+        name, how, message = template_file.choose(container, ALPACA)
         assert name is None and how == "jinja" and "--chat" in message
-        chat_file.store(container, ALPACA)
+        template_file.store(container, ALPACA)
         assert "chat_template" not in container.metadata
         assert container.metadata["chat_template_jinja"] == ALPACA
 
     def test_template_that_does_not_compile(self):
         """A broken template is a TemplateFileError saying it does not compile."""
-        with pytest.raises(chat_file.TemplateFileError, match="does not compile"):
-            chat_file.matching_templates("{% for m in messages %}")
+        with pytest.raises(template_file.TemplateFileError, match="does not compile"):
+            template_file.matching_templates("{% for m in messages %}")
 
     def test_a_template_that_changes_one_word_is_not_recognised(self, testdata):
         """Changing Qwen2.5's default system prompt by one word makes it none of krafla's."""
-        text = template_file(testdata, "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-        assert chat_file.matching_templates(text.replace("helpful assistant", "useful assistant")) == []
+        text = official_template(testdata, "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+        assert template_file.matching_templates(text.replace("helpful assistant", "useful assistant")) == []
 
     def test_vocabulary_markers_when_the_source_has_no_template(self):
         """Without a template, Gemma's turn markers name gemma; a vocabulary with the markers of
         no single format (chatml is shared by several) names none."""
         gemma = tokenizer_container(["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "a"])
-        assert chat_file.choose(gemma, None)[:2] == ("gemma", "vocabulary")
+        assert template_file.choose(gemma, None)[:2] == ("gemma", "vocabulary")
         chatml = tokenizer_container(["<s>", "</s>", "<|im_start|>", "<|im_end|>", "a"])
-        name, how, message = chat_file.choose(chatml, None)
+        name, how, message = template_file.choose(chatml, None)
         assert name is None and "--chat" in message
 
     def test_template_of_reads_the_name_back(self, tmp_path):
@@ -88,11 +90,11 @@ class RecognitionTests:
         container = tokenizer_container(["<s>", "</s>", "a"])
         container.metadata["chat_template"] = "phi3"
         formats.write(tmp_path / "t.mlt", container)
-        assert chat_file.template_of(tmp_path / "t.mlt") == "phi3"
+        assert template_file.template_of(tmp_path / "t.mlt") == "phi3"
         container.metadata["chat_template"] = "alpaca"
         formats.write(tmp_path / "u.mlt", container)
-        with pytest.raises(chat.ChatError, match="--chat"):
-            chat_file.template_of(tmp_path / "u.mlt")
+        with pytest.raises(templates.ChatError, match="--chat"):
+            template_file.template_of(tmp_path / "u.mlt")
 
 
 class RealGGUFTests:
@@ -113,7 +115,7 @@ class RealGGUFTests:
         """`krafla convert` of the real SmolLM2 GGUF prints the template it chose."""
         source = real_models.source_gguf("smollm2-135m")
         out = tmp_path / "smol.mlb"
-        assert cli.main(["convert", str(source), "-o", str(out), "--type", "q8_0", "-q"]) == 0
+        assert main.main(["convert", str(source), "-o", str(out), "--type", "q8_0", "-q"]) == 0
         printed = capsys.readouterr().out
         assert "chat template: smollm (renders like the model's own template)" in printed
         assert np.array_equal(formats.read(out.with_suffix(".mlt")).array("token_offsets"),

@@ -227,7 +227,7 @@ class LiteLLMTests:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price table
         from litellm.litellm_core_utils.exception_mapping_utils import ExceptionCheckers
 
-        from krafla_twisted.generate import ContextLengthExceeded
+        from krafla_twisted.generation.generate import ContextLengthExceeded
 
         message = str(ContextLengthExceeded(5000, 4096))
         assert message.startswith("This model's maximum context length is 4096 tokens. However, ")

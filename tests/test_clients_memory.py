@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from krafla_twisted.api import backend as backend_module
 from krafla_twisted.api.metrics import Metrics, endpoint_label
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.engine.tokenizer import Tokenizer
 from tests.support.fake_backend import APIHarness, FakeBackend, FakeResult
 from tests.support.real_models import real_model
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from krafla_twisted import clib, container, formats, header
-from krafla_twisted.container import ContainerFile
+from krafla_twisted.engine import clib, container, formats, header
+from krafla_twisted.engine.container import ContainerFile
 from tests import strategies
 from tests.support.corpus import (build, corpus, corruptions, meta_entry, meta_floats, valid_file, valid_parts,
                                   write_corpus)
@@ -272,8 +272,8 @@ class CorpusTests:
         run in a child process so a crash fails this test instead of killing pytest."""
         script = (
             "import json, sys\n"
-            "from krafla_twisted import clib\n"
-            "from krafla_twisted.container import ContainerFile\n"
+            "from krafla_twisted.engine import clib\n"
+            "from krafla_twisted.engine.container import ContainerFile\n"
             "answers = {}\n"
             "for name, path in json.loads(sys.stdin.read()).items():\n"
             "    try:\n"

@@ -11,10 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from krafla_twisted import formats
-from krafla_twisted.container import ContainerFile
-from krafla_twisted.convert import cli as convert_cli
+from krafla_twisted.cli import convert as convert_cli
 from krafla_twisted.convert.gguf import ConvertError, convert_gguf, hyperparameters, model_base_name, output_names
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.container import ContainerFile
 from tests.support.real_models import gguf_reader, real_model, source_gguf
 
 GGML = gguf.GGMLQuantizationType
@@ -186,9 +186,9 @@ class CommandTests:
 
     def test_krafla_command_dispatches_to_convert(self, tmp_path, capsys):
         """`krafla convert` reaches this module through the top-level command."""
-        from krafla_twisted import cli
+        from krafla_twisted.cli import main
 
-        assert cli.main(["convert", str(tmp_path)]) == 1
+        assert main.main(["convert", str(tmp_path)]) == 1
         assert "no config.json" in capsys.readouterr().err
 
     def test_directory_is_read_as_hugging_face_folder(self, tmp_path, capsys):

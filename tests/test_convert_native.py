@@ -16,12 +16,13 @@ import gguf
 import numpy as np
 import pytest
 
-from krafla_twisted import formats, perplexity
-from krafla_twisted.container import ContainerFile
-from krafla_twisted.convert import cli as convert_cli
+from krafla_twisted.cli import perplexity
+from krafla_twisted.cli import convert as convert_cli
 from krafla_twisted.convert.gguf import KEPT_TYPES, ConvertError, all_finite, convert_gguf
-from krafla_twisted.engine import EngineError, Model, supported_weight_types
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.container import ContainerFile
+from krafla_twisted.engine.model import EngineError, Model, supported_weight_types
+from krafla_twisted.engine.tokenizer import Tokenizer
 from tests.support.real_models import gguf_reader, real_model
 from tests.test_convert import GGML, SCALE_BYTES, write_gguf
 from tests.test_perplexity import TEXT

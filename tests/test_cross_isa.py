@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from krafla_twisted import clib
+from krafla_twisted.engine import clib
 from tests.support.tiny_models import ARCHS, KQUANTS, QUANTIZED, WEIGHT_TYPES, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 

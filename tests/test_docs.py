@@ -181,7 +181,7 @@ class FreshCloneTests:
             found.wait(900)
             match = next((LISTENING.search(line) for line in lines if LISTENING.search(line)), None)
             assert match, "make serve did not start:\n" + "".join(lines[-60:])
-            from krafla_twisted import clib
+            from krafla_twisted.engine import clib
             banner = next(line for line in lines if "# krafla " in line and ", isa " in line)
             assert f", isa {clib.cpu_isa()}:" in banner  # the best library this CPU runs, without flags
             readme = read_readme_curl()

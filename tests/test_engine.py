@@ -1,4 +1,4 @@
-"""The C engine (krafla_twisted.engine) against the independent numpy reference.
+"""The C engine (krafla_twisted.engine.model) against the independent numpy reference.
 
 tests/support/reference.py computes the forward pass in float64 from the architectures'
 definitions; the engine must agree with it on tiny random models of every architecture and
@@ -15,8 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import cli, clib, engine, formats, header
-from krafla_twisted.engine import ClosedError, ContextFullError, EngineError, InvalidTokenError, Model
+from krafla_twisted.cli import main
+from krafla_twisted.engine import clib, formats, header
+from krafla_twisted.engine.model import (ClosedError, ContextFullError, EngineError, InvalidTokenError, Model, copy_logits,
+                                         logits_rows)
 from tests import strategies
 from tests.support.real_models import real_model
 from tests.support.reference import ReferenceModel
@@ -256,17 +258,17 @@ class ModelInfoTests:
             expected = session.eval(ids)
             for tokens in (tuple(ids), array.array("i", ids), np.array(ids, np.int64)):
                 session.truncate(0)
-                row = engine.logits_rows(1, model.n_vocab)[0]
+                row = logits_rows(1, model.n_vocab)[0]
                 assert session.eval(tokens, out=row) is row
                 assert row.tobytes() == expected.tobytes()
             other = model.session()
             other.eval(ids[:5])
             session.truncate(8)
-            rows = engine.logits_rows(2, model.n_vocab)
+            rows = logits_rows(2, model.n_vocab)
             outputs = model.eval_batch([(session, ids[8:], "last", rows[0]), (other, ids[5:], "last", rows[1])])
             assert outputs == rows
             assert rows[0].tobytes() == rows[1].tobytes() == expected.tobytes()
-            kept = engine.copy_logits(rows[0])
+            kept = copy_logits(rows[0])
             rows[0][0] = 1e9
             assert kept.tobytes() == expected.tobytes() and kept.format == "f"
 
@@ -593,7 +595,7 @@ class BenchTests:
     def test_json(self, tiny, capsys):
         """--json prints one object per test; rates are tokens / seconds, the median is the median."""
         path = tiny("gemma3", "q4_0")
-        assert cli.main(["bench", str(path), "-t", "2", "-p", "24", "-n", "5", "-r", "3", "-b", "8", "--json"]) == 0
+        assert main.main(["bench", str(path), "-t", "2", "-p", "24", "-n", "5", "-r", "3", "-b", "8", "--json"]) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [row["test"] for row in rows] == ["pp24", "tg5"]
         for row in rows:
@@ -606,25 +608,25 @@ class BenchTests:
         """-np 3: tgN steps 3 sequences together and reports their aggregate rate, 3 * N tokens over
         each run's seconds; the prompt test is unchanged; -np 0 is refused."""
         path = tiny("qwen2", "q8_0")
-        assert cli.main(["bench", str(path), "-p", "8", "-n", "5", "-r", "2", "-np", "3", "--json"]) == 0
+        assert main.main(["bench", str(path), "-p", "8", "-n", "5", "-r", "2", "-np", "3", "--json"]) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [(row["test"], row["parallel"]) for row in rows] == [("pp8", 1), ("tg5 np3", 3)]
         np.testing.assert_allclose(rows[0]["tokens_per_second"], [8 / s for s in rows[0]["seconds"]])
         np.testing.assert_allclose(rows[1]["tokens_per_second"], [15 / s for s in rows[1]["seconds"]])
-        assert cli.main(["bench", str(path), "-np", "0"]) == 2
+        assert main.main(["bench", str(path), "-np", "0"]) == 2
         assert "--parallel must be at least 1" in capsys.readouterr().err
 
     def test_table_and_errors(self, tiny, capsys):
         """The table has llama-bench's columns; bad arguments and files exit non-zero with a message."""
         path = tiny("llama")
-        assert cli.main(["bench", str(path), "-p", "16", "-n", "0", "-r", "2"]) == 0
+        assert main.main(["bench", str(path), "-p", "16", "-n", "0", "-r", "2"]) == 0
         out = capsys.readouterr().out.splitlines()
         assert [c.strip() for c in out[0].strip("|").split("|")] == ["model", "size", "params", "backend", "threads",
                                                                      "test", "t/s"]
         assert "| pp16 |" in out[2] and len(out) == 4
-        assert cli.main(["bench", str(path), "-p", "0", "-n", "0"]) == 2
-        assert cli.main(["bench", str(path), "-t", "0"]) == 2
-        assert cli.main(["bench", str(path) + ".missing"]) == 1
+        assert main.main(["bench", str(path), "-p", "0", "-n", "0"]) == 2
+        assert main.main(["bench", str(path), "-t", "0"]) == 2
+        assert main.main(["bench", str(path) + ".missing"]) == 1
         err = capsys.readouterr().err
         assert "not both 0" in err and "--threads must be at least 1" in err and "no such file" in err
 
@@ -638,6 +640,6 @@ class ProcessThreadsTests:
         import sys
 
         env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-        code = "import krafla_twisted.cli, numpy, os; print(len(os.listdir('/proc/self/task')))"
+        code = "import krafla_twisted.cli.main, numpy, os; print(len(os.listdir('/proc/self/task')))"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "1"

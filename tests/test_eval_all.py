@@ -8,7 +8,7 @@ fresh sessions over each prefix. Exact comparisons of the float32 bits, no toler
 import numpy as np
 import pytest
 
-from krafla_twisted.engine import ContextFullError, InvalidTokenError, Model
+from krafla_twisted.engine.model import ContextFullError, InvalidTokenError, Model
 from tests.support.real_models import real_model
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35

@@ -1,4 +1,4 @@
-"""The generation loop (krafla_twisted/generate.py).
+"""The generation loop (krafla_twisted/generation/generate.py).
 
 Unit tests drive it with a scripted fake model (its logits pick the next token of a script, or
 come from a hash of the history) so each rule is checked in isolation: stop tokens and stop
@@ -15,8 +15,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import chat
-from krafla_twisted.generate import ContextLengthExceeded, Generator, Runtime, SamplingParams, StopStringFilter
+from krafla_twisted.chat import templates
+from krafla_twisted.generation.generate import (ContextLengthExceeded, Generator, Runtime, SamplingParams,
+                                               StopStringFilter)
 
 EOS = 0
 
@@ -227,7 +228,7 @@ class ReplyTests:
         runtime = make_runtime([b"a", b"<s>", b"b"])
         assert run(runtime)[0].text == "a<s>b"
 
-        class OneStop(chat.ChatMLTemplate):
+        class OneStop(templates.ChatMLTemplate):
             stop_markers = ("<s>",)
 
         assert run(make_runtime([b"a", b"<s>", b"b"], template=OneStop("x", None, ("<s>",))))[0].text == "a"
@@ -371,7 +372,7 @@ class PrefixReuseTests:
     def test_repeat_history_reaches_exactly_repeat_last_n_back(self, monkeypatch):
         """The sampler is handed the last repeat_last_n tokens of the context: the one exactly
         repeat_last_n back included, none before it."""
-        from krafla_twisted import generate
+        from krafla_twisted.generation import generate
 
         handed = []
 
@@ -443,10 +444,10 @@ def smollm():
 
 
 def real_runtime(pulled, *, threads=1, batch=32, ctx=512):
-    from krafla_twisted.engine import Model
-    from krafla_twisted.tokenizer import Tokenizer
+    from krafla_twisted.engine.model import Model
+    from krafla_twisted.engine.tokenizer import Tokenizer
 
-    return Runtime(Model(str(pulled.mlb), threads=threads), Tokenizer(str(pulled.mlt)), chat.get_template("smollm"),
+    return Runtime(Model(str(pulled.mlb), threads=threads), Tokenizer(str(pulled.mlt)), templates.get_template("smollm"),
                    ctx=ctx, batch=batch)
 
 

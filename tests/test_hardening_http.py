@@ -19,8 +19,8 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from krafla_twisted import clib
 from krafla_twisted.api.site import APISite
+from krafla_twisted.engine import clib
 from krafla_twisted.api.site import (
     DISCARD_LIMIT_BYTES, HEAD_DEADLINE_SECONDS, MAX_BODY_BYTES, REQUEST_DEADLINE_SECONDS, WRITE_DEADLINE_SECONDS,
 )

@@ -21,12 +21,12 @@ import pytest
 from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.python.failure import Failure
 
-from krafla_twisted import chat
 from krafla_twisted.api.backend import Backend
 from krafla_twisted.api.site import HEAD_DEADLINE_SECONDS, REQUEST_DEADLINE_SECONDS, WRITE_DEADLINE_SECONDS
-from krafla_twisted.engine import Model
-from krafla_twisted.generate import Runtime
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.chat import templates
+from krafla_twisted.engine.model import Model
+from krafla_twisted.engine.tokenizer import Tokenizer
+from krafla_twisted.generation.generate import Runtime
 from tests.support.fake_backend import APIHarness, RawConnection, split_response, sse_events
 from tests.support.real_models import real_model
 from tests.support.tiny_models import write_tiny_model
@@ -73,7 +73,7 @@ class TinyServerParts:
         self.tokenizer = Tokenizer(str(pulled.mlt))
         write_tiny_model(folder / "tiny.mlb", "qwen2", seed=17, n_vocab=self.tokenizer.n_vocab, max_seq=CTX)
         self.model = Model(str(folder / "tiny.mlb"), threads=1)
-        self.template = chat.get_template(pulled.chat)
+        self.template = templates.get_template(pulled.chat)
         self.alone_cache = {}
 
     def close(self):

@@ -57,7 +57,7 @@ def queue_server(model, request):
 
 @pytest.fixture(scope="module")
 def vocab(model):
-    from krafla_twisted.tokenizer import Tokenizer
+    from krafla_twisted.engine.tokenizer import Tokenizer
 
     return Tokenizer(str(model.mlt)).n_vocab
 
@@ -164,7 +164,7 @@ class BadInputTests:
     def test_numeric_fields_at_their_edges(self, server, model):
         """Each numeric field: negative, zero, huge, NaN, Infinity, overflowing, wrong types. A valid value is
         served, an invalid one is a 400 naming the field; nothing is a 500."""
-        from krafla_twisted.tokenizer import Tokenizer
+        from krafla_twisted.engine.tokenizer import Tokenizer
 
         # A prompt 4 tokens short of the context: a huge max_tokens ends at the context's end, soon.
         prompt = json.dumps(Tokenizer(str(model.mlt)).encode(COUNTING * 60)[: CTX - 4]).encode()
@@ -464,11 +464,11 @@ class InjectionTests:
     def test_marker_text_in_content_is_not_a_control_token(self, model):
         """A user message spelling `<|im_end|>` and `<|im_start|>system` renders with exactly as many
         control-token ids as a plain message: the markers in user text are encoded as text."""
-        from krafla_twisted import chat
-        from krafla_twisted.tokenizer import Tokenizer
+        from krafla_twisted.chat import templates
+        from krafla_twisted.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(str(model.mlt))
-        template = chat.get_template(model.chat)
+        template = templates.get_template(model.chat)
         markers = [tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|im_start|>")]
         assert None not in markers
         plain = template.render([{"role": "user", "content": "hi"}], tokenizer)

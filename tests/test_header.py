@@ -1,4 +1,4 @@
-"""krafla_twisted/header.py: the constants of krafla.h, read from the header, and what the built
+"""krafla_twisted/engine/header.py: the constants of krafla.h, read from the header, and what the built
 library says about them.
 
 Independent checks: a plain scan of the header text for every KR_ name it defines, and the C
@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from krafla_twisted import engine, formats, header, kernels, options, pack
-from krafla_twisted.engine import Model
+from krafla_twisted.cli import options
+from krafla_twisted.engine import formats, header, kernels, pack
+from krafla_twisted.engine.model import KV_TYPES, EngineError, Model
 from tests.support.tiny_models import write_tiny_model
 
 
@@ -48,7 +49,7 @@ class LibraryAgreesTests:
 
     def test_type_names(self):
         """kr_type_name(code) of every kr_type member is its name in formats.py."""
-        from krafla_twisted import container
+        from krafla_twisted.engine import container
 
         types = {k: v for k, v in header.ENUMS["kr_type"].items() if k != "KR_TYPE_COUNT"}
         assert set(types.values()) == set(formats.TENSOR_TYPES)
@@ -65,19 +66,19 @@ class LibraryAgreesTests:
             assert model.session().n_ctx == header.KR_DEFAULT_MAX_CTX
         with Model(short_model) as model:
             assert model.session().n_ctx == 100
-            for name in engine.KV_TYPES:
+            for name in KV_TYPES:
                 assert model.session(kv=name).kv == name
-            for code in set(formats.TENSOR_TYPES) - set(engine.KV_TYPES.values()):
-                engine.KV_TYPES["other"] = code
+            for code in set(formats.TENSOR_TYPES) - set(KV_TYPES.values()):
+                KV_TYPES["other"] = code
                 try:
-                    with pytest.raises(engine.EngineError, match="KV cache type"):
+                    with pytest.raises(EngineError, match="KV cache type"):
                         model.session(kv="other")
                 finally:
-                    del engine.KV_TYPES["other"]
+                    del KV_TYPES["other"]
 
     def test_python_tables_come_from_the_header(self):
         """The option table, the pack status names and the kernel implementations list the header's members."""
-        assert options.KV_TYPES == tuple(engine.KV_TYPES) == ("f32", "f16", "q8_0")
+        assert options.KV_TYPES == tuple(KV_TYPES) == ("f32", "f16", "q8_0")
         assert set(pack.STATUS_NAMES) == set(header.ENUMS["kr_pack_status"].values())
         assert kernels.IMPLEMENTATIONS["dispatch"] == header.KR_KERNEL_DISPATCH
         assert f"at most {header.KR_DEFAULT_MAX_CTX}" in options.BY_NAME["ctx"].help

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from krafla_twisted import formats, info
+from krafla_twisted.cli import info
+from krafla_twisted.engine import formats
 from tests.support import real_models
 from tests.support.tiny_models import write_tiny_model
 
@@ -117,11 +118,11 @@ class InfoRejectionTests:
             assert err.startswith(f"krafla info: {path}: ") and err.count("\n") == 1, (name, err)
 
     def test_command_line_never_shows_a_traceback(self, tmp_path):
-        """The installed command (python -m krafla_twisted.cli info) on bad files: status 1, the
+        """The installed command (python -m krafla_twisted.cli.main info) on bad files: status 1, the
         loader's messages on stderr, no traceback."""
         paths = write_corpus(tmp_path)
         bad = [paths["empty file"], paths["a directory"], paths["a missing file"], paths["tensor past the end"]]
-        result = subprocess.run([sys.executable, "-m", "krafla_twisted.cli", "info", *map(str, bad)],
+        result = subprocess.run([sys.executable, "-m", "krafla_twisted.cli.main", "info", *map(str, bad)],
                                 capture_output=True, text=True, cwd=REPO, timeout=60)
         assert result.returncode == 1
         assert "Traceback" not in result.stderr

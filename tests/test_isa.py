@@ -1,4 +1,4 @@
-"""One install, the best ISA at run time (krafla_twisted/clib.py): the generic, avx2 and avx512
+"""One install, the best ISA at run time (krafla_twisted/engine/clib.py): the generic, avx2 and avx512
 libraries are all built, the best one the CPU runs is loaded, KRAFLA_ISA overrides it with a
 clear error for a name that is unknown or an ISA the CPU lacks, and the commands say which."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from krafla_twisted import clib
+from krafla_twisted.engine import clib
 
 AVX2 = ("avx2", "fma", "f16c")
 AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -31,7 +31,7 @@ def in_subprocess(code, **env):
     return done.returncode, done.stdout.strip(), done.stderr
 
 
-LOADED = "from krafla_twisted import clib; print(clib.loaded_isa())"
+LOADED = "from krafla_twisted.engine import clib; print(clib.loaded_isa())"
 
 
 class ChoiceTests:
@@ -98,7 +98,7 @@ class LoadTests:
         model = tmp_path / "model.mlb"
         model.write_bytes(b"")
         environment = {k: v for k, v in os.environ.items() if k not in ("KRAFLA_LIB", "KRAFLA_ISA")}
-        done = subprocess.run([sys.executable, "-m", "krafla_twisted.cli", "bench", str(model)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "krafla_twisted.cli.main", "bench", str(model)], capture_output=True,
                               text=True, env=dict(environment, KRAFLA_ISA="fast"))
         assert done.returncode == 1 and "Traceback" not in done.stderr
         assert "krafla bench: KRAFLA_ISA='fast' is not one of avx512, avx2, generic" in done.stderr

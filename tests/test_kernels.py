@@ -28,7 +28,7 @@ from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import clib, kernels
+from krafla_twisted.engine import clib, kernels
 
 QUANTIZED = ("q8_0", "q4_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")

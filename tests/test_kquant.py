@@ -22,7 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import clib, kernels
+from krafla_twisted.engine import clib, kernels
 from tests.strategies import kquant_problems
 from tests.support import kquants
 from tests.test_kernels import avx2_or_skip, float32_sum_tolerance, random_float32, same_bits
@@ -219,8 +219,8 @@ class KQuantModelFileTests:
         """A q4_K matrix whose last dimension is not a multiple of 256 (ggml falls back to other
         types there) is refused when the file is opened, naming the tensor and the block, with no
         crash. formats.py would not write one, so its size check is bypassed for this file."""
-        from krafla_twisted import formats
-        from krafla_twisted.engine import Model
+        from krafla_twisted.engine import formats
+        from krafla_twisted.engine.model import Model
         from tests.support.tiny_models import tiny_model_container
 
         container = tiny_model_container("llama", seed=1, weight_type="q4_K", tied_embeddings=0)

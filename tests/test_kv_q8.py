@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from hypothesis import given, settings, strategies as st
 
-from krafla_twisted import kernels
-from krafla_twisted.engine import EngineError, Model
+from krafla_twisted.engine import kernels
+from krafla_twisted.engine.model import EngineError, Model
 from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import write_tiny_model, write_tiny_models
 from tests.test_kernels import avx2_or_skip, float32_sum_tolerance, same_bits

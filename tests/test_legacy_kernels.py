@@ -21,8 +21,8 @@ from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import kernels, pack
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import kernels, pack
+from krafla_twisted.engine.model import Model
 from tests import strategies
 from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import ARCHS, write_tiny_model

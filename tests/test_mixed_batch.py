@@ -12,8 +12,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from krafla_twisted import clib
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.model import Model
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 

@@ -18,8 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings, strategies as st
 
-from krafla_twisted import kernels, pack
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import kernels, pack
+from krafla_twisted.engine.model import Model
 from tests.support import kquants
 from tests.support.tiny_models import write_tiny_model, write_tiny_models
 from tests.test_kernels import avx2_or_skip, make_problem, random_float32, same_bits

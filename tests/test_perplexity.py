@@ -1,4 +1,4 @@
-"""`krafla perplexity` (krafla_twisted/perplexity.py) against a numpy computation of the same
+"""`krafla perplexity` (krafla_twisted/cli/perplexity.py) against a numpy computation of the same
 quantity: llama-perplexity's method (chunks of ctx from an empty cache, BOS in front where the
 tokenizer adds one, the second half scored, exp of the mean negative log-likelihood and its
 error), written out here in float64 from Session.eval_all's logits of each whole chunk."""
@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from krafla_twisted import perplexity
-from krafla_twisted.engine import Model
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.cli import perplexity
+from krafla_twisted.engine.model import Model
+from krafla_twisted.engine.tokenizer import Tokenizer
 from tests.support.real_models import real_model
 from tests.support.tiny_models import write_tiny_model
 
@@ -177,7 +177,7 @@ class CommandTests:
 
     def test_installed_command(self, gemma):
         """`krafla perplexity --help` through the console entry point lists the options."""
-        done = subprocess.run([sys.executable, "-m", "krafla_twisted.cli", "perplexity", "--help"],
+        done = subprocess.run([sys.executable, "-m", "krafla_twisted.cli.main", "perplexity", "--help"],
                               capture_output=True, text=True, check=True)
         for option in ("-z", "-f", "--ctx", "--chunks", "-t", "--batch"):
             assert option in done.stdout

@@ -14,7 +14,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from krafla_twisted import formats, models
+from krafla_twisted.cli import models
+from krafla_twisted.engine import formats
 from tests.test_convert import write_gguf
 
 
@@ -295,9 +296,9 @@ class CommandTests:
 
     def test_krafla_command_dispatches_to_pull(self, tmp_path, capsys):
         """`krafla pull --list` reaches this module through the top-level command."""
-        from krafla_twisted import cli
+        from krafla_twisted.cli import main
 
-        assert cli.main(["pull", "--list", "--home", str(tmp_path)]) == 0
+        assert main.main(["pull", "--list", "--home", str(tmp_path)]) == 0
         assert "smollm2-135m" in capsys.readouterr().out
 
     def test_pull_prints_the_files(self, tmp_path, tiny_model, capsys):

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import formats, pack
-from krafla_twisted.engine import EngineError, Model
+from krafla_twisted.engine import formats, pack
+from krafla_twisted.engine.model import EngineError, Model
 from tests.support.tiny_qwen35 import qwen35_container, write_tiny_qwen35
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 89, 45)]

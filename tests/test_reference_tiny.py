@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 from tests.support import reference
 from tests.support.reference import ReferenceModel
 from tests.support.tiny_models import encode, tiny_model_container

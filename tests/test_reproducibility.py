@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted.engine import Model
+from krafla_twisted.engine.model import Model
 from tests import strategies
 from tests.support.real_models import real_model
 from tests.support.tiny_models import ARCHS, write_tiny_model

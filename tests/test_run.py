@@ -1,4 +1,4 @@
-"""`krafla run` and the shared option table (krafla_twisted/options.py): argparse and twistd
+"""`krafla run` and the shared option table (krafla_twisted/cli/options.py): argparse and twistd
 read the same options with the same defaults and limits; `krafla run` on the real SmolLM2 model
 streams a reply, prints the stats line, and repeats itself for a seed."""
 
@@ -12,8 +12,9 @@ import sys
 import pytest
 from twisted.python import usage
 
-from krafla_twisted import clib, options, run
-from krafla_twisted.generate import GenerationResult
+from krafla_twisted.cli import options, run
+from krafla_twisted.engine import clib
+from krafla_twisted.generation.generate import GenerationResult
 
 # ------------------------------------------------------------------------------------------
 # Options
@@ -126,7 +127,7 @@ def smollm():
 
 
 def krafla_run(*argv, stdin=None, env=None):
-    return subprocess.run([sys.executable, "-m", "krafla_twisted.cli", "run", *argv], input=stdin,
+    return subprocess.run([sys.executable, "-m", "krafla_twisted.cli.main", "run", *argv], input=stdin,
                           capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -173,9 +174,9 @@ class RunTests:
 
     def test_system_prompt_and_streaming(self, smollm):
         """In-process: --system replaces SmolLM's default system prompt (the stats line counts the
-        prompt as chat.render does), and the reply reaches stdout piece by piece, each flushed."""
-        from krafla_twisted import chat
-        from krafla_twisted.tokenizer import Tokenizer
+        prompt as templates.render does), and the reply reaches stdout piece by piece, each flushed."""
+        from krafla_twisted.chat import templates
+        from krafla_twisted.engine.tokenizer import Tokenizer
 
         class Recorder(io.StringIO):
             flushes = 0
@@ -189,7 +190,7 @@ class RunTests:
                     "-p", "What is the capital of France?"] + (["--system", system] if system else [])
             stdout, stderr = Recorder(), io.StringIO()
             assert run.main(run_parser().parse_args(argv), stdout=stdout, stderr=stderr) == 0, stderr.getvalue()
-            expected = chat.get_template("smollm").render([{"role": "user", "content": "What is the capital of France?"}],
+            expected = templates.get_template("smollm").render([{"role": "user", "content": "What is the capital of France?"}],
                                                           tokenizer, system=system)
             match = STATS.match(stderr.getvalue().strip())
             assert match and int(match.group(1)) == len(expected)
@@ -225,7 +226,7 @@ class RunTests:
         import pty
 
         controller, terminal = pty.openpty()
-        process = subprocess.Popen([sys.executable, "-m", "krafla_twisted.cli", "run", str(smollm.mlb), "-z",
+        process = subprocess.Popen([sys.executable, "-m", "krafla_twisted.cli.main", "run", str(smollm.mlb), "-z",
                                     str(smollm.mlt), "--chat", "smollm", "-n", "24"],
                                    stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         os.close(terminal)
@@ -282,6 +283,6 @@ class RunTests:
 def _library_env(monkeypatch):
     """Subprocesses find the same library as this process."""
     if "KRAFLA_LIB" not in os.environ:
-        from krafla_twisted import clib
+        from krafla_twisted.engine import clib
 
         monkeypatch.setenv("KRAFLA_LIB", clib.library_path())

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import clib
-from krafla_twisted.sampler import Sampler, logprobs, mask_logits
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.sampler import Sampler, logprobs, mask_logits
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The scheduler (krafla_twisted/scheduler.py) with real tiny models: a request's reply beside
+"""The scheduler (krafla_twisted/generation/scheduler.py) with real tiny models: a request's reply beside
 others is bitwise the reply it gets alone, and a new request takes the right slot.
 
 "Alone" is Generator.generate on a one-slot Runtime, the path `krafla run` and `--parallel 1` take.
@@ -14,9 +14,9 @@ import zlib
 import numpy as np
 import pytest
 
-from krafla_twisted.engine import Model
-from krafla_twisted.generate import Generation, Generator, Runtime, SamplingParams, run_alone
-from krafla_twisted.scheduler import Scheduler
+from krafla_twisted.engine.model import Model
+from krafla_twisted.generation.generate import Generation, Generator, Runtime, SamplingParams, run_alone
+from krafla_twisted.generation.scheduler import Scheduler
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 
@@ -310,7 +310,7 @@ class RuntimeSlotsTests:
     def test_a_slot_that_cannot_be_made_is_named(self, tmp_path):
         """A session the engine refuses (here a context out of its range) stops the Runtime with an error naming
         the slot and the options, and the slots already made are closed; parallel must be a positive integer."""
-        from krafla_twisted import clib
+        from krafla_twisted.engine import clib
 
         with Model(write(tmp_path / "m.mlb", "llama"), threads=1) as model:
             with pytest.raises(clib.KraflaError, match=r"cannot make slot 1 of 3 \(--parallel 3, --ctx 2147483647, "

@@ -135,7 +135,7 @@ class EndpointTests:
 
     def test_completion_string_and_ids(self, server, model):
         """A prompt string and the same prompt's token ids (with BOS when the tokenizer adds one) continue alike."""
-        from krafla_twisted.tokenizer import Tokenizer
+        from krafla_twisted.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(str(model.mlt))
         prompt = "The capital of France is"
@@ -209,7 +209,7 @@ class StreamingTests:
 
     def test_stop_string_across_token_boundary(self, server, model):
         """A stop string that spans two tokens ends the reply before it, streamed or not, and never leaks."""
-        from krafla_twisted.tokenizer import Tokenizer
+        from krafla_twisted.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(str(model.mlt))
         body = {"prompt": "The capital of France is", "max_tokens": 16}

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from krafla_twisted import clib, formats
+from krafla_twisted.engine import clib, formats
 from tests.support.real_models import real_model
 from tests.support.server import REPO, TWISTD, ServerProcess, server_env, treq_call, wait_for_listening, wait_until_removed
 
@@ -192,7 +192,7 @@ class StartupTests:
             # 256 slots of 8192 positions: 90 GiB of f32 KV cache for SmolLM2, more than this machine has
             (model_args + ["--parallel", "256", "--ctx", "8192"], "--parallel 256 x --ctx 8192 needs 90.0 GiB"),
         )
-        from krafla_twisted.startup import available_memory
+        from krafla_twisted.cli.startup import available_memory
         assert available_memory() < 90 * 2**30, "the KV-memory refusal below needs a machine with less memory"
         try:
             for daemon in (False, True):

@@ -18,8 +18,8 @@ import signal
 
 import pytest
 
-from krafla_twisted.chat import get_template
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.chat.templates import get_template
+from krafla_twisted.engine.tokenizer import Tokenizer
 from tests.support.server import ServerProcess, treq_call
 from tests.support.testdata import vocab_mlt
 from tests.support.tiny_qwen35 import write_tiny_qwen35

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from krafla_twisted import grammar, startup
 from krafla_twisted.api.backend import Backend
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request
+from krafla_twisted.cli import startup
+from krafla_twisted.generation import grammar
 from tests.strategies import json_schemas
 from tests.support.real_models import real_model
 from tests.support.server import ServerProcess

@@ -15,8 +15,8 @@ import pytest
 from gguf import quants
 from hypothesis import HealthCheck, given, settings
 
-from krafla_twisted import formats
-from krafla_twisted.container import ContainerFile
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.container import ContainerFile
 from tests import strategies
 from tests.support import tiny_models
 from tests.support.tiny_models import write_tiny_model

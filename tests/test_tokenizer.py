@@ -1,4 +1,4 @@
-"""The tokenizer (engine_c/src/tokenizer/tokenizer.c through krafla_twisted.tokenizer) and its converter.
+"""The tokenizer (engine_c/src/tokenizer/tokenizer.c through krafla_twisted.engine.tokenizer) and its converter.
 
 Independent references: llama.cpp's own test vectors (tests/support/testdata.py), the `regex`
 module running the pre-tokenizer patterns llama.cpp uses, plain-Python BPE and SentencePiece
@@ -17,9 +17,9 @@ import pytest
 import regex
 from hypothesis import HealthCheck, assume, example, given, settings
 
-from krafla_twisted import clib, formats
 from krafla_twisted.convert import tokenizer as convert
-from krafla_twisted.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
+from krafla_twisted.engine import clib, formats
+from krafla_twisted.engine.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
 from tests import strategies
 from tests.support import real_models, testdata
 

@@ -9,10 +9,10 @@ pre-tokenizer and special ids as the GGUF path.
 
 import pytest
 
-from krafla_twisted import formats
 from krafla_twisted.convert.tokenizer import TokenizerConversionError
 from krafla_twisted.convert.tokenizer_json import container_from_folder, tables_from_json
-from krafla_twisted.tokenizer import Tokenizer
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.tokenizer import Tokenizer
 from tests.support.hf_tokenizer_json import write_hf_tokenizer
 from tests.support.testdata import vocab_cases, vocab_gguf, vocab_mlt
 

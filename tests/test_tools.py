@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from krafla_twisted import chat, grammar, tools
+from krafla_twisted.chat import templates
+from krafla_twisted.generation import grammar, tools
 from tests.strategies import tool_arguments, tool_conversations, tool_lists
 from tests.test_chat import jinja_environment
 
@@ -56,14 +57,14 @@ class OfficialToolRenderingTests:
         template, variables = official[name]
         expected = template.render(messages=jinja_messages(messages), tools=tool_list or None,
                                    add_generation_prompt=True, **variables)
-        assert chat.get_template(name).render_text(messages, tools=tool_list or None) == expected
+        assert templates.get_template(name).render_text(messages, tools=tool_list or None) == expected
 
     @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr"])
     def test_templates_without_a_tool_format_say_so(self, name):
         """A template with no tool format refuses tools and tool messages with a ChatError saying so."""
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        with pytest.raises(chat.ChatError, match="no format for tool calls"):
-            chat.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
+        with pytest.raises(templates.ChatError, match="no format for tool calls"):
+            templates.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
 
 
 class ParseTests:
@@ -75,11 +76,11 @@ class ParseTests:
         fmt = tools.FORMATS[name]
         count = data.draw(st.integers(1, 3)) if fmt.parallel else 1
         names = ["get_weather", "lookup", "a-b_c"]
-        calls = [chat.ToolCall(data.draw(st.sampled_from(names)), data.draw(tool_arguments)) for _ in range(count)]
+        calls = [templates.ToolCall(data.draw(st.sampled_from(names)), data.draw(tool_arguments)) for _ in range(count)]
         tool_list = []
         if name == "qwen3.5":
             # raw values: the tool's schema says which are strings (tested with other types below)
-            calls = [chat.ToolCall(c.name, {k: json.dumps(v, ensure_ascii=False) for k, v in c.arguments.items()})
+            calls = [templates.ToolCall(c.name, {k: json.dumps(v, ensure_ascii=False) for k, v in c.arguments.items()})
                      for c in calls]
             strings = {"type": "object", "properties": {k: {"type": "string"} for k in ["city", "n", "flag", "tags", "é"]}}
             tool_list = [{"type": "function", "function": {"name": n, "parameters": strings}} for n in names]
@@ -92,8 +93,8 @@ class ParseTests:
         for text in ("Hello", "<tool_call>\n{not json}\n</tool_call>", '<tool_call>\n{"arguments": {}}\n</tool_call>'):
             assert tools.FORMATS["qwen"].parse(text) == (text.strip(), [])
         assert tools.FORMATS["llama3"].parse('{"name": 3}') == ('{"name": 3}', [])
-        assert tools.FORMATS["qwen"].parse("Sure.\n" + chat.qwen_tool_call_text(chat.ToolCall("f", {"x": 1}))) == (
-            "Sure.", [chat.ToolCall("f", {"x": 1})])
+        assert tools.FORMATS["qwen"].parse("Sure.\n" + templates.qwen_tool_call_text(templates.ToolCall("f", {"x": 1}))) == (
+            "Sure.", [templates.ToolCall("f", {"x": 1})])
 
 
 class ToolStreamTests:
@@ -105,7 +106,7 @@ class ToolStreamTests:
         at the end join to exactly the content the whole reply parses to."""
         fmt = tools.FORMATS[name]
         prefix = data.draw(st.text(st.sampled_from(" \nab<{}_t"), max_size=12))
-        call = fmt.text(chat.ToolCall("f", {"x": 1})) if data.draw(st.booleans()) else ""
+        call = fmt.text(templates.ToolCall("f", {"x": 1})) if data.draw(st.booleans()) else ""
         text = prefix + call + data.draw(st.text(st.sampled_from(" \nab"), max_size=4))
         cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
@@ -123,7 +124,7 @@ class Qwen35ParameterTests:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
             "city": {"type": "string"}, "code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"},
             "ok": {"type": "boolean"}, "nothing": {"type": "null"}}}}}
-        call = chat.ToolCall("f", {"city": "Paris", "code": "18", "n": 3, "tags": ["a", "b"], "ok": False, "nothing": None})
+        call = templates.ToolCall("f", {"city": "Paris", "code": "18", "n": 3, "tags": ["a", "b"], "ok": False, "nothing": None})
         text = tools.FORMATS["qwen3.5"].text(call)
         assert tools.FORMATS["qwen3.5"].parse(text, [tool]) == (None, [call])
 
@@ -133,10 +134,10 @@ class Qwen35ParameterTests:
             "city": {"type": "string"}, "n": {"type": "integer"}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}}
         fmt = tools.FORMATS["qwen3.5"]
         lark = grammar.lark_grammar(fmt.grammar([tool], thinking=True))
-        call = fmt.text(chat.ToolCall("f", {"city": "Paris\nFrance", "n": 4, "unit": "C"}))
+        call = fmt.text(templates.ToolCall("f", {"city": "Paris\nFrance", "n": 4, "unit": "C"}))
         assert _accepts(lark, "Let me think.\n</think>\n\n" + call)
         assert not _accepts(lark, call)
-        assert not _accepts(lark, "x</think>\n\n" + fmt.text(chat.ToolCall("f", {"n": 4})))
+        assert not _accepts(lark, "x</think>\n\n" + fmt.text(templates.ToolCall("f", {"n": 4})))
 
 
 class GrammarTests:
@@ -164,8 +165,8 @@ class GrammarTests:
         matcher_grammar = grammar.lark_grammar(text)
         assert llguidance.LLMatcher.validate_grammar(matcher_grammar) in ("",) or \
             llguidance.LLMatcher.validate_grammar(matcher_grammar).startswith("WARNING")
-        call = fmt.text(chat.ToolCall("f", arguments))
-        other = fmt.text(chat.ToolCall("g", arguments))
+        call = fmt.text(templates.ToolCall("f", arguments))
+        other = fmt.text(templates.ToolCall("g", arguments))
         assert _accepts(matcher_grammar, call)
         assert not _accepts(matcher_grammar, other)
 

@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Errors (error.c)
+// Errors (error.c; kr_weight_type_supported is types/types.c's)
 
 typedef enum {
     KR_OK = 0,
@@ -43,8 +43,9 @@ const char *kr_isa(void);
 int kr_weight_type_supported(int32_t type);
 
 // ---------------------------------------------------------------------------------------------
-// Container files .mlb / .mlt (file.c). The layout is in docs/formats.md and
-// krafla_twisted/formats.py; these constants must agree with that module (tested).
+// Container files .mlb / .mlt (file.c; the type table, kr_type_size and kr_type_name, types/types.c).
+// The layout is in docs/formats.md and krafla_twisted/engine/formats.py; these constants must agree
+// with that module (tested).
 
 #define KR_MODEL_MAGIC "KRAFLAMB"
 #define KR_TOKENIZER_MAGIC "KRAFLATK"
@@ -175,7 +176,7 @@ int32_t kr_unicode_class(uint32_t codepoint);
 // --- end Tokenizer
 
 // ---------------------------------------------------------------------------------------------
-// --- Model and session (model/: model.c, session.c, layers.c, arch_*.c; runtime/threads.c; owner: engine)
+// --- Model and session (model/: model.c, loader.c, session.c, layers.c, arch_*.c; runtime/threads.c; owner: engine)
 //
 // A kr_model maps a .mlb file, validates every hyperparameter and binds every tensor (type and
 // shape checked), and owns a pool of n_threads threads (the caller plus n_threads - 1 workers).
@@ -335,13 +336,14 @@ int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *
 
 // ---------------------------------------------------------------------------------------------
 // --- Kernels (tests) (kernels.c; owner: kernels)
-// Entry points that run one numeric kernel of engine_c/src/kernels.h on caller buffers, so tests
-// can compare the reference and the AVX2 version of each kernel inside one library. `impl` picks
-// which: KR_KERNEL_DISPATCH (what the engine calls), KR_KERNEL_REFERENCE (quant_ref.c) or
-// KR_KERNEL_AVX2 (kernels_avx2.c; KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and
-// type is checked; a bad one is KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0,
-// KR_Q4_0, KR_Q4_1, KR_Q5_0, KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K; q8_0/q4_0/q4_1/q5_0/q5_1 rows are
-// whole blocks of 32, k-quant rows of 256.
+// Entry points that run one numeric kernel of engine_c/src/kernels/kernels.h on caller buffers, so
+// tests can compare the reference and the AVX2 version of each kernel inside one library. `impl`
+// picks which: KR_KERNEL_DISPATCH (what the engine calls), KR_KERNEL_REFERENCE (the _ref twins:
+// quant_ref.c, f16.c, legacy_ref.c, kquant_ref.c) or KR_KERNEL_AVX2 (kernels_avx2.c;
+// KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and type is checked; a bad one is
+// KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0, KR_Q4_0, KR_Q4_1, KR_Q5_0,
+// KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K; q8_0/q4_0/q4_1/q5_0/q5_1 rows are whole blocks of 32,
+// k-quant rows of 256.
 
 #define KR_KERNEL_DISPATCH 0
 #define KR_KERNEL_REFERENCE 1

@@ -1,0 +1,8 @@
+"""The HTTP layer: Twisted resources that speak OpenAI's API (and llama-server's extras).
+
+routes is the table of endpoints; resources parses requests and answers them, schema validates their
+bodies and errors shapes OpenAI's errors; backend is the one way to the model, through generation;
+worker runs the model's steps off the reactor thread; sse streams; access, listen, site, metrics and
+tokenize are the door's rules, sockets, connection limits, counters and llama-server's /tokenize. It
+may import generation and chat, never engine: api/ does not touch ctypes or the C library.
+"""

@@ -1,6 +1,6 @@
-"""The served model as the HTTP layer sees it: krafla_twisted.generate's Runtime and Generator.
+"""The served model as the HTTP layer sees it: krafla_twisted.generation.generate's Runtime and Generator.
 
-The rendering of chats (krafla_twisted.chat), tokenizing, KV-cache reuse, sampling, stop strings and
+The rendering of chats (krafla_twisted.chat.templates), tokenizing, KV-cache reuse, sampling, stop strings and
 UTF-8 pieces all live in generate/chat; this module only maps a validated request onto them and
 their errors onto OpenAI's. It is the API's one way to the engine: nothing else under api/ imports
 the engine, the tokenizer or the C library.
@@ -15,9 +15,11 @@ import contextlib
 import dataclasses
 import os
 
-from krafla_twisted import __version__, chat, engine, generate, grammar, tools
+from krafla_twisted import __version__
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
-from krafla_twisted.scheduler import Pending, Scheduler
+from krafla_twisted.chat import templates
+from krafla_twisted.generation import generate, grammar, tools
+from krafla_twisted.generation.scheduler import Pending, Scheduler
 
 
 class Backend:
@@ -49,7 +51,7 @@ class Backend:
         if source and source != "--chat":
             template += f" (from {source})"
         return (
-            f"# krafla {__version__}, isa {engine.library_isa()}: model {file_stem(model.path)}, context {self.n_ctx} "
+            f"# krafla {__version__}, isa {self.runtime.isa}: model {file_stem(model.path)}, context {self.n_ctx} "
             f"of {model.max_seq}, chat {template}, threads {self.runtime.threads}, kv {self.runtime.kv}, "
             f"parallel {self.runtime.parallel} (KV cache {self.runtime.parallel} x {slot_bytes / 2**20:.1f} MiB)"
         )
@@ -106,7 +108,7 @@ class Backend:
         param = "messages" if completion.kind == "chat" else "prompt"
         try:
             prompt = self.prompt(completion)
-        except chat.ChatError as e:
+        except templates.ChatError as e:
             no_format = completion.kind == "chat" and completion.tools and self.tool_format is None
             raise InvalidRequest(str(e), param="tools" if no_format else param) from None
         except ValueError as e:  # an empty prompt, a token id the engine refuses

@@ -30,7 +30,7 @@ def endpoint_label(path):
 
 class Metrics:
     """The numbers behind /metrics. `pending` is a function giving the jobs queued or running;
-    `scheduler` (krafla_twisted.scheduler.Scheduler, or None) gives the slots and the batches."""
+    `scheduler` (krafla_twisted.generation.scheduler.Scheduler, or None) gives the slots and the batches."""
 
     def __init__(self, pending=lambda: 0, scheduler=None):
         self.pending = pending

@@ -16,8 +16,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
-from krafla_twisted.chat import tool_json
-from krafla_twisted.tools import ToolStream
+from krafla_twisted.chat.templates import tool_json
+from krafla_twisted.generation.tools import ToolStream
 from krafla_twisted.api.errors import (
     APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
 )

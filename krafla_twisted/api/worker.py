@@ -7,7 +7,7 @@ left while it waited is skipped when its turn comes; one whose client leaves whi
 `cancelled` become true and its generation stops before the next step.
 
 A completion's job does not run its reply to the end: it returns a scheduler.Pending, which joins
-the backend's Scheduler (krafla_twisted/scheduler.py; --parallel slots). Between jobs, while no
+the backend's Scheduler (krafla_twisted/generation/scheduler.py; --parallel slots). Between jobs, while no
 other job waits in the pool, the thread runs the scheduler's forward steps, each over every active
 reply; a job that comes in runs between two steps (a new completion joins the batch at the next
 one). A backend without a scheduler answers each job at once.
@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from krafla_twisted.scheduler import Pending
+from krafla_twisted.generation.scheduler import Pending
 
 log = Logger(namespace="krafla.queue")
 

@@ -12,7 +12,7 @@ names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up are split into the 
 whole rows, so kept blocks split too). Supported architectures: llama (Llama 3.1's
 rope_freqs.weight kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3;
 anything else is refused with a message that says what is missing. The .mlt names the chat
-template the GGUF's own tokenizer.chat_template renders like (krafla_twisted/chat_file.py).
+template the GGUF's own tokenizer.chat_template renders like (krafla_twisted/chat/template_file.py).
 """
 
 import math
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from krafla_twisted.engine import formats
 
 OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0")  # what --type requantizes to
 # GGUF type -> the krafla type its blocks are copied as (the same bytes) when the file's types are kept
@@ -413,8 +413,8 @@ def _open(src, progress):
 
 def _tokenizer_container(reader, src):
     """The .mlt container, with the chat template the GGUF's tokenizer.chat_template renders like
-    (krafla_twisted/chat_file.py)."""
-    from krafla_twisted import chat_file
+    (krafla_twisted/chat/template_file.py)."""
+    from krafla_twisted.chat import template_file
     from krafla_twisted.convert.tokenizer import container_from_gguf
 
     try:
@@ -423,8 +423,8 @@ def _tokenizer_container(reader, src):
         raise ConvertError(f"{src}: tokenizer: {e}") from e
     jinja = _Fields(reader, src).get("tokenizer.chat_template")
     try:
-        chat_file.store(container, jinja if isinstance(jinja, str) else None)
-    except chat_file.TemplateFileError as e:
+        template_file.store(container, jinja if isinstance(jinja, str) else None)
+    except template_file.TemplateFileError as e:
         raise ConvertError(f"{src}: metadata tokenizer.chat_template: {e}") from None
     return container
 

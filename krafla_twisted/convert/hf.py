@@ -17,7 +17,7 @@ Conventions (Hugging Face -> .mlb):
 - Llama 3.1's rope_type llama3 becomes the tensor rope_freqs.weight (one divisor per pair, as
   llama.cpp writes it); SmolLM3's no_rope_layers becomes layer_rope.
 - The model's own chat template (tokenizer_config.json, chat_template.jinja) is named in the .mlt
-  (krafla_twisted/chat_file.py).
+  (krafla_twisted/chat/template_file.py).
 """
 
 import json
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from krafla_twisted import formats
 from krafla_twisted.convert import gguf as gguf_convert
-from krafla_twisted.convert.gguf import ConvertError, OUTPUT_TYPES
+from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError
+from krafla_twisted.engine import formats
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
 _MAX_HEADER = 100 << 20
@@ -571,11 +571,11 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             tokenizer = container_from_folder(src, n_vocab=metadata["n_vocab"])
         except ValueError as e:
             raise ConvertError(f"{src}: tokenizer: {e}") from e
-        from krafla_twisted import chat_file
+        from krafla_twisted.chat import template_file
         where_template, jinja = _chat_template(src)
         try:
-            chat_file.store(tokenizer, jinja)
-        except chat_file.TemplateFileError as e:
+            template_file.store(tokenizer, jinja)
+        except template_file.TemplateFileError as e:
             raise ConvertError(f"{where_template}: {e}") from None
 
     model = formats.Container(formats.MODEL_MAGIC)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 
 # GGUF token types (tokenizer.ggml.token_type)
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)

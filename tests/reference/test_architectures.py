@@ -19,9 +19,9 @@ import json
 import numpy as np
 import pytest
 
-from krafla_twisted import formats
 from krafla_twisted.convert.gguf import ConvertError, convert_gguf
 from krafla_twisted.convert.hf import convert_hf, llama3_rope_factors
+from krafla_twisted.engine import formats
 from tests.reference.tiny_hf import assert_engine_matches, cosine, hf_logits, prompt, write_tiny_hf_model
 from tests.support.hf_tokenizer_json import write_hf_tokenizer
 from tests.support.llama_cpp_convert import convert_hf_to_gguf

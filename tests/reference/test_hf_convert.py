@@ -24,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from krafla_twisted import formats
 from krafla_twisted.convert import quantize
 from krafla_twisted.convert.hf import SafetensorsFile, convert_hf
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.model import Model
 from tests.reference.tiny_hf import (assert_engine_matches, cosine, hf_logits, mlb_from_safetensors, prompt,
                                      write_tiny_hf_model)
 
@@ -286,8 +286,8 @@ def test_krafla_convert_cli_with_tokenizer_json(tmp_path, capsys):
     transformers' tokenizer gives, and the engine's logits on them match transformers'."""
     from transformers import AutoTokenizer
 
-    from krafla_twisted import cli
-    from krafla_twisted.tokenizer import Tokenizer
+    from krafla_twisted.cli import main
+    from krafla_twisted.engine.tokenizer import Tokenizer
     from tests.support.hf_tokenizer_json import write_hf_tokenizer
     from tests.support.testdata import vocab_gguf
 
@@ -301,7 +301,7 @@ def test_krafla_convert_cli_with_tokenizer_json(tmp_path, capsys):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     model.save_pretrained(folder)
     write_hf_tokenizer(vocab_gguf("qwen35"), folder, "qwen35")
-    assert cli.main(["convert", str(folder), "--type", "f32", "-q"]) == 0
+    assert main.main(["convert", str(folder), "--type", "f32", "-q"]) == 0
     mlb, mlt = tmp_path / "Tiny-Qwen3.5-F32.mlb", tmp_path / "Tiny-Qwen3.5-F32.mlt"
     assert f"wrote {mlb} and {mlt}" in capsys.readouterr().out
     text = "Hello, Reykjavík! 12 apples cost 3.50 € — ok?"

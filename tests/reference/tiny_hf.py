@@ -35,8 +35,8 @@ from safetensors.numpy import load_file
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen3Config, SmolLM3Config)
 
-from krafla_twisted import formats
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.model import Model
 
 SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

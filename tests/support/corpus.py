@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 from hypothesis import strategies as st
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 from tests import strategies
 
 # ------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from krafla_twisted.api.worker import EngineWorker
 
 @dataclass
 class FakeResult:
-    """The fields of krafla_twisted.generate.GenerationResult the HTTP layer reads."""
+    """The fields of krafla_twisted.generation.generate.GenerationResult the HTTP layer reads."""
 
     text: str
     finish_reason: str

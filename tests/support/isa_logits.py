@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from krafla_twisted import clib
-from krafla_twisted.engine import Model
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.model import Model
 
 
 def logits_of(path, ids, kv, batch, pack, threads):

@@ -15,7 +15,7 @@ import sys
 import tarfile
 import tempfile
 
-from krafla_twisted import models
+from krafla_twisted.cli import models
 
 _WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-", "LICENSE")
 

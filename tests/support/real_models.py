@@ -1,6 +1,6 @@
 """The three real models, pulled once into the krafla cache and shared by every test run.
 
-`real_model(name, type="q4_0")` returns a `krafla_twisted.models.PulledModel`: the q4_0 files
+`real_model(name, type="q4_0")` returns a `krafla_twisted.cli.models.PulledModel`: the q4_0 files
 (`krafla pull --type q4_0`), or other types (None: the file's own types, what `krafla pull` keeps),
 converted once from the cached, checksummed GGUF.
 The cache is $KRAFLA_HOME or ~/.cache/krafla, so only the first run downloads (about 840 MB for
@@ -11,7 +11,7 @@ import functools
 
 import gguf
 
-from krafla_twisted import models
+from krafla_twisted.cli import models
 
 NAMES = tuple(models.KNOWN_MODELS)
 

@@ -2,7 +2,7 @@
 
 Written from the architectures' definitions (the Llama, Qwen2 and Gemma 3 papers and the Hugging
 Face modeling code, read, not copied), sharing nothing with engine_c but the container reader
-(krafla_twisted.formats). tests/reference/test_transformers.py checks it against Hugging Face
+(krafla_twisted.engine.formats). tests/reference/test_transformers.py checks it against Hugging Face
 transformers on the three real models.
 
 Precision: weights are dequantized exactly into float32 (every f16/bf16/q8_0/q4_0 weight is a
@@ -37,8 +37,8 @@ import math
 
 import numpy as np
 
-from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from krafla_twisted.engine import formats
 from tests.support import kquants
 
 ROPE_STYLES = ("norm", "neox")

@@ -11,7 +11,7 @@ tests/support/reference.py (dequantize, rms_norm, linear, rope, attention).
 
 import numpy as np
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 from tests.support.reference import attention, dequantize, linear, rms_norm, rope
 
 

@@ -11,8 +11,9 @@ import pathlib
 
 import gguf
 
-from krafla_twisted import formats, models
+from krafla_twisted.cli import models
 from krafla_twisted.convert import tokenizer as convert_tokenizer
+from krafla_twisted.engine import formats
 
 VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "llama-spm", "phi-3")
 SEPARATOR = "\n__ggml_vocab_test__\n"

@@ -18,8 +18,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
-from krafla_twisted import formats
 from krafla_twisted.convert import quantize
+from krafla_twisted.engine import formats
 from tests.support import kquants
 
 ARCHS = ("llama", "qwen2", "gemma3", "qwen3", "smollm3")

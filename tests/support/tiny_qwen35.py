@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from krafla_twisted import formats
+from krafla_twisted.engine import formats
 from tests.support.tiny_models import encode
 
 DEFAULT = dict(n_vocab=89, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, max_seq=256,

@@ -5,6 +5,7 @@
 // before anything else may look at it. After kr_file_open succeeds, every pointer handed out
 // lies inside the mapping.
 #include "runtime/internal.h"
+#include "types/types.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -44,25 +45,6 @@ typedef struct {
     const uint8_t *base;
     uint64_t pos, end;
 } cursor;
-
-static const struct { const char *name; uint32_t block, block_bytes; } TYPES[KR_TYPE_COUNT] = {
-    [KR_F32] = {"f32", 1, 4},   [KR_F16] = {"f16", 1, 2}, [KR_BF16] = {"bf16", 1, 2},
-    [KR_Q8_0] = {"q8_0", 32, 34}, [KR_Q4_0] = {"q4_0", 32, 18}, [KR_I32] = {"i32", 1, 4},
-    [KR_U8] = {"u8", 1, 1},       [KR_Q4_1] = {"q4_1", 32, 20}, [KR_Q5_0] = {"q5_0", 32, 22},
-    [KR_Q5_1] = {"q5_1", 32, 24}, [KR_Q4_K] = {"q4_K", 256, 144}, [KR_Q5_K] = {"q5_K", 256, 176},
-    [KR_Q6_K] = {"q6_K", 256, 210},
-};
-
-uint64_t kr_type_size(int32_t type, uint64_t n_elements) {
-    if (type < 0 || type >= KR_TYPE_COUNT || n_elements % TYPES[type].block) return 0;
-    uint64_t bytes;
-    if (kr_mul_overflows(n_elements / TYPES[type].block, TYPES[type].block_bytes, &bytes)) return 0;
-    return bytes;
-}
-
-const char *kr_type_name(int32_t type) {
-    return type >= 0 && type < KR_TYPE_COUNT ? TYPES[type].name : "unknown";
-}
 
 static bool take(cursor *c, void *out, uint64_t n) {
     if (n > c->end - c->pos) return false;
@@ -235,16 +217,16 @@ static int parse_tensors(kr_file *f, cursor *c, kr_error *err) {
                 return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: dimension %u is %llu", f->path, name, d,
                                (unsigned long long)t->dims[d]);
         }
-        if (t->dims[n_dims - 1] % TYPES[type].block)
+        if (t->dims[n_dims - 1] % kr_types[type].block)
             return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: last dimension %llu is not a multiple of %s's block of %u",
-                           f->path, name, (unsigned long long)t->dims[n_dims - 1], TYPES[type].name, TYPES[type].block);
+                           f->path, name, (unsigned long long)t->dims[n_dims - 1], kr_types[type].name, kr_types[type].block);
         t->n_elements = count;
         t->n_bytes = kr_type_size(t->type, count);
         uint64_t offset, start, end;
         if (!take(c, &offset, 8)) return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: truncated", f->path, name);
         if (t->n_bytes == 0)
             return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: %llu elements of %s take more than 2^64 bytes", f->path,
-                           name, (unsigned long long)count, TYPES[type].name);
+                           name, (unsigned long long)count, kr_types[type].name);
         if (offset % KR_ALIGNMENT)
             return kr_fail(err, KR_ERR_FORMAT, "%s: tensor %.200s: data offset %llu is not a multiple of %d", f->path, name,
                            (unsigned long long)offset, KR_ALIGNMENT);

@@ -1,30 +1,18 @@
 // kernels.c: the dispatch names of kernels.h. An ISA=avx2 (or avx512) build calls the AVX2
-// versions in kernels_avx2.c; an ISA=generic build calls the references in quant_ref.c.
+// versions in kernels_avx2.c; an ISA=generic build calls the references in quant_ref.c. Then the
+// kernels that take any weight type and run the dispatch conversions and quantizers: dequantizing
+// a row and preparing activations.
 #include "kernels/deltanet.h"
 #include "kernels/kernels.h"
+#include "kernels/legacy.h"
+
+#include <string.h>
 
 #if defined(KR_HAVE_AVX2)
-#include <immintrin.h>
 #define KR_KERNEL(name) name##_avx2
 #else
 #define KR_KERNEL(name) name##_ref
 #endif
-
-float kr_f16_to_f32(kr_f16 h) {
-#if defined(KR_HAVE_AVX2)
-    return _cvtsh_ss(h);
-#else
-    return kr_f16_to_f32_ref(h);
-#endif
-}
-
-kr_f16 kr_f32_to_f16(float f) {
-#if defined(KR_HAVE_AVX2)
-    return (kr_f16)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    return kr_f32_to_f16_ref(f);
-#endif
-}
 
 void kr_f16_to_f32_row(const kr_f16 *x, float *y, int64_t n) { KR_KERNEL(kr_f16_to_f32_row)(x, y, n); }
 void kr_f32_to_f16_row(const float *x, kr_f16 *y, int64_t n) { KR_KERNEL(kr_f32_to_f16_row)(x, y, n); }
@@ -58,6 +46,74 @@ void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_ro
 void kr_axpy_rows(int32_t type, const float *weights, const void *rows, size_t row_stride, int64_t n_rows, float *y,
                   int64_t n) {
     KR_KERNEL(kr_axpy_rows)(type, weights, rows, row_stride, n_rows, y, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Any weight type
+
+void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
+    switch (type) {
+    case KR_F32:
+        memcpy(out, row, (size_t)n * sizeof(float));
+        break;
+    case KR_F16:
+        kr_f16_to_f32_row(row, out, n);
+        break;
+    case KR_BF16: {
+        const uint16_t *h = row;
+        for (int64_t i = 0; i < n; i++) out[i] = kr_bf16_to_f32(h[i]);
+        break;
+    }
+    case KR_Q8_0: {
+        const kr_block_q8_0 *blocks = row;
+        for (int64_t b = 0; b < n / KR_QK; b++) {
+            const float d = kr_f16_to_f32(blocks[b].d);
+            for (int j = 0; j < KR_QK; j++) out[b * KR_QK + j] = d * (float)blocks[b].q[j];
+        }
+        break;
+    }
+    case KR_Q4_0: {
+        const kr_block_q4_0 *blocks = row;
+        for (int64_t b = 0; b < n / KR_QK; b++) {
+            const float d = kr_f16_to_f32(blocks[b].d);
+            for (int j = 0; j < KR_QK / 2; j++) {
+                out[b * KR_QK + j] = d * (float)((blocks[b].q[j] & 0x0f) - 8);
+                out[b * KR_QK + j + KR_QK / 2] = d * (float)((blocks[b].q[j] >> 4) - 8);
+            }
+        }
+        break;
+    }
+    case KR_Q4_1:
+    case KR_Q5_0:
+    case KR_Q5_1:
+        kr_dequantize_legacy_row(type, row, out, n);
+        break;
+    case KR_Q4_K:
+    case KR_Q5_K:
+    case KR_Q6_K: kr_dequantize_row_kquant(type, row, out, n); break;
+    default:
+        // kr_kernel_type_supported() is checked where a tensor's type enters; nothing to do here
+        break;
+    }
+}
+
+void kr_dequantize_packed_row(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, float *out) {
+    if (!kr_packable(weight_type)) {
+        kr_dequantize_row(weight_type, (const char *)w + (size_t)r * kr_weight_row_bytes(weight_type, cols), out, cols);
+        return;
+    }
+    const int64_t block = kr_kernel_type_block(weight_type);
+    for (int64_t b = 0; b < cols / block; b++) {
+        _Alignas(16) char bytes[KR_MAX_BLOCK_BYTES];
+        kr_packed_block(weight_type, w, rows, cols, r, b, bytes);
+        kr_dequantize_row(weight_type, bytes, out + b * block, block);
+    }
+}
+
+void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
+                            int64_t token_begin, int64_t token_end) {
+    static const kr_quantizers dispatch = {kr_quantize_row_q8_0, kr_quantize_row_q8_sum, kr_quantize_row_q8_K};
+    kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, &dispatch);
 }
 
 // ---------------------------------------------------------------------------------------------

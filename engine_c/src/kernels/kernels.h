@@ -1,8 +1,9 @@
 // kernels.h: the numeric kernels the model code (engine_c/src/model/) calls. Internal to the library.
 //
-// Each kernel has a plain-C reference twin in quant_ref.c (suffix _ref) and an AVX2 version in
-// kernels_avx2.c (suffix _avx2). The unsuffixed name is the dispatch: the AVX2 version in an
-// ISA=avx2 build, the reference in ISA=generic.
+// Each kernel has a plain-C reference twin in quant_ref.c (suffix _ref; f16.c for the f16
+// conversions) and an AVX2 version in kernels_avx2.c (suffix _avx2). The unsuffixed name is the
+// dispatch (kernels.c): the AVX2 version in an ISA=avx2 build, the reference in ISA=generic. The
+// weight types themselves (block sizes, which kernels take them) are types/types.h's.
 //
 // Reproducibility contract: the value computed for one (token, output row) pair depends only on
 // that token's activations and that row's weights, never on how many tokens are in the batch,
@@ -18,6 +19,8 @@
 //     same bits: one row at a time, 8 rows in the lanes of a vector, AVX2 or VNNI.
 #ifndef KRAFLA_KERNELS_H
 #define KRAFLA_KERNELS_H
+
+#include "types/types.h"
 
 #include <assert.h>
 #include <stdint.h>
@@ -51,7 +54,7 @@ static_assert(sizeof(kr_block_q8_sum) == 8 + 32, "q8_0 activation block with sum
 static_assert(sizeof(kr_block_q4_0) == 2 + 16, "q4_0 block size");
 
 // f16 <-> f32, IEEE round-to-nearest-even (bit-exact with F16C and numpy; NaNs come out quiet,
-// payload kept, as F16C does).
+// payload kept, as F16C does): f16.c.
 float kr_f16_to_f32(kr_f16 h);
 kr_f16 kr_f32_to_f16(float f);
 float kr_f16_to_f32_ref(kr_f16 h);
@@ -63,16 +66,20 @@ typedef void kr_f16_to_f32_row_kernel(const kr_f16 *x, float *y, int64_t n);
 typedef void kr_f32_to_f16_row_kernel(const float *x, kr_f16 *y, int64_t n);
 kr_f16_to_f32_row_kernel kr_f16_to_f32_row, kr_f16_to_f32_row_ref, kr_f16_to_f32_row_avx2;
 kr_f32_to_f16_row_kernel kr_f32_to_f16_row, kr_f32_to_f16_row_ref, kr_f32_to_f16_row_avx2;
+// A float's bits and back.
+static inline uint32_t kr_float_bits(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    return u;
+}
+static inline float kr_bits_float(uint32_t u) {
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
 
-// The weight types kr_matmul and kr_dequantize_row handle (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
-// q5_1 and the k-quants; quant_ref.c's table): check a tensor's type with this where it enters;
-// the kernels themselves do not check.
-int kr_kernel_type_supported(int32_t type);
-// Weights per block of such a type (1 for f32, f16, bf16; 32; KR_QK_K for the k-quants): a row's
-// columns are a multiple of it. 0 for other types.
-int64_t kr_kernel_type_block(int32_t type);
-// Bytes of one weight row of `cols` (a multiple of the type's block), 0 for other types.
-size_t kr_weight_row_bytes(int32_t type, int64_t cols);
+// The weight types kr_matmul and kr_dequantize_row take: types.h's kr_kernel_type_supported,
+// checked where a tensor's type enters; the kernels themselves do not check.
 
 // Quantize n floats (n a multiple of 32) to q8_0 exactly as ggml's quantize_row_q8_0_ref:
 // d = amax/127, q = round(x/d).
@@ -82,12 +89,14 @@ kr_quantize_q8_0_kernel kr_quantize_row_q8_0, kr_quantize_row_q8_0_ref, kr_quant
 typedef void kr_quantize_q8_sum_kernel(const float *x, kr_block_q8_sum *y, int64_t n);
 kr_quantize_q8_sum_kernel kr_quantize_row_q8_sum, kr_quantize_row_q8_sum_ref, kr_quantize_row_q8_sum_avx2;
 
-// One row of any weight type to floats (embedding lookup, tests).
+// One row of any weight type to floats (embedding lookup, tests; kernels.c).
 void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
 
-// Prepared activations: what a matmul against weights of `weight_type` reads. For q8_0 weights each
-// token's row is quantized to q8_0 blocks, for q4_0 weights to kr_block_q8_sum blocks (the same
-// quantization); for f32, f16 and bf16 weights the f32 rows are used as they are. kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
+// Prepared activations (activations.c; kernels.c's kr_prepare_activations passes the dispatch
+// quantizers): what a matmul against weights of `weight_type` reads. For q8_0 weights each token's
+// row is quantized to q8_0 blocks, for q4_0 weights to kr_block_q8_sum blocks (the same
+// quantization); for f32, f16 and bf16 weights the f32 rows are used as they are.
+// kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token's share
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
@@ -190,12 +199,13 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // layout (packed caches carry it): KR_PACK_LAYOUT.
 #define KR_PACK_ROWS 8
 #define KR_PACK_LAYOUT 2
-int kr_packable(int32_t weight_type);  // q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and the k-quants
+// The packable types: types.h's kr_packable.
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);
 // The inverse, a block or a row at a time: row r's block b of a packed (rows, cols) matrix back in
-// file form (KR_MAX_BLOCK_BYTES at most), and row r as floats, bit for bit kr_dequantize_row of
-// the file's row (a tied output head, packed, is the token embedding the model looks rows up in).
+// file form (KR_MAX_BLOCK_BYTES at most), and row r as floats (kernels.c), bit for bit
+// kr_dequantize_row of the file's row (a tied output head, packed, is the token embedding the model
+// looks rows up in).
 #define KR_MAX_BLOCK_BYTES 256
 void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *block);
 void kr_dequantize_packed_row(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, float *out);

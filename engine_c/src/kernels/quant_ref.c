@@ -1,4 +1,5 @@
-// quant_ref.c: the plain-C reference for every kernel in kernels.h (suffix _ref).
+// quant_ref.c: the plain-C reference for the kernels of kernels.h (suffix _ref; the f16
+// conversions' are f16.c's, the k-quants' kquant_ref.c's, q4_1, q5_0 and q5_1's legacy_ref.c's).
 //
 // These are the definition of what each kernel computes, down to the order of the float
 // operations: the AVX2 versions in kernels_avx2.c follow the same order, so the two agree bit for
@@ -22,78 +23,6 @@
 #include <math.h>
 #include <stdbool.h>
 #include <string.h>
-
-// ---------------------------------------------------------------------------------------------
-// f16 / bf16 conversions (IEEE binary16, round to nearest even; NaNs are quieted like F16C does)
-
-static inline uint32_t float_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float bits_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-float kr_f16_to_f32_ref(kr_f16 h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    if (exponent == 0x1f) {
-        // inf, or NaN with the quiet bit set and the payload kept
-        return bits_float(sign | 0x7f800000u | (mantissa ? (0x400000u | (mantissa << 13)) : 0));
-    }
-    if (exponent == 0) {
-        if (mantissa == 0) return bits_float(sign);
-        // subnormal: mantissa * 2^-24, normalised into a float
-        exponent = 113;
-        while (!(mantissa & 0x400u)) {
-            mantissa <<= 1;
-            exponent--;
-        }
-        return bits_float(sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13));
-    }
-    return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
-
-kr_f16 kr_f32_to_f16_ref(float f) {
-    uint32_t x = float_bits(f);
-    uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t magnitude = x & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return (kr_f16)(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
-    if (magnitude >= 0x477ff000u) return (kr_f16)(sign | 0x7c00u);  // >= 65520 rounds to inf
-    uint32_t exponent = magnitude >> 23;
-    if (exponent < 113) {
-        // result is subnormal (or rounds up to the smallest normal): round(value * 2^24)
-        if (exponent < 102) return (kr_f16)sign;  // below 2^-25: rounds to zero
-        uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126 - exponent;  // 14..24
-        uint32_t q = mantissa >> shift;
-        uint32_t rest = mantissa & ((1u << shift) - 1);
-        uint32_t half = 1u << (shift - 1);
-        if (rest > half || (rest == half && (q & 1))) q++;
-        return (kr_f16)(sign | q);
-    }
-    // normal: rebias the exponent, round the 13 dropped mantissa bits (a carry may bump the
-    // exponent, which is the right result)
-    uint32_t value = ((exponent - 112) << 10) | ((magnitude >> 13) & 0x3ffu);
-    uint32_t rest = magnitude & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (value & 1))) value++;
-    return (kr_f16)(sign | value);
-}
-
-float kr_bf16_to_f32(uint16_t h) { return bits_float((uint32_t)h << 16); }
-
-void kr_f16_to_f32_row_ref(const kr_f16 *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = kr_f16_to_f32_ref(x[i]);
-}
-
-void kr_f32_to_f16_row_ref(const float *x, kr_f16 *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = kr_f32_to_f16_ref(x[i]);
-}
 
 // ---------------------------------------------------------------------------------------------
 // q8_0 quantization (ggml's quantize_row_q8_0_ref)
@@ -123,113 +52,6 @@ void kr_quantize_row_q8_0_ref(const float *x, kr_block_q8_0 *y, int64_t n) {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Dequantization
-
-void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
-    switch (type) {
-    case KR_F32:
-        memcpy(out, row, (size_t)n * sizeof(float));
-        break;
-    case KR_F16:
-        kr_f16_to_f32_row(row, out, n);
-        break;
-    case KR_BF16: {
-        const uint16_t *h = row;
-        for (int64_t i = 0; i < n; i++) out[i] = kr_bf16_to_f32(h[i]);
-        break;
-    }
-    case KR_Q8_0: {
-        const kr_block_q8_0 *blocks = row;
-        for (int64_t b = 0; b < n / KR_QK; b++) {
-            const float d = kr_f16_to_f32(blocks[b].d);
-            for (int j = 0; j < KR_QK; j++) out[b * KR_QK + j] = d * (float)blocks[b].q[j];
-        }
-        break;
-    }
-    case KR_Q4_0: {
-        const kr_block_q4_0 *blocks = row;
-        for (int64_t b = 0; b < n / KR_QK; b++) {
-            const float d = kr_f16_to_f32(blocks[b].d);
-            for (int j = 0; j < KR_QK / 2; j++) {
-                out[b * KR_QK + j] = d * (float)((blocks[b].q[j] & 0x0f) - 8);
-                out[b * KR_QK + j + KR_QK / 2] = d * (float)((blocks[b].q[j] >> 4) - 8);
-            }
-        }
-        break;
-    }
-    case KR_Q4_1:
-    case KR_Q5_0:
-    case KR_Q5_1:
-        kr_dequantize_legacy_row(type, row, out, n);
-        break;
-    case KR_Q4_K:
-    case KR_Q5_K:
-    case KR_Q6_K: kr_dequantize_row_kquant(type, row, out, n); break;
-    default:
-        // kr_kernel_type_supported() is checked where a tensor's type enters; nothing to do here
-        break;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The weight types the kernels multiply, in one table: weights and bytes per block, the prepared
-// activations their matmul reads, and whether kr_pack_rows packs them. A type without an entry
-// (block 0) has no kernels.
-
-typedef enum { ACTIVATIONS_F32, ACTIVATIONS_Q8_0, ACTIVATIONS_Q8_SUM, ACTIVATIONS_Q8_K } activation_kind;
-
-static const struct {
-    int32_t block;
-    uint32_t block_bytes;
-    activation_kind activations;
-    bool packable;
-} KERNEL_TYPES[KR_TYPE_COUNT] = {
-    [KR_F32] = {1, sizeof(float), ACTIVATIONS_F32, false},
-    [KR_F16] = {1, sizeof(kr_f16), ACTIVATIONS_F32, false},
-    [KR_BF16] = {1, sizeof(uint16_t), ACTIVATIONS_F32, false},
-    [KR_Q8_0] = {KR_QK, sizeof(kr_block_q8_0), ACTIVATIONS_Q8_0, true},
-    // q4_0 and its family (legacy.h) take the same prepared blocks
-    [KR_Q4_0] = {KR_QK, sizeof(kr_block_q4_0), ACTIVATIONS_Q8_SUM, true},
-    [KR_Q4_1] = {KR_QK, sizeof(kr_block_q4_1), ACTIVATIONS_Q8_SUM, true},
-    [KR_Q5_0] = {KR_QK, sizeof(kr_block_q5_0), ACTIVATIONS_Q8_SUM, true},
-    [KR_Q5_1] = {KR_QK, sizeof(kr_block_q5_1), ACTIVATIONS_Q8_SUM, true},
-    [KR_Q4_K] = {KR_QK_K, sizeof(kr_block_q4_K), ACTIVATIONS_Q8_K, true},
-    [KR_Q5_K] = {KR_QK_K, sizeof(kr_block_q5_K), ACTIVATIONS_Q8_K, true},
-    [KR_Q6_K] = {KR_QK_K, sizeof(kr_block_q6_K), ACTIVATIONS_Q8_K, true},
-};
-
-int64_t kr_kernel_type_block(int32_t type) { return type >= 0 && type < KR_TYPE_COUNT ? KERNEL_TYPES[type].block : 0; }
-
-int kr_kernel_type_supported(int32_t type) { return kr_kernel_type_block(type) != 0; }
-
-size_t kr_weight_row_bytes(int32_t type, int64_t cols) {
-    const int64_t block = kr_kernel_type_block(type);
-    return block ? (size_t)(cols / block) * KERNEL_TYPES[type].block_bytes : 0;
-}
-
-int kr_packable(int32_t weight_type) { return kr_kernel_type_supported(weight_type) && KERNEL_TYPES[weight_type].packable; }
-
-// ---------------------------------------------------------------------------------------------
-// Prepared activations
-
-static activation_kind activations_of(int32_t weight_type) {
-    return kr_kernel_type_supported(weight_type) ? KERNEL_TYPES[weight_type].activations : ACTIVATIONS_F32;
-}
-
-size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
-    switch (activations_of(weight_type)) {
-    case ACTIVATIONS_Q8_0: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_0);
-    case ACTIVATIONS_Q8_SUM: return (size_t)(cols / KR_QK) * sizeof(kr_block_q8_sum);
-    case ACTIVATIONS_Q8_K: return (size_t)(cols / KR_QK_K) * sizeof(kr_block_q8_K);
-    default: return (size_t)cols * sizeof(float);
-    }
-}
-
-size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) {
-    return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
-}
-
 // q8_0 blocks (kr_quantize_row_q8_0_ref's values) with the scale as a float and the sum of the quants.
 void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n) {
     for (int64_t b = 0; b < n / KR_QK; b++) {
@@ -241,27 +63,6 @@ void kr_quantize_row_q8_sum_ref(const float *x, kr_block_q8_sum *y, int64_t n) {
         y[b].sum = sum;
         memcpy(y[b].q, block.q, KR_QK);
     }
-}
-
-void kr_prepare_activations_with(int32_t weight_type, const float *x, int64_t cols, void *prepared,
-                                 int64_t token_begin, int64_t token_end, const kr_quantizers *quantize) {
-    const size_t row_bytes = kr_activation_row_bytes(weight_type, cols);
-    const activation_kind kind = activations_of(weight_type);
-    for (int64_t t = token_begin; t < token_end; t++) {
-        char *dst = (char *)prepared + (size_t)t * row_bytes;
-        switch (kind) {
-        case ACTIVATIONS_Q8_0: quantize->q8_0(x + t * cols, (kr_block_q8_0 *)dst, cols); break;
-        case ACTIVATIONS_Q8_SUM: quantize->q8_sum(x + t * cols, (kr_block_q8_sum *)dst, cols); break;
-        case ACTIVATIONS_Q8_K: quantize->q8_K(x + t * cols, (kr_block_q8_K *)dst, cols); break;
-        default: memcpy(dst, x + t * cols, row_bytes); break;
-        }
-    }
-}
-
-void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
-                            int64_t token_begin, int64_t token_end) {
-    static const kr_quantizers dispatch = {kr_quantize_row_q8_0, kr_quantize_row_q8_sum, kr_quantize_row_q8_K};
-    kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, &dispatch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -371,7 +172,7 @@ void kr_axpy_rows_ref(int32_t type, const float *weights, const void *rows, size
 #define KR_LN2_HIGH 0.693145752f
 #define KR_LN2_LOW 1.42860677e-06f
 
-static inline float power_of_two(int e) { return bits_float((uint32_t)(e + 127) << 23); }  // e in [-126, 127]
+static inline float power_of_two(int e) { return kr_bits_float((uint32_t)(e + 127) << 23); }  // e in [-126, 127]
 
 float kr_exp_one_ref(float x) {
     if (isnan(x)) return x;
@@ -529,19 +330,6 @@ void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t c
     const char *group_block = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * KR_PACK_ROWS * block_bytes;
     memcpy(block, group_block + 2 * offset, 2);
     for (int j = 0; j < (int)block_bytes - 2; j++) block[2 + j] = group_block[packed_quant_at(offset, j)];
-}
-
-void kr_dequantize_packed_row(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, float *out) {
-    if (!kr_packable(weight_type)) {
-        kr_dequantize_row(weight_type, (const char *)w + (size_t)r * kr_weight_row_bytes(weight_type, cols), out, cols);
-        return;
-    }
-    const int64_t block = kr_kernel_type_block(weight_type);
-    for (int64_t b = 0; b < cols / block; b++) {
-        _Alignas(16) char bytes[KR_MAX_BLOCK_BYTES];
-        kr_packed_block(weight_type, w, rows, cols, r, b, bytes);
-        kr_dequantize_row(weight_type, bytes, out + b * block, block);
-    }
 }
 
 // Each row's blocks back in file form, then the reference dot's steps (dot_q4_0_ref / dot_q8_0_ref).

@@ -1,8 +1,8 @@
-// tile_loops.h: the loops that walk a matmul's tiles, written once for every vector tile (file
-// layout: kernels_avx2.c's q8_0 and float tiles, legacy_avx2.c's; packed: those files' group tiles
-// and kquant_tile.h's, at either vector width). Only integer bookkeeping: which rows and tokens a
-// tile gets, and which weights it fetches ahead. Each output's arithmetic is its tile's, whatever
-// the tile shape, the batch or the row range. Internal; included by tiles_avx2.h and kquant_tile.h.
+// tile_loops.h: the loops that walk a matmul's tiles, written once for every vector tile: a tile
+// of rows in the file layout (kr_row_tile) or of packed groups (kr_group_tile), of any weight type
+// and vector width. Only integer bookkeeping: which rows and tokens a tile gets, and which weights
+// it fetches ahead. Each output's arithmetic is its tile's, whatever the tile shape, the batch or
+// the row range. Internal to the kernels.
 #ifndef KRAFLA_KERNELS_TILE_LOOPS_H
 #define KRAFLA_KERNELS_TILE_LOOPS_H
 

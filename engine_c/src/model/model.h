@@ -1,15 +1,18 @@
 // model.h: the model, its sequences, and the interface each architecture implements.
 // Internal to the library (owner: engine).
 //
-//   model.c      opens a .mlb, finds its architecture in the table below, binds the shared tensors
-//                (loader helpers), owns the thread pool;
+//   model.c      opens a .mlb, finds its architecture in the table below, binds the embeddings and
+//                the output head, owns the thread pool;
+//   loader.c     the loader helpers model.c and the architectures read metadata and tensors with;
 //   session.c    the public kr_session_* and kr_batch_eval: one sequence + one step's scratch per
 //                session, eval in steps of one or several sessions;
 //   layers.c     the pieces every architecture's step is made of (norms, RoPE, the residual,
 //                matmul, attention and MLP jobs, the output head), over a batch of tokens that may
 //                belong to several sequences at different positions;
 //   arch_*.c     one file per architecture family: its layers, its tensors and its step;
-//   pack.c       repacks the matrices an architecture lists.
+//   pack.c       repacks the matrices an architecture lists; kr_matrix_matmul. model.c and
+//                pack.c call nothing of each other's: kr_model_close frees the packing through
+//                m->pack_free, and pack.c gives the file's pages back with loader.c's helper.
 #ifndef KRAFLA_MODEL_H
 #define KRAFLA_MODEL_H
 
@@ -73,6 +76,7 @@ struct kr_model {
     kr_pool *pool;
     atomic_int busy;                  // 1 while a step of this model runs
     void *pack;                       // speed: pack.c's state (kr_model_pack), else NULL
+    void (*pack_free)(void *pack);    // pack.c's, set with m->pack; kr_model_close calls it
 };
 
 // One sequence's memory: its KV cache and the architecture's recurrent state.
@@ -164,7 +168,7 @@ void kr_scratch_free(kr_model *m, kr_scratch *s);
 // calloc of count * size bytes; sets *failed (and returns NULL) on overflow, zero size or no memory.
 void *kr_zalloc(size_t count, size_t size, bool *failed);
 
-// --- Loader helpers (model.c): each checks and names the file, key or tensor in its error
+// --- Loader helpers (loader.c): each checks and names the file, key or tensor in its error
 
 int kr_load_int(kr_model *m, const char *path, const char *key, bool required, int64_t fallback, int64_t low,
                 int64_t high, int32_t *out, kr_error *err);
@@ -212,8 +216,5 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
 void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l);
 // Tokens that ask for logits: x += add (after add_norm), final norm, the output head, softcap.
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm);
-
-// --- Packing (pack.c)
-void kr_pack_free(void *state);
 
 #endif

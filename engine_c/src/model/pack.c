@@ -221,7 +221,8 @@ static int write_cache(const char *path, const pack_header *header, const void *
 
 // --- API
 
-void kr_pack_free(void *state) {
+// m->pack_free: what kr_model_close calls.
+static void pack_free(void *state) {
     pack_state *p = state;
     if (!p) return;
     free(p->memory);
@@ -238,6 +239,7 @@ int kr_model_pack(kr_model *m, int32_t mode, const char *cache_path, kr_error *e
     pack_state *state = calloc(1, sizeof *state);
     if (!state) return kr_fail(err, KR_ERR_MEMORY, "out of memory");
     m->pack = state;
+    m->pack_free = pack_free;
     int n = list_matrices(m, NULL);
     if (mode == KR_PACK_OFF || n == 0) {
         snprintf(state->note, sizeof state->note, mode == KR_PACK_OFF ? "packing off" : "no matrices of a packed type to pack");

@@ -1,5 +1,4 @@
 // error.c: filling kr_error, and the library's identity.
-#include "kernels/kernels.h"
 #include "runtime/internal.h"
 
 #include <stdio.h>
@@ -34,6 +33,3 @@ const char *kr_isa(void) {
     return "generic";
 #endif
 }
-
-// The public name of the kernels' own check (kernels.h), which takes any integer.
-int kr_weight_type_supported(int32_t type) { return kr_kernel_type_supported(type); }
