@@ -53,6 +53,10 @@ setup(
             "langchain-openai>=0.3",
             "litellm>=1.50",  # tests: its own matcher recognises our context-length error (as aider relies on)
             "import-linter>=2.16",  # tests: the layers of krafla_twisted hold (.importlinter)
+            # tests: Ollama's /api/* driven by its own Python library and LangChain's ChatOllama (owner: ollama)
+            "ollama>=0.4", "langchain-ollama>=0.2",
+            "anthropic>=0.40",  # tests: the anthropic SDK drives /v1/messages (owner: anthropic API)
+            "openai-agents>=0.2",  # tests: the Agents SDK's default Responses model drives /v1/responses (owner: responses)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli.main:main"]},

@@ -271,7 +271,6 @@ class MessageTests:
     @pytest.mark.parametrize("messages, fragment", [
         ([], "empty"),
         ("hi", "list"),
-        ([{"role": "tool", "content": "x"}], "no format for tool calls"),
         ([{"role": "wizard", "content": "x"}], "role"),
         ([{"role": "user", "content": 5}], "content"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text"),

@@ -196,7 +196,9 @@ class MetricsMemoryTests(unittest.TestCase):
         """Paths fold onto fixed labels, so clients cannot grow the label set."""
         cases = {b"/v1/chat/completions": "chat/completions", b"/completions/": "completions", b"/v1/models/a/b": "models",
                  b"/metrics": "metrics", b"/v1/tokenize": "tokenize", b"/x" * 50: "other", b"/": "other",
-                 b"/v1/chat": "other"}
+                 b"/v1/chat": "other", b"/v1/responses/resp_1": "responses", b"/messages": "messages",
+                 b"/v1/messages/count_tokens": "messages/count_tokens", b"/api/chat": "api/chat",
+                 b"/api/pull": "other"}
         for path, label in cases.items():
             self.assertEqual(endpoint_label(path), label, path)
 

@@ -59,12 +59,12 @@ class OfficialToolRenderingTests:
                                    add_generation_prompt=True, **variables)
         assert templates.get_template(name).render_text(messages, tools=tool_list or None) == expected
 
-    @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr"])
-    def test_templates_without_a_tool_format_say_so(self, name):
-        """A template with no tool format refuses tools and tool messages with a ChatError saying so."""
+    @pytest.mark.parametrize("name", ["smollm", "chatml", "gemma", "llama2", "zephyr", "mistral", "phi3"])
+    def test_templates_without_a_tool_format_use_the_generic_one(self, name):
+        """A template with no native tool format writes tools in the generic form (tests/test_generic_tools.py)."""
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        with pytest.raises(templates.ChatError, match="no format for tool calls"):
-            templates.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
+        text = templates.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
+        assert templates.generic_tools_text([tool]) in text
 
 
 class ParseTests:

@@ -1,5 +1,6 @@
-"""Who may call: the API key (Authorization: Bearer KEY), the browser origins allowed by --cors, and
-(without a key) the Host names a request may be addressed to, against DNS rebinding."""
+"""Who may call: the API key (Authorization: Bearer KEY, or x-api-key: KEY), the browser origins
+allowed by --cors, and (without a key) the Host names a request may be addressed to, against DNS
+rebinding."""
 
 import hmac
 import ipaddress
@@ -46,6 +47,12 @@ class Access:
             return
         headers = request.requestHeaders.getRawHeaders(b"authorization")
         if not headers:
+            # Anthropic's clients send the key as `x-api-key: KEY` (read only without Authorization).
+            keys = request.requestHeaders.getRawHeaders(b"x-api-key")
+            if keys and len(keys) == 1 and hmac.compare_digest(keys[0].strip(), self._key):
+                return
+            if keys:
+                raise Unauthorized("Incorrect API key provided" if len(keys) == 1 else "Send one x-api-key header, not several")
             raise Unauthorized("You didn't provide an API key: send the header 'Authorization: Bearer KEY'")
         if len(headers) > 1:
             # A proxy and this server could each read a different one: refuse rather than pick.

@@ -32,8 +32,9 @@ class Backend:
         self.n_vocab = self.tokenizer.n_vocab
         self.n_ctx = runtime.n_ctx
         self.has_chat = self.template is not None
-        tool_format = getattr(self.template, "tool_format", None)
-        self.tool_format = tools.FORMATS[tool_format] if tool_format else None
+        # the template's native tool format, else the generic one (tools in the system prompt, replies as JSON)
+        tool_format = getattr(self.template, "tool_format", None) or "generic"
+        self.tool_format = tools.FORMATS[tool_format] if self.has_chat else None
 
     @classmethod
     def serving(cls, runtime, alias=None):
@@ -59,8 +60,10 @@ class Backend:
     def prompt(self, completion):
         """The request's generate.Prompt (token ids and stop strings), built as `krafla run` builds its own."""
         if completion.kind == "chat":
+            # the generic format leaves the tools out of the prompt when tool_choice is "none"
+            leave_out = completion.tool_choice == "none" and getattr(self.tool_format, "constrains_text", False)
             return generate.build_prompt(self.runtime, messages=completion.messages, stop=completion.stop,
-                                         tools=completion.tools or None)
+                                         tools=None if leave_out else completion.tools or None)
         if completion.prompt_tokens is not None:
             return generate.build_prompt(self.runtime, tokens=completion.prompt_tokens, stop=completion.stop)
         return generate.build_prompt(self.runtime, text=completion.prompt_text, stop=completion.stop)
@@ -94,6 +97,11 @@ class Backend:
                 source = grammar.json_schema_grammar(schema)
             except grammar.GrammarError as e:
                 raise InvalidRequest(str(e), param=param) from None
+        elif completion.tools and completion.tool_choice == "auto" and getattr(self.tool_format, "constrains_text",
+                                                                               False):
+            # the generic format: the reply is a plain text or a call
+            text = self.tool_format.grammar(completion.tools, parallel=completion.parallel_tool_calls, text=True)
+            source, param = grammar.lark_grammar(text), "tools"
         else:
             return None
         try:
@@ -161,7 +169,7 @@ class Backend:
         except generate.ContextLengthExceeded as e:
             raise ContextTooLong(str(e), param=param) from None
         except grammar.GrammarError as e:
-            param = "tools" if completion.requires_call else "response_format"
+            param = "tools" if completion.requires_call or completion.response_format is None else "response_format"
             raise InvalidRequest(f"the reply's grammar failed: {e}", param=param) from None
         except ValueError as e:
             # The request was validated; what the renderer or the engine still refuses (a chat the template

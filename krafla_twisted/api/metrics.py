@@ -14,7 +14,9 @@ from krafla_twisted.api.resources import Endpoint
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 # Paths are folded onto these names so a client cannot grow the label set; anything else is "other".
-ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize")
+ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize",
+             "responses", "messages", "messages/count_tokens",  # the Responses and Anthropic Messages APIs
+             "api/chat", "api/generate", "api/tags", "api/show", "api/ps", "api/version")  # Ollama's
 
 
 def endpoint_label(path):
@@ -22,8 +24,8 @@ def endpoint_label(path):
     parts = [p for p in text.split("?")[0].split("/") if p]
     if parts and parts[0] == "v1":
         parts = parts[1:]
-    if parts[:1] == ["models"]:
-        return "models"
+    if parts[:1] in (["models"], ["responses"]):   # /models/ID, /responses/ID: one label, not one per id
+        return parts[0]
     name = "/".join(parts)
     return name if name in ENDPOINTS else "other"
 

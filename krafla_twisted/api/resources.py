@@ -74,10 +74,12 @@ def json_response(request, payload, status=200):
     return json.dumps(payload, ensure_ascii=False).encode("utf-8")
 
 
-def error_response(request, error):
+def error_response(request, error, body=None):
+    """The error's status, headers and body: `body` in the shape of the request's API (OpenAI's,
+    error.body(), when not given)."""
     for name, value in error.headers:
         request.setHeader(name, value)
-    return json_response(request, error.body(), error.status)
+    return json_response(request, error.body() if body is None else body, error.status)
 
 
 def _path(request):
@@ -88,7 +90,8 @@ class APIResource(Resource):
     """Base of every node: CORS, preflight, the body limit, the API key, then method dispatch.
 
     Subclasses list their methods in `methods` and implement `render_<METHOD>`; an APIError raised
-    there becomes its OpenAI-shaped response.
+    there becomes its response, shaped by `error_body` (OpenAI's shape; another API's resource
+    overrides it).
     """
 
     methods = ()
@@ -98,12 +101,16 @@ class APIResource(Resource):
         super().__init__()
         self.api = api
 
+    def error_body(self, error):
+        """The JSON body of an error answered here."""
+        return error.body()
+
     def render(self, request):
         access = self.api.access
         try:
             access.check_host(request)
         except APIError as error:
-            return error_response(request, error)
+            return error_response(request, error, self.error_body(error))
         access.add_cors_headers(request)
         if request.method == b"OPTIONS":
             return access.preflight(request)
@@ -114,11 +121,12 @@ class APIResource(Resource):
                 access.check_key(request)
             return self.dispatch(request)
         except APIError as error:
-            return error_response(request, error)
+            return error_response(request, error, self.error_body(error))
         except Exception:
             # A bug: log it with its traceback, answer in the API's shape rather than an HTML page.
             log.failure("error handling {method} {path}", method=request.method, path=_path(request))
-            return error_response(request, ServerError("internal server error"))
+            error = ServerError("internal server error")
+            return error_response(request, error, self.error_body(error))
 
     def dispatch(self, request):
         method = request.method.decode("ascii", "replace")
@@ -222,7 +230,8 @@ class QueuedReply:
     """A request answered by one job on the worker, with one JSON body. I/O thread, except where noted.
 
     `work(backend, cancelled)` runs in the worker thread; `answer(result)` turns its result into the
-    JSON payload. At shutdown (or if the job fails) the client gets the error instead.
+    JSON payload. At shutdown (or if the job fails) the client gets the error instead, its body
+    shaped by `error_body` (OpenAI's shape; another API's reply overrides it).
     """
 
     failing = "the request"  # "... failed: <the error>" in a 500's message
@@ -253,10 +262,17 @@ class QueuedReply:
         if self.gone:
             return
         self._client_gone()
-        self._write_whole(error_response(self.request, ShuttingDown()))
+        self._write_error(ShuttingDown())
 
     def answer(self, result):
         return result
+
+    def error_body(self, error):
+        """The JSON body of an error this reply answers with."""
+        return error.body()
+
+    def _write_error(self, error):
+        self._write_whole(error_response(self.request, error, self.error_body(error)))
 
     def _finished(self, result):
         if self.gone or result is None:
@@ -266,7 +282,7 @@ class QueuedReply:
     def _failed(self, failure):
         if self.gone:
             return
-        self._write_whole(error_response(self.request, self._api_error(failure)))
+        self._write_error(self._api_error(failure))
 
     def _api_error(self, failure):
         error = failure.value
@@ -316,10 +332,9 @@ class Reply(QueuedReply):
         self._client_gone()
         error = ShuttingDown()
         if self.stream is not None and self.stream.started:
-            self.stream.send(error.body())
-            self.stream.end()
+            self._stream_error(error)
         else:
-            self._write_whole(error_response(self.request, error))
+            self._write_error(error)
 
     def _text_from_worker(self, text):
         # Runs in the worker thread: hand the piece to the reactor, touch nothing here.
@@ -458,7 +473,11 @@ class Reply(QueuedReply):
         error = self._api_error(failure)
         if self.stream is not None and self.stream.started:
             # The head is sent: the error can only travel as an event, then the stream ends.
-            self.stream.send(error.body())
-            self.stream.end()
+            self._stream_error(error)
             return
-        self._write_whole(error_response(self.request, error))
+        self._write_error(error)
+
+    def _stream_error(self, error):
+        """End a started stream with the error as its last event (a dialect names its own event)."""
+        self.stream.send(self.error_body(error))
+        self.stream.end()

@@ -2,17 +2,24 @@
 
     /v1/chat/completions  /v1/completions  /v1/models[/ID]  /health
     /v1/tokenize  /v1/detokenize  /v1/metrics (with --metrics)
+    /v1/messages  /v1/messages/count_tokens (Anthropic's Messages API)
+    /v1/responses  /v1/responses/{id} (OpenAI's Responses API, api/responses.py)
 
-and the same paths without /v1. Everything else is a 404 in the API's shape.
+and the same paths without /v1; Ollama's API under /api only (api/ollama.py: /api/chat, /api/generate,
+/api/tags, ...). Everything else is a 404 in the API's shape.
 """
 
+from krafla_twisted.api.anthropic import CountTokens, Messages
 from krafla_twisted.api.metrics import MetricsResource
+from krafla_twisted.api.ollama import build_ollama
 from krafla_twisted.api.resources import Completions, Group, Health, Models
+from krafla_twisted.api.responses import Responses, ResponseStore
 from krafla_twisted.api.tokenize import Detokenize, Tokenize
 
 
 def build_root(api, metrics=None):
     """The Resource tree for `api`; /metrics is served when `metrics` (a metrics.Metrics) is given."""
+    stored_responses = ResponseStore()  # one store for /responses and /v1/responses
     routes = {
         (b"chat", b"completions"): lambda: Completions(api, "chat"),
         (b"completions",): lambda: Completions(api, "text"),
@@ -20,6 +27,10 @@ def build_root(api, metrics=None):
         (b"health",): lambda: Health(api),
         (b"tokenize",): lambda: Tokenize(api),
         (b"detokenize",): lambda: Detokenize(api),
+        # Anthropic's Messages API (count_tokens is a child of messages: listed after it).
+        (b"messages",): lambda: Messages(api),
+        (b"messages", b"count_tokens"): lambda: CountTokens(api),
+        (b"responses",): lambda: Responses(api, stored_responses),  # OpenAI's Responses API
     }
     if metrics is not None:
         routes[(b"metrics",)] = lambda: MetricsResource(api, metrics)
@@ -34,4 +45,5 @@ def build_root(api, metrics=None):
                     node.putChild(segment, Group(api))
                 node = node.children[segment]
             node.putChild(path[-1], make())
+    root.putChild(b"api", build_ollama(api))  # Ollama's API: at /api, not under /v1
     return root

@@ -1,4 +1,4 @@
-"""Server-sent events through a push producer.
+"""Server-sent events (or newline-delimited JSON) through a push producer.
 
 The transport tells the HTTP channel to pause when its write buffer is full (a client that reads
 slowly); the channel passes that on to the registered producer, this one. While paused, events wait
@@ -14,20 +14,30 @@ from twisted.internet.interfaces import IPushProducer
 DONE = b"data: [DONE]\n\n"
 
 
-def event(payload):
-    """One SSE `data:` event carrying a JSON object (compact, one line: JSON has no raw newlines)."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+def _json(payload):
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def event(payload, name=None):
+    """One SSE event carrying a JSON object (compact, one line: JSON has no raw newlines), after an
+    `event: NAME` line when it has a name (Anthropic's and the Responses API's typed events)."""
+    head = b"event: " + name.encode("ascii") + b"\n" if name is not None else b""
+    return head + b"data: " + _json(payload) + b"\n\n"
 
 
 @implementer(IPushProducer)
 class EventStream:
     """The event stream of one response. Every method must be called in the I/O thread.
 
-    `on_stop` is called once if the connection goes before the stream ended.
+    `on_stop` is called once if the connection goes before the stream ended. `done`: the stream ends
+    with `data: [DONE]` (OpenAI's Chat Completions); `ndjson`: one JSON object per line instead of
+    SSE events (Ollama's streams).
     """
 
-    def __init__(self, request, on_stop=lambda: None):
+    def __init__(self, request, on_stop=lambda: None, *, done=True, ndjson=False):
         self.request = request
+        self.done = done and not ndjson
+        self.ndjson = ndjson
         self.started = False
         self.paused = False
         self._frames = []
@@ -40,20 +50,23 @@ class EventStream:
             return
         self.started = True
         self.request.setResponseCode(200)
-        self.request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
+        content_type = b"application/x-ndjson" if self.ndjson else b"text/event-stream; charset=utf-8"
+        self.request.setHeader(b"content-type", content_type)
         self.request.setHeader(b"cache-control", b"no-cache")
         self.request.setHeader(b"x-accel-buffering", b"no")
         self.request.registerProducer(self, True)
 
-    def send(self, payload):
+    def send(self, payload, name=None):
+        """Queue one event (one line in ndjson); `name` is the SSE event's type, if it has one."""
         self.start()
-        self._frames.append(event(payload))
+        self._frames.append(_json(payload) + b"\n" if self.ndjson else event(payload, name))
         self._flush()
 
     def end(self):
-        """Send `data: [DONE]` after everything queued, then finish the response."""
+        """Send `data: [DONE]` (with `done`) after everything queued, then finish the response."""
         self.start()
-        self._frames.append(DONE)
+        if self.done:
+            self._frames.append(DONE)
         self._ending = True
         self._flush()
 

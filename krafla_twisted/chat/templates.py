@@ -108,6 +108,96 @@ def content_text(content, where="content"):
 
 
 # ---------------------------------------------------------------------------------------------
+# The generic tool form, for templates without a native one (docs/api.md, "Tool calls")
+
+GENERIC_TOOLS_HEADER = ("# Tools\n\nYou can call the following tools. Each line is one tool: its name, what it does "
+                        "and the JSON schema of its arguments.\n")
+GENERIC_TOOLS_FOOTER = (
+    "\nTo call a tool, reply with nothing but one JSON object in this form:\n"
+    '{"tool_call": {"name": "<the tool\'s name>", "arguments": {<its arguments>}}}\n'
+    "To call several tools at once, when that is allowed:\n"
+    '{"tool_calls": [{"name": "<a tool\'s name>", "arguments": {<its arguments>}}, ...]}\n'
+    'Each result comes back in a message of the form {"tool_response": {"name": "<the tool\'s name>", '
+    '"content": <the result>}}.\nWhen no tool is needed, answer in plain text.')
+
+
+def generic_tools_text(tools):
+    """The system prompt's part that lists `tools` (OpenAI's tool objects) in the generic form: one
+    JSON line per tool with its name, description (when it has one) and parameters' schema."""
+    lines = []
+    for tool in tools:
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        entry = {"name": function.get("name")}
+        if function.get("description"):
+            entry["description"] = function["description"]
+        entry["parameters"] = function.get("parameters") or {"type": "object", "properties": {}}
+        lines.append(tool_json(entry))
+    return GENERIC_TOOLS_HEADER + "\n" + "\n".join(lines) + "\n" + GENERIC_TOOLS_FOOTER
+
+
+def generic_call_json(call):
+    """One call as the generic form's inner object: {"name": N, "arguments": {...}}."""
+    return f'{{"name": {tool_json(call.name)}, "arguments": {tool_json(call.arguments)}}}'
+
+
+def generic_tool_call_text(call):
+    """One call in the generic form (and as krafla's grammar makes the model write it)."""
+    return f'{{"tool_call": {generic_call_json(call)}}}'
+
+
+def generic_tool_calls_text(calls):
+    """An assistant's calls in the generic form: one as `{"tool_call": ...}`, several as `{"tool_calls": [...]}`."""
+    if len(calls) == 1:
+        return generic_tool_call_text(calls[0])
+    return '{"tool_calls": [' + ", ".join(generic_call_json(call) for call in calls) + "]}"
+
+
+def generic_tool_result_text(name, content):
+    """A tool's result in the generic form; a result that is a JSON object or array is written as
+    that JSON, anything else as a JSON string. `name` is None when no call is known for it."""
+    value = content
+    try:
+        parsed = json.loads(content)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, (dict, list)):
+        value = parsed
+    body = {"name": name, "content": value} if name is not None else {"content": value}
+    return tool_json({"tool_response": body})
+
+
+def generic_conversation(system_prompt, messages, tools):
+    """(system prompt, messages) with tools, calls and results in the generic form, as plain text any
+    template carries: the tool list after the system prompt (or as the system prompt), an assistant's
+    calls as JSON in its content, and each run of tool results as one user message (the n-th result
+    after an assistant message with calls names the n-th call)."""
+    if tools:
+        listing = generic_tools_text(tools)
+        system_prompt = listing if not (system_prompt or "").strip() else system_prompt.rstrip() + "\n\n" + listing
+    out = []
+    names = []          # the names of the last assistant message's calls not answered yet
+    after_tool = False
+    for message in messages:
+        if message.role == "assistant" and message.tool_calls:
+            calls = generic_tool_calls_text(message.tool_calls)
+            content = message.content.rstrip() + "\n" + calls if message.content.strip() else calls
+            out.append(Message("assistant", content))
+            names = [call.name for call in message.tool_calls]
+            after_tool = False
+        elif message.role == "tool":
+            result = generic_tool_result_text(names.pop(0) if names else None, message.content)
+            if after_tool:
+                out[-1] = Message("user", out[-1].content + "\n" + result)
+            else:
+                out.append(Message("user", result))
+            after_tool = True
+        else:
+            out.append(message)
+            after_tool = False
+    return system_prompt, out
+
+
+# ---------------------------------------------------------------------------------------------
 # Segments
 
 BOS, EOS, SPECIAL, TEXT, CONTENT = "bos", "eos", "special", "text", "content"
@@ -151,7 +241,8 @@ class Template:
     stop_markers = ()        # end-of-turn and end-of-text markers, as special tokens or text
     system_turn = True       # a system message after the first renders as its own turn
     stops_at_eos = False     # the tokenizer's EOS token ends a reply too (formats that end turns with </s>)
-    tool_format = None       # the name of the template's tool-call format (krafla_twisted.generation.tools), None: none
+    tool_format = None       # the name of the template's native tool-call format (krafla_twisted.generation.tools);
+                             # None: tools, calls and results are written in the generic form (generic_conversation)
 
     @property
     def stop_strings(self):
@@ -172,19 +263,19 @@ class Template:
 
     def segments(self, messages, system=None, tools=None):
         """The conversation as (kind, text) segments; kind is bos, eos, special, text or content.
-        `tools`: OpenAI's tool objects, rendered in the template's own format (ChatError for a
-        template without one)."""
+        `tools`: OpenAI's tool objects, rendered in the template's own format, or in the generic
+        form (generic_conversation) for a template without one."""
         messages = normalize_messages(messages)
         uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
-        if uses_tools and self.tool_format is None:
-            raise ChatError(f"the {self.name} chat template has no format for tool calls; serve a model whose "
-                            "template has one (qwen, llama3, qwen3.5) or leave out tools")
         system_prompt, rest = self._split_system(messages, system)
         for index, message in enumerate(rest):
             if message.role == "system" and not self.system_turn:
                 raise ChatError(f"the {self.name} template takes a system message only at the start "
                                 f"(messages[{index + (len(messages) - len(rest))}] is a system message)")
         continue_last = bool(rest) and rest[-1].role == "assistant" and not rest[-1].tool_calls
+        if uses_tools and self.tool_format is None:
+            # No native format: the generic one, as plain text this template carries (see generic_conversation).
+            system_prompt, rest = generic_conversation(system_prompt, rest, list(tools or ()))
         out = _Segments()
         if self.tool_format is not None:
             self._write(out, system_prompt, rest, continue_last, tools=list(tools or ()))

@@ -1,7 +1,8 @@
 """Tool calls: each chat template's own format for them, read back out of a reply, and the grammar
 that makes a model write one when the request requires it.
 
-    fmt = tools.FORMATS[template.tool_format]    # "qwen" (Qwen2.5), "llama3" (Llama 3.1), "qwen3.5"
+    fmt = tools.FORMATS[template.tool_format or "generic"]   # "qwen" (Qwen2.5), "llama3" (Llama 3.1),
+                                                             # "qwen3.5"; "generic": no native format
     grammar = fmt.grammar(request_tools, only="get_weather", parallel=False)   # Lark text for llguidance
     content, calls = fmt.parse(reply_text, request_tools)   # calls: [chat.ToolCall], content: str or None
 
@@ -13,7 +14,8 @@ reply into content that can be sent at once and a held-back rest that may be a c
 import json
 import re
 
-from krafla_twisted.chat.templates import ToolCall, llama3_tool_call_text, qwen35_tool_call_text, qwen_tool_call_text
+from krafla_twisted.chat.templates import (ToolCall, generic_tool_call_text, llama3_tool_call_text,
+                                           qwen35_tool_call_text, qwen_tool_call_text, tool_json)
 from krafla_twisted.generation.grammar import json_rule
 
 
@@ -215,7 +217,85 @@ def _content(text):
     return text or None
 
 
-FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format(), "qwen3.5": Qwen35Format()}
+class GenericFormat(ToolFormat):
+    """The generic form, for templates without a native one (the tools are in the system prompt as
+    krafla_twisted.chat.templates.generic_tools_text writes them): a reply is plain text, or nothing
+    but `{"tool_call": {"name": N, "arguments": {...}}}`, or with parallel calls
+    `{"tool_calls": [{"name": N, "arguments": {...}}, ...]}` (two or more; one call is always the first
+    form, as the template renders it back). The grammar with `text` lets a reply be either a text that
+    does not start with `{` or a call, so even a small model's call always parses."""
+
+    name = "generic"
+    trigger = '{"tool_call'
+    constrains_text = True     # an "auto" reply is constrained too: text or a call (backend.constraint)
+    _decoder = json.JSONDecoder()
+
+    def grammar(self, tools, only=None, parallel=True, thinking=False, text=False):
+        """Lark text for a reply that is a call of one of `tools` (only `only`, if given), several
+        calls with `parallel`, and also any text not starting with `{` with `text`. The generic
+        templates have no reasoning block, so `thinking` changes nothing."""
+        rules = []
+        names = []
+        for index, tool in enumerate(tools):
+            if only is not None and tool_name(tool) != only:
+                continue
+            rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
+            head = '{"name": ' + tool_json(tool_name(tool)) + ', "arguments": '
+            rules.append(f"call{index}: {_literal(head)} args{index} {_literal('}')}")
+            names.append(f"call{index}")
+        branches = [_literal('{"tool_call": ') + " call " + _literal("}")]
+        if parallel:
+            branches.append(_literal('{"tool_calls": [') + " call (" + _literal(", ") + " call)+ " + _literal("]}"))
+        if text:
+            branches += ["TEXT", "EMPTY"]
+            rules += ["TEXT: /[^{][\\s\\S]*/", 'EMPTY: ""']
+        return "\n".join(["start: " + " | ".join(branches), "call: " + " | ".join(names), *rules])
+
+    def parse(self, text, tools=()):
+        """(content, calls): each JSON object starting with the trigger that is a call in the generic
+        form gives its calls and leaves the content; other text stays content."""
+        calls = []
+        kept = []
+        position = 0
+        start = text.find(self.trigger)
+        while start >= 0:
+            found, end = self._read(text, start)
+            if found:
+                kept.append(text[position:start])
+                calls.extend(found)
+                position = end
+            start = text.find(self.trigger, max(end, start + 1))
+        kept.append(text[position:])
+        return _content("".join(kept) if calls else text), calls
+
+    def _read(self, text, start):
+        """(calls, end) of the generic call object at `start`, or ([], start) when there is none."""
+        try:
+            value, end = self._decoder.raw_decode(text, start)
+        except ValueError:
+            return [], start
+        if not isinstance(value, dict) or len(value) != 1:
+            return [], start
+        if "tool_call" in value:
+            entries = [value["tool_call"]]
+        elif isinstance(value.get("tool_calls"), list) and value["tool_calls"]:
+            entries = value["tool_calls"]
+        else:
+            return [], start
+        calls = []
+        for entry in entries:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                return [], start
+            arguments = _arguments(entry.get("arguments", {}))
+            if arguments is None:
+                return [], start
+            calls.append(ToolCall(entry["name"], arguments))
+        return calls, end
+
+    text = staticmethod(generic_tool_call_text)
+
+
+FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format(), "qwen3.5": Qwen35Format(), "generic": GenericFormat()}
 
 
 class ToolStream:
