@@ -26,8 +26,8 @@ import uuid
 from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.api.errors import InvalidRequest, Unsupported
-from krafla_twisted.api.resources import Endpoint, NotFoundResource, QueuedReply, Reply, json_response
-from krafla_twisted.api.schema import MAX_STOP_STRINGS, parse_chat_request, parse_json_body
+from krafla_twisted.api.resources import Endpoint, NotFoundResource, QueuedReply, Reply, json_response, require_chat
+from krafla_twisted.api.schema import MAX_STOP_STRINGS, json_type, parse_chat_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 from krafla_twisted.api.worker import Job
 from krafla_twisted.generation.scheduler import Pending
@@ -74,23 +74,9 @@ class AnthropicErrors:
 # The request
 
 
-def _kind(value):
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def _text(value, where):
     if not isinstance(value, str):
-        raise InvalidRequest(f"{where}: must be a string, not {_kind(value)}", param=where)
+        raise InvalidRequest(f"{where}: must be a string, not {json_type(value)}", param=where)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -100,7 +86,7 @@ def _text(value, where):
 
 def _object(value, where):
     if not isinstance(value, dict):
-        raise InvalidRequest(f"{where}: must be an object, not {_kind(value)}", param=where)
+        raise InvalidRequest(f"{where}: must be an object, not {json_type(value)}", param=where)
     return value
 
 
@@ -116,7 +102,7 @@ def _text_blocks(value, where, allowed=("text",)):
     if isinstance(value, str):
         return [{"type": "text", "text": _text(value, where)}]
     if not isinstance(value, list):
-        raise InvalidRequest(f"{where}: must be a string or an array of text blocks, not {_kind(value)}", param=where)
+        raise InvalidRequest(f"{where}: must be a string or an array of text blocks, not {json_type(value)}", param=where)
     parts = []
     for index, block in enumerate(value):
         at = f"{where}.{index}"
@@ -150,7 +136,7 @@ def _user(content, where):
     if isinstance(content, str):
         return [{"role": "user", "content": _text(content, f"{where}.content")}]
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content: must be a string or an array of blocks, not {_kind(content)}",
+        raise InvalidRequest(f"{where}.content: must be a string or an array of blocks, not {json_type(content)}",
                              param=f"{where}.content")
     out, parts = [], None
     for index, block in enumerate(content):
@@ -167,7 +153,7 @@ def _user(content, where):
             result = block.get("content", "")
             is_error = block.get("is_error")
             if is_error is not None and not isinstance(is_error, bool):
-                raise InvalidRequest(f"{at}.is_error: must be a boolean, not {_kind(is_error)}", param=f"{at}.is_error")
+                raise InvalidRequest(f"{at}.is_error: must be a boolean, not {json_type(is_error)}", param=f"{at}.is_error")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text_blocks(result, f"{at}.content")})
         else:
             raise _bad_block(kind, at, ("text", "tool_result"))
@@ -180,7 +166,7 @@ def _assistant(content, where):
     if isinstance(content, str):
         return [{"role": "assistant", "content": _text(content, f"{where}.content")}]
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content: must be a string or an array of blocks, not {_kind(content)}",
+        raise InvalidRequest(f"{where}.content: must be a string or an array of blocks, not {json_type(content)}",
                              param=f"{where}.content")
     parts, calls = [], []
     for index, block in enumerate(content):
@@ -206,7 +192,7 @@ def _messages(body):
     if messages is None:
         raise InvalidRequest("messages: Field required", param="messages")
     if not isinstance(messages, list):
-        raise InvalidRequest(f"messages: must be an array, not {_kind(messages)}", param="messages")
+        raise InvalidRequest(f"messages: must be an array, not {json_type(messages)}", param="messages")
     if not messages:
         raise InvalidRequest("messages: at least one message is required", param="messages")
     out = []
@@ -227,7 +213,7 @@ def _tools(body):
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise InvalidRequest(f"tools: must be an array, not {_kind(tools)}", param="tools")
+        raise InvalidRequest(f"tools: must be an array, not {json_type(tools)}", param="tools")
     out = []
     for index, tool in enumerate(tools):
         where = f"tools.{index}"
@@ -255,7 +241,7 @@ def _tool_choice(body, tools):
     kind = _block_type(choice, "tool_choice")
     parallel = choice.get("disable_parallel_tool_use")
     if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequest(f"tool_choice.disable_parallel_tool_use: must be a boolean, not {_kind(parallel)}",
+        raise InvalidRequest(f"tool_choice.disable_parallel_tool_use: must be a boolean, not {json_type(parallel)}",
                              param="tool_choice.disable_parallel_tool_use")
     if kind in ("any", "tool") and not tools:
         raise InvalidRequest(f"tool_choice.type: {kind!r} needs 'tools'", param="tool_choice")
@@ -277,7 +263,7 @@ def _stop_sequences(body):
     if stops is None:
         return None
     if not isinstance(stops, list):
-        raise InvalidRequest(f"stop_sequences: must be an array of strings, not {_kind(stops)}", param="stop_sequences")
+        raise InvalidRequest(f"stop_sequences: must be an array of strings, not {json_type(stops)}", param="stop_sequences")
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop_sequences: this server takes at most {MAX_STOP_STRINGS}; got {len(stops)}",
                              param="stop_sequences")
@@ -294,10 +280,10 @@ def openai_body(body, count_only=False):
         raise InvalidRequest("max_tokens: Field required", param="max_tokens")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequest(f"stream: must be a boolean, not {_kind(stream)}", param="stream")
+        raise InvalidRequest(f"stream: must be a boolean, not {json_type(stream)}", param="stream")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise InvalidRequest(f"metadata: must be an object, not {_kind(metadata)}", param="metadata")
+        raise InvalidRequest(f"metadata: must be an object, not {json_type(metadata)}", param="metadata")
     tools = _tools(body)
     choice, parallel = _tool_choice(body, tools)
     out = {"messages": _system(body) + _messages(body)}
@@ -312,12 +298,6 @@ def openai_body(body, count_only=False):
 def parse_messages_request(body, n_vocab, count_only=False):
     """The CompletionRequest of an Anthropic Messages body (checked as parse_chat_request checks a chat)."""
     return parse_chat_request(openai_body(body, count_only), n_vocab)
-
-
-def _no_chat(backend):
-    if not backend.has_chat:
-        raise InvalidRequest("This server has no chat template, so it cannot answer /v1/messages; "
-                             "start it with --chat TEMPLATE", param="messages")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,15 +392,11 @@ class MessagesReply(AnthropicErrors, Reply):
         return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.name, "input": call.arguments}
 
     def _finished(self, outcome):
-        result, stop_sequence = outcome if outcome is not None else (None, None)
-        if result is not None:
-            self.request.completion_stats = result
-        self.request.work_done()
-        if self.gone or result is None or result.finish_reason == "cancelled":
-            return
-        content, calls = result.text, []
-        if self.tool_format is not None:
-            content, calls = self.tool_format.parse(result.text, self.completion.tools)
+        result, self.stop_sequence = outcome if outcome is not None else (None, None)
+        super()._finished(result)
+
+    def _conclude(self, result, content, calls):
+        stop_sequence = self.stop_sequence
         if calls:
             stop_reason = "tool_use"
         elif result.finish_reason == "length":
@@ -493,7 +469,7 @@ class Messages(AnthropicErrors, Endpoint):
 
     def render_POST(self, request):
         body = parse_json_body(request.content.read())
-        _no_chat(self.api.backend)
+        require_chat(self.api.backend, "/v1/completions", param="messages")
         completion = parse_messages_request(body, self.api.backend.n_vocab)
         self.api.admit()
         MessagesReply(self.api, request, completion).start()
@@ -505,7 +481,7 @@ class CountTokens(AnthropicErrors, Endpoint):
 
     def render_POST(self, request):
         body = parse_json_body(request.content.read())
-        _no_chat(self.api.backend)
+        require_chat(self.api.backend, "/v1/completions", param="messages")
         completion = parse_messages_request(body, self.api.backend.n_vocab, count_only=True)
         self.api.admit()
         CountReply(self.api, request, completion).start()

@@ -27,7 +27,7 @@ from twisted.web.server import NOT_DONE_YET
 from krafla_twisted import __version__
 from krafla_twisted.api import schema
 from krafla_twisted.api.errors import APIError, InvalidRequest, Unsupported
-from krafla_twisted.api.resources import APIResource, Endpoint, Group, NotFoundResource, Reply, json_response
+from krafla_twisted.api.resources import APIResource, Endpoint, Group, NotFoundResource, Reply, json_response, require_chat
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
@@ -75,7 +75,7 @@ class OllamaErrors:
 
 
 def _type(value):
-    return schema._json_type(value)
+    return schema.json_type(value)
 
 
 def _string(body, name):
@@ -119,20 +119,20 @@ def _options(body, n_ctx):
     fields = {OPTIONS[name]: value for name, value in options.items() if name in OPTIONS and value is not None}
     unlimited = False
     predict = fields.get("max_tokens")
-    if schema._is_number(predict) and predict in UNLIMITED:
+    if schema.is_number(predict) and predict in UNLIMITED:
         del fields["max_tokens"]
         unlimited = True
-    elif schema._is_number(predict) and predict < 1:
+    elif schema.is_number(predict) and predict < 1:
         raise InvalidRequest(f"'options.num_predict' must be at least 1, or -1 for no limit but the context; "
                              f"got {predict}", param="options.num_predict")
     seed = fields.get("seed")
-    if schema._is_number(seed) and seed < 0:
+    if schema.is_number(seed) and seed < 0:
         del fields["seed"]  # Ollama's -1: a random seed, which is the server's default (unless -s)
     num_ctx = options.get("num_ctx")
     if num_ctx is not None:
         if isinstance(num_ctx, float) and num_ctx.is_integer():
             num_ctx = int(num_ctx)
-        if not schema._is_int(num_ctx) or num_ctx < 1:
+        if not schema.is_int(num_ctx) or num_ctx < 1:
             raise InvalidRequest(f"'options.num_ctx' must be a positive integer, not {_type(num_ctx)} {num_ctx!r}",
                                  param="options.num_ctx")
         if num_ctx > n_ctx:
@@ -361,9 +361,7 @@ class Generate(OllamaEndpoint):
         body = parse_json_body(request.content.read())
         backend = self.api.backend
         if self.endpoint == "chat":
-            if not backend.has_chat:
-                raise InvalidRequest("This server has no chat template, so it answers only /api/generate with "
-                                     "\"raw\": true; start it with --chat TEMPLATE")
+            require_chat(backend, '/api/generate with "raw": true')
             completion, streamed = chat_request(body, backend)
         else:
             completion, streamed = generate_request(body, backend)

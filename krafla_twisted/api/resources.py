@@ -82,6 +82,13 @@ def error_response(request, error, body=None):
     return json_response(request, error.body() if body is None else body, error.status)
 
 
+def require_chat(backend, instead, param=None):
+    """A 400 unless the served model has a chat template: `instead` names what the server answers then."""
+    if not backend.has_chat:
+        raise InvalidRequest(f"This server has no chat template, so it answers only {instead}; start it with "
+                             "--chat TEMPLATE", param=param, code="chat_not_available")
+
+
 def _path(request):
     return request.path.decode("ascii", "replace")
 
@@ -207,11 +214,7 @@ class Completions(Endpoint):
         body = parse_json_body(request.content.read())
         backend = self.api.backend
         if self.kind == "chat":
-            if not backend.has_chat:
-                raise InvalidRequest(
-                    "This server has no chat template, so it answers only /v1/completions; start it with --chat TEMPLATE",
-                    code="chat_not_available",
-                )
+            require_chat(backend, "/v1/completions")
             completion = parse_chat_request(body, backend.n_vocab)
         else:
             completion = parse_completion_request(body, backend.n_vocab)
@@ -435,6 +438,11 @@ class Reply(QueuedReply):
         content, calls = result.text, []
         if self.tool_format is not None:
             content, calls = self.tool_format.parse(result.text, self.completion.tools)
+        self._conclude(result, content, calls)
+
+    def _conclude(self, result, content, calls):
+        """Write the end of the reply: its text `content` without the tool calls, and the `calls` parsed
+        out of it (each API spells these its own way; this is OpenAI's Chat and text Completions)."""
         finish_reason = "tool_calls" if calls else result.finish_reason
         if self.stream is not None:
             self._ensure_stream_started()

@@ -22,8 +22,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.chat.templates import tool_json
 from krafla_twisted.api.errors import APIError, InvalidRequest, NotFound, Unsupported
-from krafla_twisted.api.resources import APIResource, Endpoint, Reply, json_response
-from krafla_twisted.api.schema import _check_text, _json_type, parse_chat_request, parse_json_body
+from krafla_twisted.api.resources import APIResource, Endpoint, Reply, json_response, require_chat
+from krafla_twisted.api.schema import check_text, json_type, parse_chat_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
 MAX_STORED_RESPONSES = 512          # responses kept for previous_response_id and GET
@@ -136,14 +136,14 @@ def _invalid(message, param):
 def _text_parts(content, where):
     """A message's content (a string, or text parts) as one string; images, files and audio are refused."""
     if isinstance(content, str):
-        return _check_text(content, where)
+        return check_text(content, where)
     if not isinstance(content, list):
-        raise _invalid(f"'{where}' must be a string or an array of content parts, not {_json_type(content)}", where)
+        raise _invalid(f"'{where}' must be a string or an array of content parts, not {json_type(content)}", where)
     texts = []
     for index, part in enumerate(content):
         at = f"{where}[{index}]"
         if not isinstance(part, dict):
-            raise _invalid(f"'{at}' must be an object, not {_json_type(part)}", at)
+            raise _invalid(f"'{at}' must be an object, not {json_type(part)}", at)
         kind = part.get("type")
         if kind in TEXT_PARTS:
             text = part.get("text")
@@ -154,16 +154,16 @@ def _text_parts(content, where):
         else:
             raise _invalid(f"'{at}.type' must be \"input_text\" or \"output_text\"", f"{at}.type")
         if not isinstance(text, str):
-            raise _invalid(f"'{at}.text' must be a string, not {_json_type(text)}", f"{at}.text")
-        texts.append(_check_text(text, f"{at}.text"))
+            raise _invalid(f"'{at}.text' must be a string, not {json_type(text)}", f"{at}.text")
+        texts.append(check_text(text, f"{at}.text"))
     return "".join(texts)
 
 
 def _string_field(item, name, where):
     value = item.get(name)
     if not isinstance(value, str):
-        raise _invalid(f"'{where}.{name}' must be a string, not {_json_type(value)}", f"{where}.{name}")
-    return _check_text(value, f"{where}.{name}")
+        raise _invalid(f"'{where}.{name}' must be a string, not {json_type(value)}", f"{where}.{name}")
+    return check_text(value, f"{where}.{name}")
 
 
 def input_messages(value):
@@ -172,14 +172,14 @@ def input_messages(value):
     if value is None:
         return []
     if isinstance(value, str):
-        return [{"role": "user", "content": _check_text(value, "input")}]
+        return [{"role": "user", "content": check_text(value, "input")}]
     if not isinstance(value, list):
-        raise _invalid(f"'input' must be a string or an array of items, not {_json_type(value)}", "input")
+        raise _invalid(f"'input' must be a string or an array of items, not {json_type(value)}", "input")
     out = []
     for index, item in enumerate(value):
         where = f"input[{index}]"
         if not isinstance(item, dict):
-            raise _invalid(f"'{where}' must be an object, not {_json_type(item)}", where)
+            raise _invalid(f"'{where}' must be an object, not {json_type(item)}", where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -211,7 +211,7 @@ def input_messages(value):
             raise Unsupported(f"'{where}.type' {kind!r} is not supported; send message, function_call and "
                               "function_call_output items", param=f"{where}.type")
         else:
-            raise _invalid(f"'{where}.type' must be a string, not {_json_type(kind)}", f"{where}.type")
+            raise _invalid(f"'{where}.type' must be a string, not {json_type(kind)}", f"{where}.type")
     return out
 
 
@@ -220,12 +220,12 @@ def _tools(value):
     if value is None:
         return None, []
     if not isinstance(value, list):
-        raise _invalid(f"'tools' must be an array, not {_json_type(value)}", "tools")
+        raise _invalid(f"'tools' must be an array, not {json_type(value)}", "tools")
     chat, echo = [], []
     for index, tool in enumerate(value):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
-            raise _invalid(f"'{where}' must be an object, not {_json_type(tool)}", where)
+            raise _invalid(f"'{where}' must be an object, not {json_type(tool)}", where)
         kind = tool.get("type")
         if kind != "function":
             if isinstance(kind, str):
@@ -234,7 +234,7 @@ def _tools(value):
             raise _invalid(f"'{where}.type' must be \"function\"", f"{where}.type")
         strict = tool.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _invalid(f"'{where}.strict' must be a boolean, not {_json_type(strict)}", f"{where}.strict")
+            raise _invalid(f"'{where}.strict' must be a boolean, not {json_type(strict)}", f"{where}.strict")
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         chat.append({"type": "function", "function": function})
         echo.append({"type": "function", "name": tool.get("name"), "description": tool.get("description"),
@@ -262,13 +262,13 @@ def _text_format(value):
     if value is None:
         return None, {"format": {"type": "text"}}
     if not isinstance(value, dict):
-        raise _invalid(f"'text' must be an object, not {_json_type(value)}", "text")
+        raise _invalid(f"'text' must be an object, not {json_type(value)}", "text")
     fmt = value.get("format")
     echo = {key: item for key, item in value.items() if key == "verbosity"}
     if fmt is None:
         return None, dict(echo, format={"type": "text"})
     if not isinstance(fmt, dict):
-        raise _invalid(f"'text.format' must be an object, not {_json_type(fmt)}", "text.format")
+        raise _invalid(f"'text.format' must be an object, not {json_type(fmt)}", "text.format")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}, dict(echo, format={"type": kind})
@@ -285,7 +285,7 @@ def _metadata(value):
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _invalid(f"'metadata' must be an object of strings, not {_json_type(value)}", "metadata")
+        raise _invalid(f"'metadata' must be an object of strings, not {json_type(value)}", "metadata")
     if len(value) > MAX_METADATA_KEYS:
         raise _invalid(f"'metadata' holds at most {MAX_METADATA_KEYS} keys; got {len(value)}", "metadata")
     for key, item in value.items():
@@ -315,16 +315,16 @@ def parse_responses_request(body, n_vocab, store):
     _refuse_unsupported(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _invalid(f"'instructions' must be a string, not {_json_type(instructions)}", "instructions")
+        raise _invalid(f"'instructions' must be a string, not {json_type(instructions)}", "instructions")
     keep = body.get("store")
     if keep is not None and not isinstance(keep, bool):
-        raise _invalid(f"'store' must be a boolean, not {_json_type(keep)}", "store")
+        raise _invalid(f"'store' must be a boolean, not {json_type(keep)}", "store")
     max_output_tokens = body.get("max_output_tokens")
     previous_id = body.get("previous_response_id")
     history = []
     if previous_id is not None:
         if not isinstance(previous_id, str):
-            raise _invalid(f"'previous_response_id' must be a string, not {_json_type(previous_id)}",
+            raise _invalid(f"'previous_response_id' must be a string, not {json_type(previous_id)}",
                            "previous_response_id")
         stored = store.get(previous_id)
         if stored is None:
@@ -337,7 +337,7 @@ def parse_responses_request(body, n_vocab, store):
     metadata = _metadata(body.get("metadata"))
 
     chat = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    system = [{"role": "system", "content": _check_text(instructions, "instructions")}] if instructions else []
+    system = [{"role": "system", "content": check_text(instructions, "instructions")}] if instructions else []
     chat["messages"] = system + conversation
     if max_output_tokens is not None:
         chat["max_tokens"] = max_output_tokens
@@ -520,15 +520,7 @@ class ResponseReply(Reply):
 
     # -- the result
 
-    def _finished(self, result):
-        if result is not None:
-            self.request.completion_stats = result
-        self.request.work_done()
-        if self.gone or result is None or result.finish_reason == "cancelled":
-            return
-        content, calls = result.text, []
-        if self.tool_format is not None:
-            content, calls = self.tool_format.parse(result.text, self.completion.tools)
+    def _conclude(self, result, content, calls):
         incomplete = result.finish_reason == "length" and not calls
         item_status = "incomplete" if incomplete else "completed"
         output = []
@@ -567,9 +559,7 @@ class Responses(APIResource):
     def render_POST(self, request):
         body = parse_json_body(request.content.read())
         backend = self.api.backend
-        if not backend.has_chat:
-            raise InvalidRequest("This server has no chat template, so it answers only /v1/completions; start it "
-                                 "with --chat TEMPLATE", code="chat_not_available")
+        require_chat(backend, "/v1/completions")
         parsed = parse_responses_request(body, backend.n_vocab, self.store)
         self.api.admit()
         ResponseReply(self.api, request, parsed, self.store).start()

@@ -72,7 +72,7 @@ def parse_json_body(body):
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(value, dict):
-        raise InvalidRequest(f"The request body must be a JSON object, not {_json_type(value)}")
+        raise InvalidRequest(f"The request body must be a JSON object, not {json_type(value)}")
     _check_depth(value)
     return value
 
@@ -125,7 +125,8 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _json_type(value):
+def json_type(value):
+    """How an error message names a JSON value's type: "null", "a boolean", "a number", ..."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -139,7 +140,7 @@ def _json_type(value):
     return "an object"
 
 
-def _check_text(text, where):
+def check_text(text, where):
     """JSON can carry lone surrogates (\\ud800), which are not text: refuse them here, not in the tokenizer."""
     try:
         text.encode("utf-8")
@@ -148,12 +149,12 @@ def _check_text(text, where):
     return text
 
 
-def _is_int(value):
+def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value):
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def is_number(value):
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _integer(body, name, low, high=None):
@@ -162,8 +163,8 @@ def _integer(body, name, low, high=None):
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # 64.0 is an integer in JSON
-    if not _is_int(value):
-        raise InvalidRequest(f"'{name}' must be an integer, not {_json_type(value)}", param=name)
+    if not is_int(value):
+        raise InvalidRequest(f"'{name}' must be an integer, not {json_type(value)}", param=name)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise InvalidRequest(f"'{name}' must be {bound}; got {value}", param=name)
@@ -174,8 +175,8 @@ def _number(body, name, low, high=None, *, low_open=False):
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value):
-        raise InvalidRequest(f"'{name}' must be a number, not {_json_type(value)}", param=name)
+    if not is_number(value):
+        raise InvalidRequest(f"'{name}' must be a number, not {json_type(value)}", param=name)
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         lower = f"above {low}" if low_open else f"at least {low}"
@@ -189,7 +190,7 @@ def _boolean(body, name):
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean, not {_json_type(value)}", param=name)
+        raise InvalidRequest(f"'{name}' must be a boolean, not {json_type(value)}", param=name)
     return value
 
 
@@ -226,15 +227,15 @@ def _stop(body):
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
-        raise InvalidRequest(f"'stop' must be a string or an array of strings, not {_json_type(value)}", param="stop")
+        raise InvalidRequest(f"'stop' must be a string or an array of strings, not {json_type(value)}", param="stop")
     if len(value) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings; got {len(value)}", param="stop")
     for item in value:
         if not isinstance(item, str):
-            raise InvalidRequest(f"each 'stop' entry must be a string, not {_json_type(item)}", param="stop")
+            raise InvalidRequest(f"each 'stop' entry must be a string, not {json_type(item)}", param="stop")
         if not item:
             raise InvalidRequest("'stop' strings must not be empty", param="stop")
-        _check_text(item, "stop")
+        check_text(item, "stop")
     return tuple(value)
 
 
@@ -244,13 +245,13 @@ def _stream(body):
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise InvalidRequest(f"'stream_options' must be an object, not {_json_type(options)}", param="stream_options")
+        raise InvalidRequest(f"'stream_options' must be an object, not {json_type(options)}", param="stream_options")
     if not stream:
         raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise InvalidRequest(
-            f"'stream_options.include_usage' must be a boolean, not {_json_type(include_usage)}",
+            f"'stream_options.include_usage' must be a boolean, not {json_type(include_usage)}",
             param="stream_options.include_usage",
         )
     return stream, bool(include_usage)
@@ -259,7 +260,7 @@ def _stream(body):
 def _common_checks(body):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise InvalidRequest(f"'model' must be a string, not {_json_type(model)}", param="model")
+        raise InvalidRequest(f"'model' must be a string, not {json_type(model)}", param="model")
     n = _integer(body, "n", 1)
     if n is not None and n != 1:
         raise Unsupported(f"'n' must be 1: this server makes one reply per request; got {n}", param="n")
@@ -271,21 +272,21 @@ def parse_chat_request(body, n_vocab):
     _common_checks(body)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise InvalidRequest(f"'logprobs' must be a boolean, not {_json_type(logprobs)}", param="logprobs")
+        raise InvalidRequest(f"'logprobs' must be a boolean, not {json_type(logprobs)}", param="logprobs")
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     functions = body.get("functions")
     if functions is not None:
         if not isinstance(functions, list):
-            raise InvalidRequest(f"'functions' must be an array, not {_json_type(functions)}", param="functions")
+            raise InvalidRequest(f"'functions' must be an array, not {json_type(functions)}", param="functions")
         if functions:
             raise Unsupported("'functions' is OpenAI's retired form of tools; send 'tools' instead", param="functions")
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequest(f"'parallel_tool_calls' must be a boolean, not {_json_type(parallel)}",
+        raise InvalidRequest(f"'parallel_tool_calls' must be a boolean, not {json_type(parallel)}",
                              param="parallel_tool_calls")
     stream, include_usage = _stream(body)
     return CompletionRequest(
@@ -308,7 +309,7 @@ def _logit_bias(body, n_vocab):
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidRequest(f"'logit_bias' must be an object of token ids to numbers, not {_json_type(value)}",
+        raise InvalidRequest(f"'logit_bias' must be an object of token ids to numbers, not {json_type(value)}",
                              param="logit_bias")
     out = {}
     for key, bias in value.items():
@@ -318,7 +319,7 @@ def _logit_bias(body, n_vocab):
             token = None
         if token is None or str(token) != key.strip() or token < 0:
             raise InvalidRequest(f"'logit_bias' keys must be token ids (integers >= 0); got {key!r}", param="logit_bias")
-        if not _is_number(bias) or not -100 <= bias <= 100:
+        if not is_number(bias) or not -100 <= bias <= 100:
             raise InvalidRequest(f"'logit_bias[{key}]' must be a number from -100 to 100; got {json.dumps(bias)}",
                                  param="logit_bias")
         out[token] = float(bias)
@@ -334,7 +335,7 @@ def _response_format(body):
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise InvalidRequest(f"'response_format' must be an object, not {_json_type(value)}", param="response_format")
+        raise InvalidRequest(f"'response_format' must be an object, not {json_type(value)}", param="response_format")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -347,15 +348,15 @@ def _response_format(body):
                                  param="response_format.json_schema")
         name = spec.get("name")
         if name is not None and not isinstance(name, str):
-            raise InvalidRequest(f"'response_format.json_schema.name' must be a string, not {_json_type(name)}",
+            raise InvalidRequest(f"'response_format.json_schema.name' must be a string, not {json_type(name)}",
                                  param="response_format.json_schema.name")
         schema = spec.get("schema", {})
         if not isinstance(schema, (dict, bool)):
-            raise InvalidRequest(f"'response_format.json_schema.schema' must be an object, not {_json_type(schema)}",
+            raise InvalidRequest(f"'response_format.json_schema.schema' must be an object, not {json_type(schema)}",
                                  param="response_format.json_schema.schema")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequest(f"'response_format.json_schema.strict' must be a boolean, not {_json_type(strict)}",
+            raise InvalidRequest(f"'response_format.json_schema.strict' must be a boolean, not {json_type(strict)}",
                                  param="response_format.json_schema.strict")
         return {"type": "json_schema", "schema": {} if schema is True else schema}
     raise InvalidRequest(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
@@ -367,12 +368,12 @@ def _tools(body):
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise InvalidRequest(f"'tools' must be an array, not {_json_type(tools)}", param="tools")
+        raise InvalidRequest(f"'tools' must be an array, not {json_type(tools)}", param="tools")
     names = set()
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
-            raise InvalidRequest(f"'{where}' must be an object, not {_json_type(tool)}", param=where)
+            raise InvalidRequest(f"'{where}' must be an object, not {json_type(tool)}", param=where)
         if tool.get("type") != "function":
             raise InvalidRequest(f"'{where}.type' must be \"function\"; got {json.dumps(tool.get('type'))}",
                                  param=f"{where}.type")
@@ -391,7 +392,7 @@ def _tools(body):
             raise InvalidRequest(f"'{where}.function.parameters' must be a JSON schema object", param=f"{where}.function.parameters")
         description = function.get("description")
         if description is not None:
-            _check_text(description if isinstance(description, str) else "", f"{where}.function.description")
+            check_text(description if isinstance(description, str) else "", f"{where}.function.description")
     return tuple(tools)
 
 
@@ -426,17 +427,17 @@ def _messages(body):
     if messages is None:
         raise InvalidRequest("'messages' is required", param="messages")
     if not isinstance(messages, list):
-        raise InvalidRequest(f"'messages' must be an array, not {_json_type(messages)}", param="messages")
+        raise InvalidRequest(f"'messages' must be an array, not {json_type(messages)}", param="messages")
     if not messages:
         raise InvalidRequest("'messages' must hold at least one message", param="messages")
     result = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise InvalidRequest(f"'{where}' must be an object, not {_json_type(message)}", param=where)
+            raise InvalidRequest(f"'{where}' must be an object, not {json_type(message)}", param=where)
         role = message.get("role")
         if not isinstance(role, str):
-            raise InvalidRequest(f"'{where}.role' must be a string, not {_json_type(role)}", param=f"{where}.role")
+            raise InvalidRequest(f"'{where}.role' must be a string, not {json_type(role)}", param=f"{where}.role")
         if role == "function":
             raise Unsupported(f"'{where}.role' \"function\" is OpenAI's retired form; send \"tool\" messages",
                               param=f"{where}.role")
@@ -466,7 +467,7 @@ def _messages(body):
 
 def _message_tool_calls(calls, where):
     if not isinstance(calls, list):
-        raise InvalidRequest(f"'{where}' must be an array, not {_json_type(calls)}", param=where)
+        raise InvalidRequest(f"'{where}' must be an array, not {json_type(calls)}", param=where)
     out = []
     for index, call in enumerate(calls):
         at = f"{where}[{index}]"
@@ -488,14 +489,14 @@ def _message_tool_calls(calls, where):
 
 def _content(content, where):
     if isinstance(content, str):
-        return _check_text(content, where)
+        return check_text(content, where)
     if not isinstance(content, list):
-        raise InvalidRequest(f"'{where}' must be a string or an array of text parts, not {_json_type(content)}", param=where)
+        raise InvalidRequest(f"'{where}' must be a string or an array of text parts, not {json_type(content)}", param=where)
     texts = []
     for index, part in enumerate(content):
         part_where = f"{where}[{index}]"
         if not isinstance(part, dict):
-            raise InvalidRequest(f"'{part_where}' must be an object, not {_json_type(part)}", param=part_where)
+            raise InvalidRequest(f"'{part_where}' must be an object, not {json_type(part)}", param=part_where)
         kind = part.get("type")
         if kind != "text":
             if isinstance(kind, str):
@@ -503,8 +504,8 @@ def _content(content, where):
             raise InvalidRequest(f"'{part_where}.type' must be \"text\"", param=part_where)
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidRequest(f"'{part_where}.text' must be a string, not {_json_type(text)}", param=part_where)
-        texts.append(_check_text(text, part_where))
+            raise InvalidRequest(f"'{part_where}.text' must be a string, not {json_type(text)}", param=part_where)
+        texts.append(check_text(text, part_where))
     # Parts are pieces of one message; they are joined as written, with nothing added between them.
     return "".join(texts)
 
@@ -515,20 +516,20 @@ def parse_completion_request(body, n_vocab):
     _common_checks(body)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
-        raise InvalidRequest(f"'echo' must be a boolean, not {_json_type(echo)}", param="echo")
+        raise InvalidRequest(f"'echo' must be a boolean, not {json_type(echo)}", param="echo")
     if echo:
         raise Unsupported("This server does not echo the prompt ('echo')", param="echo")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
-        raise InvalidRequest(f"'suffix' must be a string, not {_json_type(suffix)}", param="suffix")
+        raise InvalidRequest(f"'suffix' must be a string, not {json_type(suffix)}", param="suffix")
     if suffix:
         raise Unsupported("This server does not insert text ('suffix')", param="suffix")
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of > 1:
         raise Unsupported(f"'best_of' must be 1: this server makes one reply per request; got {best_of}", param="best_of")
     logprobs = body.get("logprobs")
-    if logprobs is not None and not (_is_int(logprobs) or isinstance(logprobs, bool)):
-        raise InvalidRequest(f"'logprobs' must be an integer, not {_json_type(logprobs)}", param="logprobs")
+    if logprobs is not None and not (is_int(logprobs) or isinstance(logprobs, bool)):
+        raise InvalidRequest(f"'logprobs' must be an integer, not {json_type(logprobs)}", param="logprobs")
     if logprobs is not None and not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}; got {logprobs}", param="logprobs")
     prompt_text, prompt_tokens = _prompt(body.get("prompt"), n_vocab)
@@ -550,16 +551,16 @@ def _prompt(prompt, n_vocab):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        return _check_text(prompt, "prompt"), None
+        return check_text(prompt, "prompt"), None
     if not isinstance(prompt, list):
-        raise InvalidRequest(f"'prompt' must be a string or an array of token ids, not {_json_type(prompt)}", param="prompt")
+        raise InvalidRequest(f"'prompt' must be a string or an array of token ids, not {json_type(prompt)}", param="prompt")
     if not prompt:
         raise InvalidRequest("'prompt' must not be an empty array", param="prompt")
     if any(isinstance(item, (str, list)) for item in prompt):
         raise InvalidRequest("'prompt' holds one prompt per request: a string or one array of token ids", param="prompt")
     for index, token in enumerate(prompt):
-        if not _is_int(token):
-            raise InvalidRequest(f"'prompt[{index}]' must be a token id (an integer), not {_json_type(token)}", param="prompt")
+        if not is_int(token):
+            raise InvalidRequest(f"'prompt[{index}]' must be a token id (an integer), not {json_type(token)}", param="prompt")
         if not 0 <= token < n_vocab:
             raise InvalidRequest(f"'prompt[{index}]' is {token}, not a token id (0 to {n_vocab - 1})", param="prompt")
     return None, tuple(prompt)
