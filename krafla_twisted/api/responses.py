@@ -370,6 +370,11 @@ def parse_responses_request(body, n_vocab, store):
         "background": False,
         "service_tier": "default",
     }
+    for name, value in echo.items():   # echoed into the response: they must be text (no lone surrogate)
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _invalid(f"'{name}' holds a lone UTF-16 surrogate, which is not a character", name) from None
     return ResponsesRequest(completion, tuple(conversation), echo, keep is not False)
 
 

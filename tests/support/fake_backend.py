@@ -35,6 +35,13 @@ class FakeResult:
     generation_seconds: float = 0.25
 
 
+@dataclass
+class FakePrompt:
+    """The field of krafla_twisted.generation.generate.Prompt that count_tokens reads."""
+
+    tokens: tuple
+
+
 class FakeBackend:
     """Replies with `pieces`, one per "token"; `after_piece(index)` runs after each one is handed over.
 
@@ -88,6 +95,14 @@ class FakeBackend:
 
     # The worker takes a completion's job from `begin`; this backend answers at once, without steps.
     begin = complete
+
+    def prompt(self, completion):
+        """The rendered prompt as Anthropic's count_tokens reads it (`.tokens`): prompt_length ids;
+        the call is recorded with the completions."""
+        self.calls.append(("prompt", completion))
+        if self.error is not None:
+            raise self.error
+        return FakePrompt(tuple(range(self.prompt_length(completion))))
 
     def tokenize(self, content, *, add_special, parse_special, with_pieces):
         """Each character is its code point; the call is recorded with the completions."""
