@@ -321,11 +321,6 @@ TOOL_OPTIONS = {"temperature": 0, "num_predict": 80}
 class OllamaToolsTests:
     """Tool calls with Qwen2.5-Coder's qwen template (a native tool format)."""
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "Qwen2.5-Coder-0.5B answers with the call as bare JSON, {\"name\": \"get_weather\", \"arguments\": ...}, "
-        "without the <tool_call> tags its template asks for, and the qwen format (generation/tools.py) reads "
-        "only tagged calls; Ollama has no tool_choice to make the grammar force them. Remove this mark when "
-        "the format reads a reply that is one bare call (as Ollama's own parser did)"))
     def test_tool_call(self, qwen_client):
         """The model calls get_weather, parsed by the library into message.tool_calls (arguments an object),
         streamed the same."""

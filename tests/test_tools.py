@@ -97,6 +97,27 @@ class ParseTests:
             "Sure.", [templates.ToolCall("f", {"x": 1})])
 
 
+    def test_untagged_qwen_call(self):
+        """A Qwen reply that is only the call's JSON, without <tool_call> tags, is that call when it names
+        one of the request's tools; JSON naming another tool, with other keys, or beside text stays content."""
+        weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+        qwen = tools.FORMATS["qwen"]
+        call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        assert qwen.parse(" " + call + "\n", weather) == (None, [templates.ToolCall("get_weather", {"city": "Paris"})])
+        for text in ('{"name": "lookup", "arguments": {}}', '{"name": "get_weather", "arguments": {}, "x": 1}',
+                     '{"name": "get_weather", "arguments": []}', call + " That is all.", "Here: " + call):
+            assert qwen.parse(text, weather) == (text.strip(), [])
+        assert qwen.parse(call) == (call, [])   # no tools in the request: no call
+
+    def test_untagged_qwen_call_is_held_back_while_streaming(self):
+        """A streamed Qwen reply that starts with `{` waits for the end: it may be an untagged call."""
+        stream = tools.ToolStream(tools.FORMATS["qwen"])
+        assert [stream.push(piece) for piece in (" ", '{"name"', ': "get_weather", "arguments": {}}')] == ["", "", ""]
+        assert stream.finish(None) == ""
+        stream = tools.ToolStream(tools.FORMATS["qwen"])
+        assert stream.push("Hi {x}") == "Hi {x}"
+
+
 class ToolStreamTests:
     @pytest.mark.parametrize("name", list(tools.FORMATS))
     @settings(max_examples=200, deadline=None)

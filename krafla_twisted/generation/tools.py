@@ -91,10 +91,13 @@ def _json_call_rule(index, tool, rules, head, tail):
 
 class QwenFormat(ToolFormat):
     """Qwen2.5 (Hermes style): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one
-    per call, separated by newlines."""
+    per call, separated by newlines. A reply that is nothing but that JSON object, untagged, naming
+    one of the request's tools, is a call too: the small Qwen2.5 models often drop the tags when
+    no grammar holds them to the format (an "auto" request)."""
 
     name = "qwen"
     trigger = "<tool_call>"
+    leading = "{"   # a reply starting with it may be an untagged call: ToolStream holds it back
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
     def _call_rule(self, index, tool, rules):
@@ -111,6 +114,20 @@ class QwenFormat(ToolFormat):
             return None
         arguments = _arguments(value.get("arguments", {}))
         return None if arguments is None else ToolCall(value["name"], arguments)
+
+    def parse(self, text, tools=()):
+        content, calls = super().parse(text, tools)
+        if calls or not text.lstrip().startswith(self.leading):
+            return content, calls
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return content, calls
+        names = {tool_name(tool) for tool in tools}
+        if (isinstance(value, dict) and set(value) == {"name", "arguments"} and value["name"] in names
+                and _arguments(value["arguments"]) is not None):
+            return None, [ToolCall(value["name"], value["arguments"])]
+        return content, calls
 
     text = staticmethod(qwen_tool_call_text)
 
@@ -302,10 +319,13 @@ class ToolStream:
     """Streamed text of a reply that may hold tool calls: `push(piece)` returns the content that
     can go out now; from the format's trigger on, everything waits for the end. Leading and
     trailing whitespace wait too, so what is sent is always a prefix of the final content
-    (`finish(content)` returns the rest of it)."""
+    (`finish(content)` returns the rest of it). A format with a `leading` text (Qwen's untagged
+    call) holds back a reply that starts with it.
+    """
 
     def __init__(self, tool_format):
         self.trigger = tool_format.trigger
+        self.leading = getattr(tool_format, "leading", None)
         self.text = ""
         self.sent = 0           # characters of self.text sent, after the leading whitespace
         self.started = None     # where the sent content starts (the first non-space character)
@@ -314,6 +334,9 @@ class ToolStream:
     def push(self, piece):
         self.text += piece
         if self.held:
+            return ""
+        if self.started is None and self.leading and self.text.lstrip().startswith(self.leading):
+            self.held = True
             return ""
         found = self.text.find(self.trigger)
         end = len(self.text) if found < 0 else found
