@@ -254,6 +254,9 @@ class StopStringTests:
         """With several stop strings the reply ends at the one that starts first."""
         result, _ = run(make_runtime([b"He", b"llo", b" wor", b"ld"]), stop_strings=["world", "llo w", "o"])
         assert result.text == "He"  # "llo w" starts before "o", though "o" completes first
+        assert result.stop_string == "llo w"
+        result, _ = run(make_runtime([b"He", b"llo"]))
+        assert result.stop_string is None   # ended by the end-of-reply token
 
     def test_stop_string_in_the_held_back_end(self):
         """A reply cut by max_tokens while a complete stop string waits behind a longer possible
@@ -295,6 +298,8 @@ class StopStringTests:
             emitted += stop_filter.finish()[0]
         assert emitted == expected
         assert stop_filter.stopped == bool(hits)
+        # the stop string it names is one that starts where the text was cut
+        assert stop_filter.matched == (next(s for s in stops if text.find(s) == len(expected)) if hits else None)
 
 
 class Utf8Tests:

@@ -306,8 +306,7 @@ def parse_messages_request(body, n_vocab, count_only=False):
 
 class MessagesReply(AnthropicErrors, Reply):
     """A Reply written in Anthropic's shape. Its job is the completion's, wrapped: on the worker it
-    reports the prompt's length (message_start carries it) and, at the end, which of the request's
-    stop sequences ended the reply (read from the reply's tokens)."""
+    reports the prompt's length, which message_start carries."""
 
     def __init__(self, api, request, completion):
         super().__init__(api, request, completion)
@@ -323,24 +322,9 @@ class MessagesReply(AnthropicErrors, Reply):
     def _work(self, completion_work, backend, cancelled):
         # The worker thread: touch nothing of the reply here but through call_in_reactor.
         pending = completion_work(backend, cancelled)
-        if not isinstance(pending, Pending):   # a backend that answers at once
-            return pending, self._stop_sequence(backend, pending)
-        self.api.worker.call_in_reactor(self._prompt_ready, len(pending.generation.prompt))
-
-        def conclude(generation):
-            result = pending.conclude(generation)
-            return result, self._stop_sequence(backend, result)
-
-        return Pending(pending.generation, conclude)
-
-    def _stop_sequence(self, backend, result):
-        """The request's stop sequence that ended the reply, or None (worker thread: it decodes). The
-        reply's text stops right before it, so the text of all its tokens goes on with it."""
-        if result is None or result.finish_reason != "stop" or not self.completion.stop:
-            return None
-        whole = backend.detokenize(list(getattr(result, "tokens", ())))["content"]
-        rest = whole[len(result.text):] if whole.startswith(result.text) else ""
-        return next((stop for stop in self.completion.stop if rest.startswith(stop)), None)
+        if isinstance(pending, Pending):   # not a backend that answers at once
+            self.api.worker.call_in_reactor(self._prompt_ready, len(pending.generation.prompt))
+        return pending
 
     def _prompt_ready(self, prompt_tokens):
         self.prompt_tokens = prompt_tokens
@@ -391,12 +375,10 @@ class MessagesReply(AnthropicErrors, Reply):
     def _tool_use(self, call):
         return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.name, "input": call.arguments}
 
-    def _finished(self, outcome):
-        result, self.stop_sequence = outcome if outcome is not None else (None, None)
-        super()._finished(result)
-
     def _conclude(self, result, content, calls):
-        stop_sequence = self.stop_sequence
+        # the request's stop sequence the reply was cut at (not a template's own stop string)
+        stop_sequence = getattr(result, "stop_string", None)
+        stop_sequence = stop_sequence if stop_sequence in self.completion.stop else None
         if calls:
             stop_reason = "tool_use"
         elif result.finish_reason == "length":

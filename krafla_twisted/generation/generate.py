@@ -92,6 +92,7 @@ class GenerationResult:
     tokens: tuple = ()          # the reply's token ids (a stop token is not included)
     seed: int = None            # the seed the sampler used
     logprobs: tuple = ()        # TokenLogprobs of the reply's tokens, when asked for
+    stop_string: str = None     # the stop string the reply was cut at (None: it ended otherwise)
 
     @property
     def prompt_tokens_per_second(self):
@@ -138,13 +139,15 @@ class StopStringFilter:
     push(text) -> (text safe to emit, stopped). The reply is cut before the earliest occurrence
     of any stop string in the whole text: a complete match is acted on only once no stop string
     that would start earlier can still complete. `finish()` -> (rest, stopped) when the reply
-    ends for another reason. After a stop nothing more is accepted.
+    ends for another reason. After a stop nothing more is accepted; `matched` is the stop string
+    the text was cut at (the first of them in order, when several start there).
     """
 
     def __init__(self, stop_strings):
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.pending = ""
         self.stopped = False
+        self.matched = None
 
     def push(self, text):
         if self.stopped:
@@ -169,6 +172,7 @@ class StopStringFilter:
         return out, False
 
     def _stop_at(self, position):
+        self.matched = next(s for s in self.stop_strings if self.pending.startswith(s, position))
         out, self.pending, self.stopped = self.pending[:position], "", True
         return out, True
 
@@ -634,7 +638,8 @@ class Generation:
         self._close_sampler()
         self.result = GenerationResult("".join(self.pieces), finish, len(self.prompt), len(self.reply),
                                        self.cached_count, self.prompt_seconds, time.perf_counter() - self.started,
-                                       tuple(self.reply), self.sampling.seed, tuple(self.token_logprobs))
+                                       tuple(self.reply), self.sampling.seed, tuple(self.token_logprobs),
+                                       self.stops.matched)
 
     def _close_sampler(self):
         if self.sampler is not None:
