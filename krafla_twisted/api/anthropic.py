@@ -316,6 +316,8 @@ class MessagesReply(AnthropicErrors, Reply):
         self.prompt_tokens = 0      # known once the job has rendered the prompt
         self.blocks = 0             # content blocks started in the stream
         self.text_block = None      # the index of the streamed text block, once started
+        self.thinking_block = None  # the index of the streamed thinking block, once started
+        self.thinking_done = False
         completion_work = self.job.work
         self.job = Job(lambda backend, cancelled: self._work(completion_work, backend, cancelled))
 
@@ -353,16 +355,27 @@ class MessagesReply(AnthropicErrors, Reply):
     def _event(self, name, **fields):
         self.stream.send({"type": name, **fields}, name)
 
-    def _piece(self, text):
-        if self.gone or not text:
-            return
+    def _content_piece(self, text):
         if self.tool_stream is not None:
             text = self.tool_stream.push(text)
         if text:
             self._text_delta(text)
 
+    def _reasoning_piece(self, text):
+        """A thinking template's reasoning: a `thinking` block, before the text block."""
+        self._ensure_stream_started()
+        if self.thinking_block is None:
+            self.thinking_block = self._start_block({"type": "thinking", "thinking": "", "signature": ""})
+        self._event("content_block_delta", index=self.thinking_block, delta={"type": "thinking_delta", "thinking": text})
+
+    def _end_thinking(self):
+        if self.thinking_block is not None and not self.thinking_done:
+            self.thinking_done = True
+            self._event("content_block_stop", index=self.thinking_block)
+
     def _text_delta(self, text):
         self._ensure_stream_started()
+        self._end_thinking()
         if self.text_block is None:
             self.text_block = self._start_block({"type": "text", "text": ""})
         self._event("content_block_delta", index=self.text_block, delta={"type": "text_delta", "text": text})
@@ -375,7 +388,7 @@ class MessagesReply(AnthropicErrors, Reply):
     def _tool_use(self, call):
         return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.name, "input": call.arguments}
 
-    def _conclude(self, result, content, calls):
+    def _conclude(self, result, content, calls, reasoning=None):
         # the request's stop sequence the reply was cut at (not a template's own stop string)
         stop_sequence = getattr(result, "stop_string", None)
         stop_sequence = stop_sequence if stop_sequence in self.completion.stop else None
@@ -387,7 +400,8 @@ class MessagesReply(AnthropicErrors, Reply):
             stop_reason = "stop_sequence" if stop_sequence is not None else "end_turn"
         usage = self._anthropic_usage(result)
         if self.stream is None:
-            blocks = [{"type": "text", "text": content}] if content else []
+            blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+            blocks += [{"type": "text", "text": content}] if content else []
             blocks += [self._tool_use(call) for call in calls]
             self._write_whole(json_response(self.request, self._message(blocks, stop_reason, stop_sequence, usage)))
             return
@@ -396,6 +410,7 @@ class MessagesReply(AnthropicErrors, Reply):
             rest = self.tool_stream.finish(content)
             if rest:
                 self._text_delta(rest)
+        self._end_thinking()
         if self.text_block is not None:
             self._event("content_block_stop", index=self.text_block)
         for call in calls:

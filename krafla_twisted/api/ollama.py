@@ -267,12 +267,18 @@ def fold(chunks):
     whole = dict(chunks[-1])
     if "message" in whole:
         message = {"role": "assistant", "content": "".join(chunk["message"]["content"] for chunk in chunks)}
+        thinking = "".join(chunk["message"].get("thinking", "") for chunk in chunks)
+        if thinking:
+            message["thinking"] = thinking
         calls = [call for chunk in chunks for call in chunk["message"].get("tool_calls", ())]
         if calls:
             message["tool_calls"] = calls
         whole["message"] = message
     else:
         whole["response"] = "".join(chunk["response"] for chunk in chunks)
+        thinking = "".join(chunk.get("thinking", "") for chunk in chunks)
+        if thinking:
+            whole["thinking"] = thinking
     return whole
 
 
@@ -293,6 +299,13 @@ class OllamaReply(OllamaErrors, Reply):
 
     def _ensure_stream_started(self):
         self.stream.start()  # no first chunk with the role: Ollama has none
+
+    def _reasoning_piece(self, text):
+        """A thinking template's reasoning: `message.thinking` (chat) or `thinking` (generate)."""
+        self._ensure_stream_started()
+        chunk = self._chunk(None, None)
+        (chunk["message"] if self.endpoint == "chat" else chunk)["thinking"] = text
+        self.stream.send(chunk)
 
     def _tool_calls(self, calls):
         return [{"function": {"name": call.name, "arguments": call.arguments}} for call in calls]

@@ -17,6 +17,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
 from krafla_twisted.chat.templates import tool_json
+from krafla_twisted.generation.reasoning import ReasoningStream, split_reasoning
 from krafla_twisted.generation.tools import ToolStream
 from krafla_twisted.api.errors import (
     APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
@@ -322,6 +323,12 @@ class Reply(QueuedReply):
         tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
         self.tool_format = tool_format if completion.tools and completion.tool_choice != "none" else None
         self.tool_stream = ToolStream(self.tool_format) if self.tool_format and completion.stream else None
+        # A thinking template's reply is REASONING</think>ANSWER: the answer is the content (tool calls
+        # are read from it), the reasoning goes to each API's own field (generation.reasoning).
+        template = getattr(api.backend, "template", None) if self.chat else None
+        self.thinking = getattr(template, "thinking", False)
+        self.think_opened = getattr(template, "opens_think", False)
+        self.reasoning_stream = ReasoningStream(self.think_opened) if self.thinking and completion.stream else None
 
     def start(self):
         self.request.work_pending = True
@@ -350,6 +357,22 @@ class Reply(QueuedReply):
     def _piece(self, text):
         if self.gone or not text:
             return
+        if self.reasoning_stream is not None:
+            reasoning, text = self.reasoning_stream.push(text)
+            if reasoning:
+                self._reasoning_piece(reasoning)
+        if text:
+            self._content_piece(text)
+
+    def _reasoning_piece(self, text):
+        """Stream a piece of the reasoning (Chat Completions: `delta.reasoning_content`)."""
+        self._ensure_stream_started()
+        chunk = self._chunk(None, None, logprobs=self._take_logprobs())
+        chunk["choices"][0]["delta"] = {"reasoning_content": text}
+        self.stream.send(chunk)
+
+    def _content_piece(self, text):
+        """Stream a piece of the answer (its tool calls held back)."""
         if self.tool_stream is not None:
             text = self.tool_stream.push(text)
             if not text:
@@ -435,14 +458,24 @@ class Reply(QueuedReply):
         self.request.work_done()
         if self.gone or result is None or result.finish_reason == "cancelled":
             return
-        content, calls = result.text, []
+        text, reasoning = result.text, None
+        if self.thinking:
+            reasoning, text = split_reasoning(result.text, self.think_opened)
+            if self.reasoning_stream is not None:   # what the stream still holds goes out first
+                rest_reasoning, rest = self.reasoning_stream.finish()
+                if rest_reasoning:
+                    self._reasoning_piece(rest_reasoning)
+                if rest:
+                    self._content_piece(rest)
+        content, calls = text, []
         if self.tool_format is not None:
-            content, calls = self.tool_format.parse(result.text, self.completion.tools)
-        self._conclude(result, content, calls)
+            content, calls = self.tool_format.parse(text, self.completion.tools)
+        self._conclude(result, content, calls, reasoning or None)
 
-    def _conclude(self, result, content, calls):
-        """Write the end of the reply: its text `content` without the tool calls, and the `calls` parsed
-        out of it (each API spells these its own way; this is OpenAI's Chat and text Completions)."""
+    def _conclude(self, result, content, calls, reasoning=None):
+        """Write the end of the reply: its text `content` without the tool calls, the `calls` parsed
+        out of it, and a thinking template's `reasoning` (None: none) before them (each API spells
+        these its own way; this is OpenAI's Chat and text Completions)."""
         finish_reason = "tool_calls" if calls else result.finish_reason
         if self.stream is not None:
             self._ensure_stream_started()
@@ -465,6 +498,8 @@ class Reply(QueuedReply):
         logprobs = self._logprobs(result.logprobs) if self.completion.logprobs is not None else None
         if self.chat:
             message = {"role": "assistant", "content": content, "refusal": None}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = self._tool_calls(calls)
             choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -420,6 +420,10 @@ class ResponseReply(Reply):
         self.created = int(api.clock.seconds())
         self.message_open = False
         self.streamed_text = []
+        self.reasoning_id = _new_id("rs_")
+        self.reasoning_open = False     # streamed: the reasoning item is added and not yet done
+        self.streamed_reasoning = []
+        self.message_index = 0          # the message's output_index: 1 after a reasoning item
         if self.stream is not None:
             self.stream = _TypedEvents(self, request)
 
@@ -451,6 +455,10 @@ class ResponseReply(Reply):
         code = error.code or ("server_error" if error.status >= 500 else "invalid_prompt")
         return self.response_object("failed", [], error={"code": code, "message": error.message})
 
+    def _reasoning_item(self, text):
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def _message_item(self, text, status):
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
@@ -478,13 +486,36 @@ class ResponseReply(Reply):
             self.stream.send({"type": "response.created", "response": snapshot})
             self.stream.send({"type": "response.in_progress", "response": snapshot})
 
+    def _reasoning_piece(self, text):
+        """A thinking template's reasoning: a reasoning item (output 0) before the message."""
+        self._open_stream()
+        if not self.reasoning_open:
+            self.reasoning_open = True
+            self.message_index = 1
+            self.stream.send({"type": "response.output_item.added", "output_index": 0,
+                              "item": dict(self._reasoning_item(""), content=[])})
+        self.streamed_reasoning.append(text)
+        self.stream.send({"type": "response.reasoning_text.delta", "item_id": self.reasoning_id, "output_index": 0,
+                          "content_index": 0, "delta": text})
+
+    def _close_reasoning(self):
+        if not self.reasoning_open:
+            return
+        self.reasoning_open = False
+        text = "".join(self.streamed_reasoning)
+        self.stream.send({"type": "response.reasoning_text.done", "item_id": self.reasoning_id, "output_index": 0,
+                          "content_index": 0, "text": text})
+        self.stream.send({"type": "response.output_item.done", "output_index": 0, "item": self._reasoning_item(text)})
+
     def _open_message(self):
         if self.message_open:
             return
+        self._close_reasoning()
         self.message_open = True
-        self.stream.send({"type": "response.output_item.added", "output_index": 0,
+        self.stream.send({"type": "response.output_item.added", "output_index": self.message_index,
                           "item": self._message_item(None, "in_progress")})
-        self.stream.send({"type": "response.content_part.added", "item_id": self.message_id, "output_index": 0,
+        self.stream.send({"type": "response.content_part.added", "item_id": self.message_id,
+                          "output_index": self.message_index,
                           "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [],
                                                        "logprobs": []}})
 
@@ -494,21 +525,24 @@ class ResponseReply(Reply):
 
     def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         self.streamed_text.append(text)
-        return {"type": "response.output_text.delta", "item_id": self.message_id, "output_index": 0,
+        return {"type": "response.output_text.delta", "item_id": self.message_id, "output_index": self.message_index,
                 "content_index": 0, "delta": text, "logprobs": []}
 
     def _stream_result(self, response, text, rest):
         self._open_stream()
-        if response["output"] and response["output"][0]["type"] == "message":
+        self._close_reasoning()
+        index = self.message_index
+        if len(response["output"]) > index and response["output"][index]["type"] == "message":
             self._open_message()
             if rest:
                 self.stream.send(self._chunk(rest, None))
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            self.stream.send({"type": "response.output_text.done", "item_id": self.message_id, "output_index": 0,
+            self.stream.send({"type": "response.output_text.done", "item_id": self.message_id, "output_index": index,
                               "content_index": 0, "text": text, "logprobs": []})
-            self.stream.send({"type": "response.content_part.done", "item_id": self.message_id, "output_index": 0,
+            self.stream.send({"type": "response.content_part.done", "item_id": self.message_id, "output_index": index,
                               "content_index": 0, "part": part})
-            self.stream.send({"type": "response.output_item.done", "output_index": 0, "item": response["output"][0]})
+            self.stream.send({"type": "response.output_item.done", "output_index": index,
+                              "item": response["output"][index]})
         for index, item in enumerate(response["output"]):
             if item["type"] != "function_call":
                 continue
@@ -525,10 +559,11 @@ class ResponseReply(Reply):
 
     # -- the result
 
-    def _conclude(self, result, content, calls):
+    def _conclude(self, result, content, calls, reasoning=None):
         incomplete = result.finish_reason == "length" and not calls
         item_status = "incomplete" if incomplete else "completed"
-        output = []
+        output = [self._reasoning_item(reasoning)] if reasoning else []
+        self.message_index = len(output)
         text = content or ""
         if text or not calls:
             output.append(self._message_item(text, item_status))

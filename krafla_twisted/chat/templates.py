@@ -663,6 +663,7 @@ class Qwen35Template(ChatMLTemplate):
     stop_markers = ("<|im_end|>", "<|endoftext|>")
     system_turn = False
     tool_format = "qwen3.5"
+    opens_think = True      # a thinking reply starts inside the <think> block (generation.reasoning)
 
     def __init__(self, name, thinking):
         self.name = name

@@ -3,6 +3,7 @@
 generate holds the Runtime (a model, its slots, the tokenizer, the chat template and the defaults a
 request falls back on) and the Generator that samples, stops and counts; scheduler steps every
 running request together, one batch per step; grammar constrains sampling to a JSON schema or a
-grammar with llguidance; tools finds tool calls in a reply. It may import engine and chat; it knows
+grammar with llguidance; tools finds tool calls in a reply, reasoning a thinking template's
+reasoning before its answer. It may import engine and chat; it knows
 nothing of HTTP, of the command line's options or of downloads.
 """

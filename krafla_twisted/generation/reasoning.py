@@ -1,0 +1,92 @@
+"""The reasoning of a thinking template's reply, split from its answer.
+
+    reasoning, answer = split_reasoning(reply_text, opened=True)
+    stream = ReasoningStream(opened=True)
+    reasoning, answer = stream.push(piece)      # each piece, as it comes
+    reasoning, answer = stream.finish()         # what was held back, at the end
+
+A thinking template (qwen3.5, qwen3, smollm3; `template.thinking`) makes a reply of the form
+`REASONING</think>\\n\\nANSWER`. With `opened` the generation prompt opened the `<think>` block
+(Qwen3.5), so the reply starts inside it; otherwise (Qwen3, SmolLM3) the model writes `<think>`
+itself, and a reply that does not start with it (after whitespace) has no reasoning at all: it is
+all answer (SmolLM3's `/no_think`). The blank lines right after `</think>` belong to neither.
+
+A reply that never closes the block is all reasoning and no answer: a model stopped by max_tokens
+(finish_reason "length") in the middle of its thinking has said nothing yet.
+
+`ReasoningStream` holds back what may still grow into `<think>` or `</think>` across pieces, as
+tools.ToolStream holds back a partial trigger; `split_reasoning` is the same stream over the whole
+text, so a streamed reply always adds up to the whole one.
+"""
+
+OPEN = "<think>"
+CLOSE = "</think>"
+
+
+def _partial_tail(text, tag):
+    """The length of the longest tail of `text` that is a proper prefix of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningStream:
+    """Streamed text of a thinking template's reply: `push(piece)` returns (reasoning, answer), the
+    text of the piece that can go out now on each side; `finish()` the held-back rest."""
+
+    def __init__(self, opened=True):
+        self.state = "reasoning" if opened else "start"   # then "gap" (after </think>), then "answer"
+        self.held = ""
+
+    def push(self, piece):
+        self.held += piece
+        reasoning, answer = [], []
+        while True:
+            text = self.held
+            if self.state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(OPEN):
+                    self.state, self.held = "reasoning", stripped[len(OPEN):]
+                    continue
+                if OPEN.startswith(stripped):
+                    break   # whitespace or a part of <think>: not decided yet
+                self.state = "answer"
+                continue
+            if self.state == "reasoning":
+                found = text.find(CLOSE)
+                if found >= 0:
+                    reasoning.append(text[:found])
+                    self.state, self.held = "gap", text[found + len(CLOSE):]
+                    continue
+                keep = _partial_tail(text, CLOSE)
+                reasoning.append(text[:len(text) - keep])
+                self.held = text[len(text) - keep:]
+                break
+            if self.state == "gap":
+                rest = text.lstrip("\n")
+                self.held = rest
+                if rest:
+                    self.state = "answer"
+                    continue
+                break
+            answer.append(text)
+            self.held = ""
+            break
+        return "".join(reasoning), "".join(answer)
+
+    def finish(self):
+        """(reasoning, answer) held back at the end: a partial `</think>` is reasoning, the start
+        of a reply that never became `<think>` is answer."""
+        rest, self.held = self.held, ""
+        if self.state == "reasoning":
+            return rest, ""
+        return "", rest
+
+
+def split_reasoning(text, opened=True):
+    """(reasoning, answer) of a whole reply, exactly as ReasoningStream streams them."""
+    stream = ReasoningStream(opened)
+    reasoning, answer = stream.push(text)
+    rest_reasoning, rest_answer = stream.finish()
+    return reasoning + rest_reasoning, answer + rest_answer
