@@ -92,7 +92,8 @@ class EndpointTests(unittest.TestCase):
         )
         self.assertEqual(
             reply["usage"],
-            {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 1}},
+            {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 1},
+             "completion_tokens_details": {"reasoning_tokens": 0}},
         )
 
     def test_text_completion_shape_and_max_tokens(self):

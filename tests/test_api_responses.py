@@ -41,7 +41,7 @@ class ResponseStoreTests:
         assert store.get("resp_4").conversation == ({"role": "user", "content": "4"},)
 
     def test_byte_budget_drops_the_oldest(self):
-        size = len(json.dumps([{"text": "x" * 100}, []]).encode())
+        size = len(json.dumps([{"text": "x" * 100}, [], []]).encode())  # response, conversation, input items
         store = ResponseStore(max_count=100, max_bytes=size * 2 + size // 2)
         for n in range(4):
             store.put(f"resp_{n}", {"text": "x" * 100}, ())
@@ -60,7 +60,7 @@ class ResponseStoreTests:
         store.put("resp_a", {"v": 1}, ())
         store.put("resp_a", {"v": 22}, ())
         assert len(store) == 1 and store.get("resp_a").response == {"v": 22}
-        assert store.bytes == len(json.dumps([{"v": 22}, []]).encode())
+        assert store.bytes == len(json.dumps([{"v": 22}, [], []]).encode())
         assert store.delete("resp_a") and not store.delete("resp_a")
         assert len(store) == 0 and store.bytes == 0 and store.get("resp_a") is None
 
@@ -100,6 +100,11 @@ class InMemoryTests:
         response, raw = harness.fetch("GET", f"/v1/responses/{final['id']}")
         assert response.code == 200 and json.loads(raw) == final
         response, raw = harness.fetch("GET", f"/responses/{final['id']}/input_items")
+        listed = json.loads(raw)
+        assert response.code == 200 and listed["object"] == "list" and listed["has_more"] is False
+        assert [item["role"] for item in listed["data"]] == ["user"]
+        assert listed["first_id"] == listed["last_id"] == listed["data"][0]["id"]
+        response, raw = harness.fetch("GET", f"/responses/{final['id']}/input_items/more")
         assert response.code == 404 and json.loads(raw)["error"]["type"] == "invalid_request_error"
 
     def test_failure_after_start_is_response_failed(self):
@@ -207,6 +212,25 @@ class PlainTests:
         cut = client.responses.create(model="local", input=QUESTION, max_output_tokens=2, temperature=0)
         assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
         assert cut.usage.output_tokens == 2
+
+        # GET /v1/responses/{id}/input_items: the input as items with ids, newest first by default
+        page = client.responses.input_items.list(listed.id)
+        assert [(item.type, item.role) for item in page.data] == [("message", "user"), ("message", "developer")]
+        assert [part.text for part in page.data[0].content] == ["What is the capital", " of France?"]
+        assert page.data[1].content[0].type == "input_text" and page.data[1].content[0].text == INSTRUCTIONS
+        assert all(item.id.startswith("msg_") for item in page.data) and page.has_more is False
+        first = client.responses.input_items.list(listed.id, order="asc", limit=1)
+        assert first.data[0].role == "developer" and first.has_more is True
+        rest = client.responses.input_items.list(listed.id, order="asc", after=first.data[0].id)
+        assert [item.id for item in rest.data] == [page.data[0].id] and rest.has_more is False
+        string = client.responses.input_items.list(plain.id).data
+        assert [(item.role, item.content[0].type, item.content[0].text) for item in string] == \
+            [("user", "input_text", QUESTION)]
+        for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_nope", "after")):
+            bad = httpx2.get(smollm.url(f"/responses/{listed.id}/input_items?{query}"), timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+        missing = httpx2.get(smollm.url("/responses/resp_nope/input_items"), timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
 
 
 class StreamTests:

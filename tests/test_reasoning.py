@@ -91,8 +91,11 @@ def post(harness, path, body):
 class TestChatCompletions:
     def test_whole_and_streamed(self):
         harness = APIHarness(ThinkingBackend())
-        message = json.loads(post(harness, "/v1/chat/completions", CHAT))["choices"][0]["message"]
+        reply = json.loads(post(harness, "/v1/chat/completions", CHAT))
+        message = reply["choices"][0]["message"]
         assert message["reasoning_content"] == REASONING and message["content"] == ANSWER
+        # the reasoning's tokens: through the one that completes </think> (the third of PIECES)
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
         events = sse_events(post(harness, "/v1/chat/completions", dict(CHAT, stream=True)))
         deltas = [e["choices"][0]["delta"] for e in events[:-1]]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == REASONING
@@ -120,14 +123,18 @@ class TestChatCompletions:
 
     def test_unfinished_thinking_is_all_reasoning(self):
         harness = APIHarness(ThinkingBackend())
-        choice = json.loads(post(harness, "/v1/chat/completions", dict(CHAT, max_tokens=2)))["choices"][0]
+        reply = json.loads(post(harness, "/v1/chat/completions", dict(CHAT, max_tokens=2)))
+        choice = reply["choices"][0]
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
         assert choice["finish_reason"] == "length"
         assert choice["message"]["reasoning_content"] == "Let me think.\nTwo and two.\n</th"
         assert choice["message"]["content"] == ""
 
     def test_non_thinking_template_is_unchanged(self):
         harness = APIHarness(FakeBackend(pieces=PIECES))
-        message = json.loads(post(harness, "/v1/chat/completions", CHAT))["choices"][0]["message"]
+        reply = json.loads(post(harness, "/v1/chat/completions", CHAT))
+        message = reply["choices"][0]["message"]
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
         assert "reasoning_content" not in message and message["content"] == "".join(PIECES)
 
 
@@ -148,6 +155,7 @@ class TestResponses:
         assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
         assert reasoning["content"] == [{"type": "reasoning_text", "text": REASONING}]
         assert message["type"] == "message" and message["content"][0]["text"] == ANSWER
+        assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
         events = named_events(post(harness, "/v1/responses", {"input": "What is two and two?", "stream": True}))
         names = [name for name, _ in events]
         assert "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta") == REASONING

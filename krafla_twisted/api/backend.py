@@ -73,6 +73,10 @@ class Backend:
         changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)}
         return dataclasses.replace(self.runtime.sampling, **{k: v for k, v in changes.items() if v is not None})
 
+    def token_pieces(self, tokens):
+        """Each token's bytes, in order."""
+        return [self.tokenizer.token_bytes(token) for token in tokens]
+
     def logprob_pieces(self, entries):
         """TokenLogprobs with each token as its bytes: (bytes, logprob, ((bytes, logprob), ...))."""
         piece = self.tokenizer.token_bytes

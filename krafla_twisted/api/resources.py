@@ -17,7 +17,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
 from krafla_twisted.chat.templates import tool_json
-from krafla_twisted.generation.reasoning import ReasoningStream, split_reasoning
+from krafla_twisted.generation.reasoning import ReasoningStream, reasoning_token_count, split_reasoning
 from krafla_twisted.generation.tools import ToolStream
 from krafla_twisted.api.errors import (
     APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
@@ -329,6 +329,7 @@ class Reply(QueuedReply):
         self.thinking = getattr(template, "thinking", False)
         self.think_opened = getattr(template, "opens_think", False)
         self.reasoning_stream = ReasoningStream(self.think_opened) if self.thinking and completion.stream else None
+        self.reasoning_tokens = 0   # how many of the reply's tokens were reasoning, once it is done
 
     def start(self):
         self.request.work_pending = True
@@ -443,13 +444,13 @@ class Reply(QueuedReply):
             "system_fingerprint": f"krafla-{__version__}",
         }
 
-    @staticmethod
-    def _usage(result):
+    def _usage(self, result):
         return {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
     def _finished(self, result):
@@ -461,6 +462,8 @@ class Reply(QueuedReply):
         text, reasoning = result.text, None
         if self.thinking:
             reasoning, text = split_reasoning(result.text, self.think_opened)
+            if reasoning:
+                self.reasoning_tokens = reasoning_token_count(self.api.backend.token_pieces(result.tokens))
             if self.reasoning_stream is not None:   # what the stream still holds goes out first
                 rest_reasoning, rest = self.reasoning_stream.finish()
                 if rest_reasoning:

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
 
 A Responses request is translated into a chat request (`input` items become messages,
 `instructions` the system message, function tools and `text.format` their chat spellings) and
@@ -73,6 +74,7 @@ class Stored:
 
     response: dict
     conversation: tuple
+    input_items: tuple = ()
 
 
 class ResponseStore:
@@ -91,13 +93,13 @@ class ResponseStore:
     def __contains__(self, response_id):
         return response_id in self._items
 
-    def put(self, response_id, response, conversation):
+    def put(self, response_id, response, conversation, input_items=()):
         """Keep a response; False when it alone is larger than the budget (it is not kept)."""
         self.delete(response_id)
-        size = len(json.dumps([response, list(conversation)], ensure_ascii=False).encode("utf-8"))
+        size = len(json.dumps([response, list(conversation), list(input_items)], ensure_ascii=False).encode("utf-8"))
         if size > self.max_bytes:
             return False
-        self._items[response_id] = (Stored(response, tuple(conversation)), size)
+        self._items[response_id] = (Stored(response, tuple(conversation), tuple(input_items)), size)
         self.bytes += size
         while len(self._items) > self.max_count or self.bytes > self.max_bytes:
             _, (_, dropped) = self._items.popitem(last=False)
@@ -127,6 +129,7 @@ class ResponsesRequest:
     conversation: tuple
     echo: dict
     store: bool
+    input_items: tuple = ()     # this request's `input` as the items GET .../input_items lists
 
 
 def _invalid(message, param):
@@ -213,6 +216,27 @@ def input_messages(value):
         else:
             raise _invalid(f"'{where}.type' must be a string, not {json_type(kind)}", f"{where}.type")
     return out
+
+
+def input_items(value):
+    """A valid `input` (input_messages has read it) as OpenAI lists it back: every item with an id
+    and a status, a message's content as parts, a string input as one user message."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}[kind]
+        listed = dict(item, type=kind, id=item.get("id") if isinstance(item.get("id"), str) else _new_id(prefix))
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+        if kind != "reasoning":
+            listed.setdefault("status", "completed")
+        items.append(listed)
+    return items
 
 
 def _tools(value):
@@ -375,7 +399,8 @@ def parse_responses_request(body, n_vocab, store):
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise _invalid(f"'{name}' holds a lone UTF-16 surrogate, which is not a character", name) from None
-    return ResponsesRequest(completion, tuple(conversation), echo, keep is not False)
+    return ResponsesRequest(completion, tuple(conversation), echo, keep is not False,
+                            tuple(input_items(body.get("input"))))
 
 
 def _new_id(prefix):
@@ -468,13 +493,12 @@ class ResponseReply(Reply):
         return [{"type": "function_call", "id": _new_id("fc_"), "call_id": "call_" + uuid.uuid4().hex[:24],
                  "name": call.name, "arguments": tool_json(call.arguments), "status": "completed"} for call in calls]
 
-    @staticmethod
-    def _usage(result):
+    def _usage(self, result):
         return {
             "input_tokens": result.prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.cached_tokens},
             "output_tokens": result.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": result.prompt_tokens + result.completion_tokens,
         }
 
@@ -578,7 +602,7 @@ class ResponseReply(Reply):
                 said["tool_calls"] = [{"id": item["call_id"], "type": "function",
                                        "function": {"name": item["name"], "arguments": item["arguments"]}}
                                       for item in call_items]
-            self.store.put(self.id, response, (*self.parsed.conversation, said))
+            self.store.put(self.id, response, (*self.parsed.conversation, said), self.parsed.input_items)
         if self.stream is not None:
             rest = text[len("".join(self.streamed_text)):] if self.tool_stream is None else \
                 self.tool_stream.finish(content)
@@ -608,7 +632,11 @@ class Responses(APIResource):
     def getChild(self, path, request):
         if path == b"":
             return self
-        return StoredResponse(self.api, self.store, path.decode("utf-8", "replace"))
+        response_id = path.decode("utf-8", "replace")
+        if request.postpath[:1] == [b"input_items"]:
+            request.prepath.append(request.postpath.pop(0))
+            return InputItems(self.api, self.store, response_id)
+        return StoredResponse(self.api, self.store, response_id)
 
 
 class StoredResponse(Endpoint):
@@ -634,3 +662,43 @@ class StoredResponse(Endpoint):
         if not self.store.delete(self.response_id):
             raise self._missing()
         return json_response(request, {"id": self.response_id, "object": "response.deleted", "deleted": True})
+
+
+class InputItems(Endpoint):
+    """GET /v1/responses/{id}/input_items: a stored response's input items, as OpenAI pages them
+    (`order` desc by default, `limit` 1-100 (20), `after` an item id)."""
+
+    methods = ("GET",)
+
+    def __init__(self, api, store, response_id):
+        super().__init__(api)
+        self.store = store
+        self.response_id = response_id
+
+    @staticmethod
+    def _query(request, name):
+        values = request.args.get(name.encode("ascii"))
+        return values[-1].decode("utf-8", "replace") if values else None
+
+    def render_GET(self, request):
+        order = self._query(request, "order") or "desc"
+        if order not in ("asc", "desc"):
+            raise _invalid(f"'order' must be \"asc\" or \"desc\"; got {json.dumps(order)}", "order")
+        limit = self._query(request, "limit") or "20"
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise _invalid(f"'limit' must be an integer from 1 to 100; got {json.dumps(limit)}", "limit")
+        stored = self.store.get(self.response_id)
+        if stored is None:
+            raise NotFound(f"Response with id '{self.response_id}' not found.", param="response_id")
+        items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+        after = self._query(request, "after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise _invalid(f"'after': no input item {json.dumps(after)} in response '{self.response_id}'", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(limit)]
+        return json_response(request, {"object": "list", "data": page,
+                                       "first_id": page[0]["id"] if page else None,
+                                       "last_id": page[-1]["id"] if page else None,
+                                       "has_more": len(items) > len(page)})

@@ -90,3 +90,16 @@ def split_reasoning(text, opened=True):
     reasoning, answer = stream.push(text)
     rest_reasoning, rest_answer = stream.finish()
     return reasoning + rest_reasoning, answer + rest_answer
+
+
+def reasoning_token_count(pieces):
+    """How many of a reply's tokens belong to its reasoning, for a reply that has some (as
+    split_reasoning found it): those up to and including the token that completes `</think>`, or
+    all of them when the block never closes. `pieces` are the tokens' bytes, in order."""
+    close = CLOSE.encode("utf-8")
+    seen, count = b"", 0
+    for piece in pieces:
+        seen, count = seen + piece, count + 1
+        if close in seen[-(len(piece) + len(close) - 1):]:
+            break
+    return count

@@ -33,6 +33,7 @@ class FakeResult:
     cached_tokens: int = 0
     prompt_seconds: float = 0.5
     generation_seconds: float = 0.25
+    tokens: tuple = ()          # the "token ids": each piece's index in FakeBackend.pieces
 
 
 @dataclass
@@ -89,7 +90,8 @@ class FakeBackend:
             if on_text is not None:
                 on_text(piece)
             self.after_piece(index)
-        result = FakeResult("".join(text), finish_reason, prompt_tokens, len(text), self.cached_tokens)
+        result = FakeResult("".join(text), finish_reason, prompt_tokens, len(text), self.cached_tokens,
+                            tokens=tuple(range(len(text))))
         self.results.append(result)
         return result
 
@@ -111,6 +113,9 @@ class FakeBackend:
             raise self.error
         ids = [ord(c) for c in content]
         return {"tokens": [{"id": i, "piece": chr(i)} for i in ids] if with_pieces else ids}
+
+    def token_pieces(self, tokens):
+        return [self.pieces[token].encode("utf-8") for token in tokens]
 
     def detokenize(self, tokens):
         self.calls.append(("detokenize", tuple(tokens)))
