@@ -20,7 +20,7 @@ import urllib.parse
 import pytest
 from playwright import sync_api as playwright_api
 
-from krafla_twisted.api.page import CONTENT_SECURITY_POLICY, PAGE_FILES
+from krafla_twisted.api.page import CONTENT_SECURITY_POLICY, PAGE_FILES, load_page_files
 from tests.support.real_models import real_model
 from tests.support.server import REPO, ServerProcess
 from tests.test_browser import CHROMIUM_FLAGS, chromium
@@ -178,6 +178,13 @@ class ChatPageServingTests:
         assert set(os.listdir(os.path.join(REPO, "krafla_twisted", "api", "web"))) == set(PAGE_FILES)
         manifest = open(os.path.join(REPO, "MANIFEST.in")).read()
         assert "recursive-include krafla_twisted/api/web *.html *.css *.js" in manifest
+
+    def test_missing_file_is_named(self, tmp_path):
+        """An install without the page's files fails at start with the missing file's path, not with a 500 later."""
+        for name in PAGE_FILES[:-1]:
+            (tmp_path / name).write_text("x")
+        with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / PAGE_FILES[-1])) + ".*package_data"):
+            load_page_files(str(tmp_path))
 
 
 class ChatPageBrowserTests:
