@@ -29,7 +29,10 @@ setup(
     version="0.7.0",
     description="OpenAI-compatible language model server for the CPU (Twisted + a C engine)",
     packages=find_packages(include=["krafla_twisted", "krafla_twisted.*"]) + ["twisted.plugins"],
-    package_data={"twisted.plugins": ["krafla_plugin.py"]},
+    package_data={
+        "twisted.plugins": ["krafla_plugin.py"],
+        "krafla_twisted.api": ["web/*.html", "web/*.css", "web/*.js"],  # the chat page at / (api/page.py)
+    },
     python_requires=">=3.10",
     install_requires=[
         "twisted>=26.10",
@@ -57,6 +60,7 @@ setup(
             "ollama>=0.4", "langchain-ollama>=0.2",
             "anthropic>=0.40",  # tests: the anthropic SDK drives /v1/messages (owner: anthropic API)
             "openai-agents>=0.2",  # tests: the Agents SDK's default Responses model drives /v1/responses (owner: responses)
+            "playwright>=1.50",  # tests: drives Debian's chromium through the chat page at / (owner: webui)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli.main:main"]},

@@ -6,12 +6,13 @@
     /v1/responses  /v1/responses/{id} (OpenAI's Responses API, api/responses.py)
 
 and the same paths without /v1; Ollama's API under /api only (api/ollama.py: /api/chat, /api/generate,
-/api/tags, ...). Everything else is a 404 in the API's shape.
+/api/tags, ...). The chat page at / and its files at /ui/ (api/page.py). Everything else is a 404 in the API's shape.
 """
 
 from krafla_twisted.api.anthropic import CountTokens, Messages
 from krafla_twisted.api.metrics import MetricsResource
 from krafla_twisted.api.ollama import build_ollama
+from krafla_twisted.api.page import add_chat_page
 from krafla_twisted.api.resources import Completions, Group, Health, Models
 from krafla_twisted.api.responses import Responses, ResponseStore
 from krafla_twisted.api.tokenize import Detokenize, Tokenize
@@ -46,4 +47,5 @@ def build_root(api, metrics=None):
                 node = node.children[segment]
             node.putChild(path[-1], make())
     root.putChild(b"api", build_ollama(api))  # Ollama's API: at /api, not under /v1
+    add_chat_page(root, api)  # the browser's chat page at /, its files at /ui/ (no key needed to load them)
     return root
