@@ -68,8 +68,8 @@ class Speculation:
         if runtime.model.arch in UNTRUNCATABLE_ARCHS:
             return None
         if self.mode == "draft":
-            return DraftProposer(self.draft, slot.index, prompt)
-        return LookupProposer(prompt)
+            return DraftProposer(self.draft, slot.index, prompt, self.max_draft)
+        return LookupProposer(prompt, self.max_draft)
 
     def close(self):
         if self.draft is not None:
@@ -122,11 +122,11 @@ class LookupProposer:
     index[n - 1] maps every n-gram that has a token after it to where that token is, for its most
     recent occurrence: one dictionary update per n per appended token."""
 
-    def __init__(self, prompt, max_ngram=MAX_NGRAM):
+    def __init__(self, prompt, max_draft=MAX_DRAFT, max_ngram=MAX_NGRAM):
         self.max_ngram = max_ngram
         self.tokens = []
         self.index = [dict() for _ in range(max_ngram)]
-        self.length = DraftLength()
+        self.length = DraftLength(most=max_draft)
         self._append(prompt)
         self.synced = 0  # reply tokens in self.tokens
 
@@ -219,12 +219,12 @@ class DraftProposer:
     slot's cache): each proposal cuts it back to its common prefix with the sequence, evaluates the
     rest, then one token at a time."""
 
-    def __init__(self, draft, slot_index, prompt):
+    def __init__(self, draft, slot_index, prompt, max_draft=MAX_DRAFT):
         self.draft = draft
         self.session = draft.sessions[slot_index]
         self.cached = draft.cached[slot_index]
         self.prompt = list(prompt)
-        self.length = DraftLength()
+        self.length = DraftLength(most=max_draft)
         self.row = memoryview(bytearray(4 * draft.model.n_vocab)).cast("f")
 
     def propose(self, reply, most):
