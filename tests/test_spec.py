@@ -392,3 +392,38 @@ class RealModelTests:
         refused = subprocess.run(base + ["--draft", str(tiny_draft)], capture_output=True, text=True, timeout=120)
         assert refused.returncode == 1
         assert "the draft model has 67 tokens but the model 49152" in refused.stderr
+
+
+class ServerTests:
+    def test_metrics_and_log_line(self, smollm):
+        """A `twistd krafla --metrics` (speculation on by default) answers a code-editing chat with the
+        text the same prompt gets without speculation; /metrics counts the proposed and accepted tokens
+        and the request's log line reports the same numbers."""
+        import httpx2
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from krafla_twisted.generation.generate import build_prompt
+        from tests.support.server import ServerProcess
+
+        ask = [{"role": "user", "content": "Rewrite this function so that it is called area_sum, and give the "
+                                           "whole function:\n" + CODE}]
+        with smollm_runtime(smollm, None) as plain:
+            prompt = build_prompt(plain, messages=ask)
+            want = Generator(plain).generate(prompt.tokens, max_tokens=60, sampling=SamplingParams(),
+                                             stop_strings=prompt.stop_strings)
+        server = ServerProcess([str(smollm.mlb), "-z", str(smollm.mlt), "--chat", "smollm", "-t", "2", "--metrics",
+                                "--parallel", "2"]).start()
+        try:
+            reply = httpx2.post(server.url("/chat/completions"), json={"messages": ask, "max_tokens": 60},
+                                timeout=300).json()
+            assert reply["choices"][0]["message"]["content"] == want.text
+            text = httpx2.get(server.root_url("/metrics"), timeout=60).text
+            samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+                       for sample in family.samples}
+            proposed = samples["krafla_speculative_proposed_tokens_total"]
+            accepted = samples["krafla_speculative_accepted_tokens_total"]
+            assert proposed > accepted > 10
+            line = server.wait_for(lambda entry: "POST /v1/chat/completions 200" in entry)
+            assert f"speculation {int(accepted)}/{int(proposed)} proposed tokens accepted" in line
+        finally:
+            server.stop()
