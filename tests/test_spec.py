@@ -120,9 +120,9 @@ class LookupEqualityTests:
     @pytest.mark.parametrize("kv", KV_TYPES)
     @pytest.mark.parametrize("arch", ARCHS + ("qwen35",))
     def test_alone_and_beside_others(self, tmp_path, arch, kv):
-        """Greedy and two seeded samplings (top-p; top-k with a repeat penalty), three prompts: with
-        --spec lookup the reply, every logit and the logprobs equal those without, run alone and as
-        one of four in a --parallel 4 scheduler. Speculation proposes and is accepted (Qwen3.5, whose
+        """Three prompts, one greedy, one seeded with top-p, one seeded with top-k and a repeat penalty:
+        with --spec lookup the reply, every logit and the logprobs equal those without, run alone and
+        as one of four in a --parallel 4 scheduler (the other three sampled the same way). Speculation proposes and is accepted (Qwen3.5, whose
         cache cannot be cut back, does not speculate)."""
         path = tiny(tmp_path / "m.mlb", arch)
         plain = runtime_of(path, kv, parallel=4)
@@ -130,17 +130,16 @@ class LookupEqualityTests:
         try:
             asks = prompts(plain.model.n_vocab)
             proposed = accepted = 0
-            for sampling in SAMPLINGS:
-                for index, prompt in enumerate(asks):
-                    plain.reset(), spec.reset()
-                    assert_same(run(plain, prompt, sampling), run(spec, prompt, sampling))
-                    others = asks[:index] + asks[index + 1:] + [prompt[::-1]]
-                    plain.reset(), spec.reset()
-                    want = run(plain, prompt, sampling, parallel_with=others)
-                    got = run(spec, prompt, sampling, parallel_with=others)
-                    assert_same(want, got)
-                    proposed += got[0].proposed_tokens
-                    accepted += got[0].accepted_tokens
+            for index, (prompt, sampling) in enumerate(zip(asks, SAMPLINGS)):
+                plain.reset(), spec.reset()
+                assert_same(run(plain, prompt, sampling), run(spec, prompt, sampling))
+                others = asks[:index] + asks[index + 1:] + [prompt[::-1]]
+                plain.reset(), spec.reset()
+                want = run(plain, prompt, sampling, parallel_with=others)
+                got = run(spec, prompt, sampling, parallel_with=others)
+                assert_same(want, got)
+                proposed += got[0].proposed_tokens
+                accepted += got[0].accepted_tokens
             if arch == "qwen35":
                 assert proposed == 0
             else:
@@ -178,7 +177,8 @@ class LookupEqualityTests:
 
 class LookupProposerTests:
     def test_the_longest_most_recent_match(self):
-        """The continuation of the most recent earlier occurrence of the longest suffix that occurred."""
+        """The continuation of the most recent earlier occurrence of the longest suffix (of 3 or 2 tokens)
+        that occurred."""
         proposer = LookupProposer([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
         proposer.length.length = 3
         assert proposer.propose([], 5) == [7, 8, 5]       # "2 3" last seen before 7 8 5 (the 3-gram 5 2 3 is new)
@@ -186,6 +186,7 @@ class LookupProposerTests:
         proposer.length.length = 8
         assert proposer.propose([4, 1, 2], 2) == [3, 7]    # "4 1 2" is new, "1 2" last seen before 3 7
         assert proposer.propose([4, 1, 2, 3, 9, 1], 9) == [2, 3, 7, 8, 5, 2, 3, 4]
+        assert proposer.propose([4, 1, 2, 3, 9, 1, 6, 8], 9) == []  # only "8" occurred: one token is no match
 
 
 class FixedProposer:
