@@ -23,7 +23,8 @@ from krafla_twisted.engine.model import Model
 from krafla_twisted.generation import grammar
 from krafla_twisted.generation.generate import Generation, Generator, Runtime, SamplingParams, run_alone
 from krafla_twisted.generation.scheduler import Scheduler
-from krafla_twisted.generation.speculate import DraftModel, LookupProposer, Speculation
+from krafla_twisted.generation.speculate import (DraftError, DraftModel, LookupProposer, Speculation,
+                                                 check_same_vocabulary)
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 
@@ -314,6 +315,33 @@ class DraftTests:
                     spec.close()
         finally:
             plain.close()
+
+
+class PieceTokenizer:
+    """A tokenizer's table of pieces, for the vocabulary check."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.n_vocab = len(pieces)
+
+    def token_bytes(self, token):
+        return self.pieces[token]
+
+    def token_type(self, token):
+        return 1
+
+
+class VocabularyCheckTests:
+    def test_one_different_token_is_named(self):
+        """A draft whose tokenizer differs from the model's in one piece is refused, naming that token
+        and both pieces; the same table passes."""
+        mine = PieceTokenizer([b"a", b"b", b" the", b"c"])
+        check_same_vocabulary(mine, PieceTokenizer(list(mine.pieces)), 4, 4, "d.mlb")
+        with pytest.raises(DraftError, match=r"--draft d.mlb: token 2 is b' tha' in the draft's tokenizer but "
+                                             r"b' the' in the model's"):
+            check_same_vocabulary(mine, PieceTokenizer([b"a", b"b", b" tha", b"c"]), 4, 4, "d.mlb")
+        with pytest.raises(DraftError, match="the draft model has 5 tokens but the model 4"):
+            check_same_vocabulary(mine, PieceTokenizer([b"a", b"b", b" the", b"c", b"d"]), 4, 5, "d.mlb")
 
 
 # ---------------------------------------------------------------------------------------------
