@@ -600,20 +600,22 @@ class Generation:
         proposal = self.pending[1:]
         base = len(slot.cached)
         accepted = 0
-        for index, row in enumerate(rows):
-            slot.cached.append(self.pending[index])  # the history the sampler sees: prompt and reply so far
-            before = len(self.reply)
-            self._next_token(row)
-            took = index < len(proposal) and len(self.reply) > before and self.reply[-1] == proposal[index]
-            if took:
-                accepted += 1
-            if not took or self.result is not None:
-                break
-        keep = base + 1 + accepted
-        del slot.cached[keep:]
-        slot.cached_logits = rows[accepted]
-        if slot.session.n_tokens > keep:
-            slot.session.truncate(keep)
+        try:
+            for index, row in enumerate(rows):
+                slot.cached.append(self.pending[index])  # the history the sampler sees: prompt and reply so far
+                before = len(self.reply)
+                self._next_token(row)
+                took = index < len(proposal) and len(self.reply) > before and self.reply[-1] == proposal[index]
+                if took:
+                    accepted += 1
+                if not took or self.result is not None:
+                    break
+        finally:  # even when sampling failed (a grammar error): the slot's cache must say what its session holds
+            keep = base + 1 + accepted
+            del slot.cached[keep:]
+            slot.cached_logits = rows[accepted]
+            if slot.session.n_tokens > keep:
+                slot.session.truncate(keep)
         self.proposed += len(proposal)
         self.accepted += accepted
         if self.result is not None:
