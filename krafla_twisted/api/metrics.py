@@ -46,6 +46,8 @@ class Metrics:
         self.prompt_seconds = 0.0
         self.generation_seconds = 0.0
         self.cache_hits = 0
+        self.proposed_tokens = 0   # speculative decoding: tokens proposed, and accepted by the model's sampling
+        self.accepted_tokens = 0
 
     def observe(self, path, status, stats=None, gone=False):
         """Count one finished request: its path, its status code (None if the client left), its GenerationResult."""
@@ -63,6 +65,8 @@ class Metrics:
             self.generation_seconds += stats.generation_seconds
             if stats.cached_tokens > 0:
                 self.cache_hits += 1
+            self.proposed_tokens += stats.proposed_tokens
+            self.accepted_tokens += stats.accepted_tokens
 
     def render(self):
         """The exposition text."""
@@ -92,6 +96,12 @@ class Metrics:
         metric("generation_seconds_total", "counter", "Seconds spent generating replies.", [((), self.generation_seconds)])
         metric("cache_hits_total", "counter", "Completions that reused at least one cached prompt token.",
                [((), self.cache_hits)])
+        metric("speculative_proposed_tokens_total", "counter",
+               "Reply tokens speculative decoding proposed (--spec lookup, --draft) for one step to check.",
+               [((), self.proposed_tokens)])
+        metric("speculative_accepted_tokens_total", "counter",
+               "Proposed tokens the model's own sampling confirmed (the rest cost a row each).",
+               [((), self.accepted_tokens)])
         computed = self.prompt_tokens - self.cached_tokens
         metric("prompt_tokens_per_second", "gauge", "Prompt tokens evaluated per second, on average since start.",
                [((), computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0)])

@@ -127,14 +127,19 @@ class APIRequest(server.Request):
 
 
 def format_stats(stats):
-    """'prompt 25 tokens (12 cached) 310.2 t/s, reply 40 tokens 52.1 t/s' from a GenerationResult."""
+    """'prompt 25 tokens (12 cached) 310.2 t/s, reply 40 tokens 52.1 t/s' from a GenerationResult (and
+    ', speculation 30/41 proposed tokens accepted' when speculation proposed any)."""
     computed = stats.prompt_tokens - stats.cached_tokens
     prompt_speed = computed / stats.prompt_seconds if stats.prompt_seconds > 0 else 0.0
     reply_speed = stats.completion_tokens / stats.generation_seconds if stats.generation_seconds > 0 else 0.0
-    return (
+    line = (
         f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached) {prompt_speed:.1f} t/s, "
         f"reply {stats.completion_tokens} tokens {reply_speed:.1f} t/s"
     )
+    proposed = stats.proposed_tokens
+    if proposed:
+        line += f", speculation {stats.accepted_tokens}/{proposed} proposed tokens accepted"
+    return line
 
 
 class APIChannel(http.HTTPChannel):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from krafla_twisted.chat.templates import TEMPLATE_NAMES
 from krafla_twisted.engine import header
+from krafla_twisted.generation.speculate import DEFAULT_SPEC, SPEC_MODES
 
 KV_TYPES = tuple(name.lower() for name in header.members("KR_KV_"))
 MAX_THREADS = 256
@@ -127,6 +128,16 @@ ENGINE_OPTIONS = (
            low=0, high=2**64 - 1),
     Option("max_tokens", "max-tokens", "n", 0, "Reply tokens at most; 0 runs until the context is full.",
            int, "N", low=0),
+    Option("spec", "spec", None, DEFAULT_SPEC,
+           "Speculative decoding: lookup proposes the continuation of an earlier match of the last tokens "
+           "in the prompt and reply, checked in one forward step (the reply is the same bits); none is off.",
+           choices=SPEC_MODES, metavar="MODE"),
+    Option("draft", "draft", None, None,
+           "A smaller model with the same tokenizer (.mlb) that proposes the tokens instead of --spec lookup.",
+           metavar="DRAFT.mlb"),
+    Option("draft_tokenizer", "draft-tokenizer", None, None,
+           "The draft model's tokenizer (default: DRAFT.mlt beside DRAFT.mlb), checked to be the model's.",
+           metavar="TOK.mlt"),
 )
 
 BY_NAME = {option.name: option for option in ENGINE_OPTIONS}

@@ -69,14 +69,17 @@ class PromptStatus:
 
 def stats_line(result, isa=None):
     """`# prompt 12 tokens (0 cached), 250.3 tokens/s; reply 64 tokens, 40.1 tokens/s; length; isa avx512`
-    (the ISA of the loaded library, when given)."""
+    (the ISA of the loaded library, when given; `speculation 30/41 proposed tokens accepted; ` before
+    the finish reason when speculation proposed any)."""
     def rate(value):
         return "-" if value == float("inf") else f"{value:.1f}"
 
     return (f"# prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached), "
             f"{rate(result.prompt_tokens_per_second)} tokens/s; "
             f"reply {result.completion_tokens} tokens, {rate(result.completion_tokens_per_second)} tokens/s; "
-            f"{result.finish_reason}" + (f"; isa {isa}" if isa else ""))
+            + (f"speculation {result.accepted_tokens}/{result.proposed_tokens} proposed tokens accepted; "
+               if result.proposed_tokens else "")
+            + f"{result.finish_reason}" + (f"; isa {isa}" if isa else ""))
 
 
 def _is_terminal(stream):

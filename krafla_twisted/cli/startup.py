@@ -11,11 +11,12 @@ and --no-pack / --pack-cache become the Model's arguments. generate.py knows non
 """
 
 import inspect
+import os
 
 from krafla_twisted.chat import template_file, templates
 from krafla_twisted.cli import options
 from krafla_twisted.engine import header
-from krafla_twisted.generation import generate
+from krafla_twisted.generation import generate, speculate
 
 
 def load_runtime(opts, *, progress=False, parallel=1):
@@ -60,10 +61,42 @@ def load_runtime(opts, *, progress=False, parallel=1):
                                    batch=config["batch"], eos=eos, sampling=sampling, max_tokens=config["max_tokens"],
                                    system=config["system"], threads=threads)
         runtime.template_from = template_from
+        try:
+            runtime.speculation = load_speculation(config, runtime, threads, packing)
+        except BaseException:
+            runtime.close()
+            raise
         return runtime
     except BaseException:
         model.close()
         raise
+
+
+def load_speculation(config, runtime, threads, packing):
+    """The speculate.Speculation --spec and --draft ask for, or None (--spec none without --draft). The
+    draft model's tokenizer (--draft-tokenizer, else DRAFT.mlt beside it) must be the model's: a
+    draft.DraftError says which token differs."""
+    from krafla_twisted.engine.model import Model
+    from krafla_twisted.engine.tokenizer import Tokenizer
+
+    draft_path = config["draft"]
+    if draft_path is None:
+        return speculate.Speculation("lookup") if config["spec"] == "lookup" else None
+    tokenizer_path = config["draft_tokenizer"] or os.path.splitext(draft_path)[0] + ".mlt"
+    if not os.path.exists(tokenizer_path):
+        raise options.OptionError(f"--draft {draft_path}: its tokenizer {tokenizer_path} does not exist; "
+                                  "give --draft-tokenizer TOK.mlt")
+    draft_model = Model(draft_path, threads=threads, **packing)
+    try:
+        with Tokenizer(tokenizer_path) as draft_tokenizer:
+            speculate.check_same_vocabulary(runtime.tokenizer, draft_tokenizer, runtime.model.n_vocab,
+                                            draft_model.n_vocab, draft_path)
+        draft = speculate.DraftModel(draft_model, runtime.parallel, ctx=runtime.n_ctx, kv=runtime.kv,
+                                     batch=runtime.batch)
+    except BaseException:
+        draft_model.close()
+        raise
+    return speculate.Speculation("draft", draft)
 
 
 def available_memory():

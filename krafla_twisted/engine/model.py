@@ -138,6 +138,27 @@ def logits_rows(count, n_vocab):
     return [flat[i * n_vocab:(i + 1) * n_vocab] for i in range(count)]
 
 
+def logits_blocks(counts, n_vocab):
+    """Logits buffers for the items of one eval_batch that want `counts[i]` rows (0: none), one
+    after the other in one buffer, so that the output head runs once for the step: for each count
+    (out, rows), `out` the eval_batch buffer of that item (a row for 1, the block (count, n_vocab)
+    otherwise, None for 0) and `rows` its rows as 1-D memoryviews."""
+    flat = memoryview(bytearray(4 * sum(counts) * n_vocab))
+    row_bytes = 4 * n_vocab
+    blocks, start = [], 0
+    for count in counts:
+        rows = [flat[(start + i) * row_bytes:(start + i + 1) * row_bytes].cast("f") for i in range(count)]
+        if count == 0:
+            out = None
+        elif count == 1:
+            out = rows[0]
+        else:
+            out = flat[start * row_bytes:(start + count) * row_bytes].cast("f", (count, n_vocab))
+        blocks.append((out, rows))
+        start += count
+    return blocks
+
+
 def copy_logits(row):
     """A copy of a row of logits (any float32 buffer) in a buffer of its own, as a memoryview."""
     return memoryview(bytearray(row)).cast("f")

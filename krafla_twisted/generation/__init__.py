@@ -3,7 +3,8 @@
 generate holds the Runtime (a model, its slots, the tokenizer, the chat template and the defaults a
 request falls back on) and the Generator that samples, stops and counts; scheduler steps every
 running request together, one batch per step; grammar constrains sampling to a JSON schema or a
-grammar with llguidance; tools finds tool calls in a reply, reasoning a thinking template's
+grammar with llguidance; speculate proposes tokens (prompt lookup or a draft model) that one
+forward step checks, without changing the reply; tools finds tool calls in a reply, reasoning a thinking template's
 reasoning before its answer. It may import engine and chat; it knows
 nothing of HTTP, of the command line's options or of downloads.
 """

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from krafla_twisted.chat import templates
 from krafla_twisted.engine import clib, header, sampler
-from krafla_twisted.engine.model import copy_logits, logits_rows
+from krafla_twisted.engine.model import copy_logits, logits_blocks
 from krafla_twisted.engine.sampler import Sampler
 
 
@@ -93,6 +93,8 @@ class GenerationResult:
     seed: int = None            # the seed the sampler used
     logprobs: tuple = ()        # TokenLogprobs of the reply's tokens, when asked for
     stop_string: str = None     # the stop string the reply was cut at (None: it ended otherwise)
+    proposed_tokens: int = 0    # tokens speculation proposed (krafla_twisted/generation/speculate.py)
+    accepted_tokens: int = 0    # of those, the ones the model's own sampling confirmed
 
     @property
     def prompt_tokens_per_second(self):
@@ -243,7 +245,7 @@ class Runtime:
     prompt). It owns the model and closes it in close()."""
 
     def __init__(self, model, tokenizer, template=None, *, ctx=None, kv="f32", batch=32, eos=None,
-                 sampling=SamplingParams(), max_tokens=0, system=None, threads=None, parallel=1):
+                 sampling=SamplingParams(), max_tokens=0, system=None, threads=None, parallel=1, speculation=None):
         if tokenizer.n_vocab != model.n_vocab:
             raise ValueError(f"the tokenizer has {tokenizer.n_vocab} tokens but the model {model.n_vocab}: "
                              "they do not belong together")
@@ -278,6 +280,7 @@ class Runtime:
             stops |= template.stop_token_ids(tokenizer)
         self.stop_token_ids = frozenset(stops)
         self.prefix_copies = True   # seed_slot copies prefixes between slots (not Qwen3.5's sessions)
+        self.speculation = speculation  # a speculate.Speculation (owned: closed with the runtime), or None
         self._uses = 0
 
     @property
@@ -375,6 +378,8 @@ class Runtime:
     def close(self):
         for slot in self.slots:
             slot.session.close()
+        if self.speculation is not None:
+            self.speculation.close()
         self.model.close()
         close_tokenizer = getattr(self.tokenizer, "close", None)
         if close_tokenizer:
@@ -490,6 +495,8 @@ class Generation:
         self.skipped = False        # set by the scheduler when it was cancelled while every slot was busy
         self.started = time.perf_counter()
         self.prompt_seconds = 0.0
+        self.proposer = None        # speculate.*Proposer, made with the sampler when the runtime speculates
+        self.proposed = self.accepted = 0
 
     @property
     def done(self):
@@ -531,9 +538,10 @@ class Generation:
     def next_input(self, budget):
         """(token ids, logits mode) to evaluate next in self.slot.session: up to `budget` prompt
         tokens ("none" while more of the prompt follows, "last" for its end), or the last reply
-        token ("last"). The ids are empty when budget is 0 during the prompt. None once the
-        generation is over. Cancellation is noticed before each prompt chunk and before each
-        token is sampled."""
+        token ("last"), followed, when the runtime speculates, by up to budget - 1 proposed tokens
+        ("all": every position's logits are needed to check them). The ids are empty when budget
+        is 0 during the prompt. None once the generation is over. Cancellation is noticed before
+        each prompt chunk and before each token is sampled."""
         if self.result is not None:
             return None
         if self.prefilling:
@@ -543,11 +551,34 @@ class Generation:
             chunk = self.prompt[self.position:self.position + max(0, budget)]
             self.pending = chunk
             return chunk, ("last" if self.position + len(chunk) == len(self.prompt) else "none")
-        self.pending = [self.reply[-1]]
-        return self.pending, "last"
+        proposal = self._proposal(budget - 1)
+        self.pending = [self.reply[-1]] + proposal
+        return self.pending, ("all" if proposal else "last")
+
+    def _proposal(self, most):
+        """The proposer's guess of the next tokens, at most `most`, and never more than can still
+        be kept (the rows past max_tokens would be wasted). It ends before a stop token (nothing after
+        one is needed) and, with a grammar, before the first token the grammar refuses."""
+        most = min(most, self.limit - len(self.reply) - 1)
+        if self.proposer is None or most <= 0:
+            return []
+        proposal = self.proposer.propose(self.reply, most)[:most]
+        stops = self.runtime.stop_token_ids
+        for index, token in enumerate(proposal):
+            if token in stops:
+                del proposal[index:]
+                break
+        if proposal and self.constraint is not None:
+            allowed = getattr(self.constraint, "allowed_prefix", None)
+            if allowed is not None:
+                del proposal[allowed(proposal):]
+        return proposal
 
     def feed(self, logits):
-        """The session evaluated what next_input gave; `logits` are the last token's (None for "none")."""
+        """The session evaluated what next_input gave; `logits` are the last token's (None for "none"),
+        or the rows of every position when it gave proposed tokens ("all")."""
+        if len(self.pending) > 1 and not self.prefilling:
+            return self._verify(logits)
         slot = self.slot
         slot.cached.extend(self.pending)
         slot.cached_logits = logits
@@ -559,6 +590,39 @@ class Generation:
                 return
             self._prompt_done()
         self._next_token(logits)
+
+    def _verify(self, rows):
+        """Sample position by position from `rows` (row j after pending[j]) exactly as without
+        speculation, while the sampled token is the proposed one; keep the first one that differs
+        (or the one after the whole proposal), and cut the KV cache back past the proposed tokens not
+        taken. speculate.py's docstring says why this changes neither a token nor a logit."""
+        slot = self.slot
+        proposal = self.pending[1:]
+        base = len(slot.cached)
+        accepted = 0
+        try:
+            for index, row in enumerate(rows):
+                slot.cached.append(self.pending[index])  # the history the sampler sees: prompt and reply so far
+                before = len(self.reply)
+                self._next_token(row)
+                took = index < len(proposal) and len(self.reply) > before and self.reply[-1] == proposal[index]
+                if took:
+                    accepted += 1
+                if not took or self.result is not None:
+                    break
+        finally:  # even when sampling failed (a grammar error): the slot's cache must say what its session holds
+            keep = base + 1 + accepted
+            del slot.cached[keep:]
+            slot.cached_logits = rows[accepted]
+            if slot.session.n_tokens > keep:
+                slot.session.truncate(keep)
+        self.proposed += len(proposal)
+        self.accepted += accepted
+        if self.result is not None:
+            self.result = dataclasses.replace(self.result, proposed_tokens=self.proposed,
+                                              accepted_tokens=self.accepted)
+        elif self.proposer is not None:
+            self.proposer.observe(len(proposal), accepted)
 
     def cancel(self):
         """End now as cancelled (a driver noticed it before the generation got a slot)."""
@@ -578,6 +642,8 @@ class Generation:
         self.decoder = self.runtime.tokenizer.streaming_decoder()
         self.stops = StopStringFilter(self.stop_strings)
         self.sampler = Sampler(self.sampling, self.runtime.model.n_vocab)
+        if self.runtime.speculation is not None:
+            self.proposer = self.runtime.speculation.proposer(self.runtime, self.slot, self.prompt)
 
     def _next_token(self, logits):
         """Sample after `logits`, emit the text that is final, and end the reply when a rule says so."""
@@ -639,7 +705,7 @@ class Generation:
         self.result = GenerationResult("".join(self.pieces), finish, len(self.prompt), len(self.reply),
                                        self.cached_count, self.prompt_seconds, time.perf_counter() - self.started,
                                        tuple(self.reply), self.sampling.seed, tuple(self.token_logprobs),
-                                       self.stops.matched)
+                                       self.stops.matched, self.proposed, self.accepted)
 
     def _close_sampler(self):
         if self.sampler is not None:
@@ -686,7 +752,13 @@ def run_alone(generation):
             wanted = generation.next_input(max(1, runtime.batch))
             if wanted is None:
                 break
-            generation.feed(slot.session.eval(wanted[0], out=logits_rows(1, runtime.model.n_vocab)[0]))
+            tokens, mode = wanted
+            if mode == "all":
+                (out, rows), = logits_blocks([len(tokens)], runtime.model.n_vocab)
+                runtime.model.eval_batch([(slot.session, tokens, "all", out)])
+                generation.feed(rows)
+            else:
+                generation.feed(slot.session.eval(tokens, out=logits_blocks([1], runtime.model.n_vocab)[0][0]))
     except BaseException:
         generation._close_sampler()
         raise

@@ -164,6 +164,11 @@ class Constraint:
         """Set the logits (a writeable float32 row) of every token the grammar forbids to -inf, in place."""
         return sampler.mask_logits(logits, self.allowed_bits())
 
+    def allowed_prefix(self, tokens):
+        """How many of `tokens`, in order, the grammar accepts from where it is now (it does not move):
+        speculation ends a proposal at the first token the grammar refuses."""
+        return self.matcher.validate_tokens([int(t) for t in tokens])
+
     def accept(self, token):
         """Move on by the sampled token (a stop token counts as the end)."""
         if token in self.vocabulary.stop_token_ids:

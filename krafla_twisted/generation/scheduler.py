@@ -26,7 +26,7 @@ may read for /metrics.
 import collections
 from dataclasses import dataclass
 
-from krafla_twisted.engine.model import logits_rows
+from krafla_twisted.engine.model import logits_blocks
 
 # --parallel's default: see docs/server.md ("Slots and batching") for the measurement behind it.
 DEFAULT_PARALLEL = 4
@@ -130,18 +130,28 @@ class Scheduler:
         return ended
 
     def _inputs(self):
-        """(generation, token ids, logits mode) of this step: one token per running reply, then
-        prompt chunks in admission order from what is left of the budget (at least one token)."""
+        """(generation, token ids, logits mode) of this step: one token per running reply (with the
+        tokens its speculation proposes, each reply's share of the step's budget), then prompt chunks
+        in admission order from what is left of the budget (at least one token)."""
         replies = [g for g in self.active if not g.done and not g.prefilling]
         prompts = [g for g in self.active if not g.done and g.prefilling]
-        budget = max(self.runtime.batch - len(replies), 1)
+        # Each reply may fill an even share of the step with proposed tokens: of half of it while prompts
+        # are being read, so speculation does not starve their prefill.
+        room = self.runtime.batch // 2 if prompts else self.runtime.batch
+        share = max(1, room // max(1, len(replies)))
+        budget = self.runtime.batch
         items = []
-        for generation in replies + prompts:
-            wanted = generation.next_input(1 if not generation.prefilling else budget)
+        for generation in replies:
+            wanted = generation.next_input(share)
+            if wanted is not None and wanted[0]:
+                budget -= len(wanted[0])
+                items.append((generation, *wanted))
+        budget = max(budget, 1)
+        for generation in prompts:
+            wanted = generation.next_input(budget)
             if wanted is None or not wanted[0]:
                 continue
-            if generation.prefilling:
-                budget -= len(wanted[0])
+            budget -= len(wanted[0])
             items.append((generation, *wanted))
         return items
 
@@ -150,11 +160,12 @@ class Scheduler:
         # The "last" rows of one buffer, one after the other: the engine then runs the output head
         # once for the whole step (one matrix-matrix product) instead of once per sequence, which
         # costs as many passes over the largest matrix as there are replies.
-        rows = iter(logits_rows(sum(mode == "last" for _, _, mode in items), model.n_vocab))
-        batch = [(g.slot.session, tokens, mode) + ((next(rows),) if mode == "last" else ())
-                 for g, tokens, mode in items]
+        counts = [{"none": 0, "last": 1, "all": len(tokens)}[mode] for _, tokens, mode in items]
+        blocks = logits_blocks(counts, model.n_vocab)
+        batch = [(g.slot.session, tokens, mode) + ((out,) if out is not None else ())
+                 for (g, tokens, mode), (out, _) in zip(items, blocks)]
         try:
-            outputs = model.eval_batch(batch)
+            model.eval_batch(batch)
         except Exception as e:
             # No session changed: each generation of the step ends with the error.
             for generation, _, _ in items:
@@ -165,8 +176,8 @@ class Scheduler:
         self.batch_sequences_total += len(items)
         self.batch_tokens_total += sum(len(tokens) for _, tokens, _ in items)
         self.batch_histogram[min(len(items), len(self.batch_histogram) - 1)] += 1
-        for (generation, _, _), logits in zip(items, outputs):
+        for (generation, _, mode), (out, rows) in zip(items, blocks):
             try:
-                generation.feed(logits)
+                generation.feed(rows if mode == "all" else out)
             except Exception as e:  # a grammar that fails, a callback that raises: this generation's error
                 generation.fail(e)

@@ -34,6 +34,8 @@ class FakeResult:
     prompt_seconds: float = 0.5
     generation_seconds: float = 0.25
     tokens: tuple = ()          # the "token ids": each piece's index in FakeBackend.pieces
+    proposed_tokens: int = 0    # speculative decoding's counts (none: the fake does not speculate)
+    accepted_tokens: int = 0
 
 
 @dataclass
