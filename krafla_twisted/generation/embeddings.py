@@ -15,6 +15,7 @@ sigmoid of sentence-transformers' CrossEncoder is monotonic: the order is the sa
 Everything here runs on the engine worker's thread.
 """
 
+import array
 import math
 
 POOLINGS = ("mean", "cls", "last")
@@ -105,7 +106,7 @@ class EmbeddingRuntime:
                 values = _normalized(values)
             if dimensions is not None and dimensions < self.dim:
                 values = _normalized(values[:dimensions])
-            vectors.append(values)
+            vectors.append(array.array("f", values).tolist())  # float32 values: base64 and JSON agree
         return vectors
 
     def rerank(self, query, documents):
