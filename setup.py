@@ -61,6 +61,8 @@ setup(
             "anthropic>=0.40",  # tests: the anthropic SDK drives /v1/messages (owner: anthropic API)
             "openai-agents>=0.2",  # tests: the Agents SDK's default Responses model drives /v1/responses (owner: responses)
             "playwright>=1.50",  # tests: drives Debian's chromium through the chat page at / (owner: webui)
+            # tests: RAG clients' embedding classes against /v1/embeddings (owner: embed)
+            "llama-index-embeddings-openai-like>=0.1",
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli.main:main"]},

@@ -52,11 +52,15 @@ class Options(usage.Options):
          "(comma-separated; * for any); by default only localhost and IP addresses, against DNS rebinding."],
         ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait beyond the ones being answered (one per "
          "--parallel slot); more get 503 with Retry-After.", int],
+        ["pooling", None, None, "With --embeddings: pool the tokens' hidden states by mean, cls or last "
+         "(default: what the model file says, as its sentence-transformers config did)."],
         ["parallel", None, DEFAULT_PARALLEL, "Replies generated side by side, batched in the same forward steps; each "
          "is a slot with its own KV cache of --ctx tokens (memory: N x the KV cache). 1 answers one at a time.", int],
     ] + _ENGINE_PARAMETERS
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
+        ["embeddings", None, "Serve an embedding model (a BERT-family encoder .mlb with its WordPiece .mlt) at "
+         "/v1/embeddings, /v1/rerank (a cross-encoder) and Ollama's /api/embed, instead of text generation."],
         ["log-queue", None, "Log 'queue: N pending' whenever a request joins or leaves the engine's queue."],
     ]
 
@@ -110,6 +114,12 @@ class Options(usage.Options):
             raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
         if not 1 <= self["parallel"] <= MAX_PARALLEL:
             raise usage.UsageError(f"--parallel must be 1 to {MAX_PARALLEL}, not {self['parallel']}")
+        if self["pooling"] is not None and not self["embeddings"]:
+            raise usage.UsageError("--pooling goes with --embeddings")
+        if self["pooling"] not in (None, "mean", "cls", "last"):
+            raise usage.UsageError(f"--pooling must be mean, cls or last, not {self['pooling']!r}")
+        if self["embeddings"] and self["model"] is None:
+            raise usage.UsageError("--embeddings needs a model file: twistd krafla --embeddings MODEL.mlb -z TOKENIZER.mlt")
         clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))
@@ -240,15 +250,18 @@ class KraflaService(service.Service):
 
             log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
         try:
-            runtime = startup.load_runtime(config, parallel=config["parallel"])
+            if config.get("embeddings"):
+                runtime, backend = load_embeddings(config)
+            else:
+                runtime = startup.load_runtime(config, parallel=config["parallel"])
+                backend = Backend.serving(runtime, alias=config.get("alias"))
         except (clib.KraflaError, OSError, ValueError, RuntimeError) as e:  # also OptionError, ChatError, PullError
             self._fail(f"cannot load the model: {e}")
         self.runtime = runtime
-        backend = Backend.serving(runtime, alias=config.get("alias"))
         self.worker = EngineWorker(self.reactor, backend, log_queue=bool(config.get("log-queue")))
         self.worker.start()
         log.info("{banner}", banner=backend.banner())
-        pack_warning = pack.warning(backend.runtime.model)  # a --pack-cache that could not be written says why
+        pack_warning = pack.warning(runtime.model)  # a --pack-cache that could not be written says why
         if pack_warning:
             log.warn("{warning}", warning=pack_warning)
         hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
@@ -308,6 +321,18 @@ class KraflaService(service.Service):
             # Let the ended replies reach their clients before the reactor stops.
             site, self.site = self.site, None
             return site.close_connections(SHUTDOWN_GRACE_SECONDS)
+
+
+def load_embeddings(config):
+    """--embeddings: the encoder's EmbeddingRuntime and the API backend serving it."""
+    from krafla_twisted.api.backend import file_stem
+    from krafla_twisted.api.embeddings import EmbeddingBackend
+    from krafla_twisted.generation.embeddings import EmbeddingRuntime
+
+    values = options.validate(options.values(config))
+    threads = values["threads"] or options.default_threads()
+    runtime = EmbeddingRuntime.load(config["model"], config["tokenizer"], threads=threads, pooling=config["pooling"])
+    return runtime, EmbeddingBackend(runtime, model_id=config.get("alias") or file_stem(config["model"]))
 
 
 def makeService(config, reactor=None):

@@ -59,7 +59,7 @@ class EndpointTests(unittest.TestCase):
 
     def test_unknown_path_is_404(self):
         """Unknown paths and /v1 itself are 404 with an OpenAI error body (/ is the chat page: test_chat_page.py)."""
-        for path in ("/v1", "//v1", "/ui", "/ui/", "/ui/index.html", "/ui/app.js/x", "/v1/embeddings", "/v1/chat", "/v1/completions/extra", "/v2/models"):
+        for path in ("/v1", "//v1", "/ui", "/ui/", "/ui/index.html", "/ui/app.js/x", "/v1/embeddings/extra", "/v1/chat", "/v1/completions/extra", "/v2/models"):
             response, body = self.harness.fetch("GET", path)
             self.assertEqual(response.code, 404, path)
             self.assertIn("Invalid URL", error_of(body)["message"])

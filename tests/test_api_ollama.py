@@ -257,7 +257,8 @@ class OllamaErrorsTests:
         assert "Paris" in client.chat(model=NAME, messages=MESSAGES, options=GREEDY).message.content
 
     def test_model_management_is_refused(self, client, server):
-        """pull, push, create, copy, delete, blobs and embeddings: 501 saying why; unknown paths 404, wrong methods 405."""
+        """pull, push, create, copy, delete, blobs: 501 saying why; embeddings from a chat server: 400 saying why;
+        unknown paths 404, wrong methods 405."""
         refusals = [lambda: client.pull(NAME), lambda: client.push(NAME), lambda: client.create(model="x", from_=NAME),
                     lambda: client.copy(NAME, "y"), lambda: client.delete(NAME)]
         for refused in refusals:
@@ -269,7 +270,7 @@ class OllamaErrorsTests:
         for refused in (lambda: client.embed(model=NAME, input="Hi"), lambda: client.embeddings(model=NAME, prompt="Hi")):
             with pytest.raises(ollama.ResponseError) as caught:
                 refused()
-            assert caught.value.status_code == 501 and "embeddings" in caught.value.error
+            assert caught.value.status_code == 400 and "not started for embeddings" in caught.value.error
         unknown = httpx2.get(server.root_url("/api/nothing"), timeout=60)
         assert unknown.status_code == 404 and list(unknown.json()) == ["error"]
         wrong = httpx2.get(server.root_url("/api/chat"), timeout=60)

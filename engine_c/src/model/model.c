@@ -18,8 +18,9 @@
 #define MAX_THREADS 256
 
 static const kr_arch *const ARCHS[] = {&kr_arch_llama, &kr_arch_qwen2, &kr_arch_gemma3, &kr_arch_qwen3,
-                                       &kr_arch_mistral, &kr_arch_phi3, &kr_arch_smollm3, &kr_arch_qwen35};
-#define ARCH_NAMES "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35"
+                                       &kr_arch_mistral, &kr_arch_phi3, &kr_arch_smollm3, &kr_arch_qwen35,
+                                       &kr_arch_bert};
+#define ARCH_NAMES "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35, bert"
 
 // --- Metadata
 
@@ -59,8 +60,9 @@ static int load_hparams(kr_model *m, const char *path, kr_error *err) {
     if ((status = kr_load_int(m, path, "tied_embeddings", false, 0, 0, 1, &h->tied_embeddings, err)) ||
         (status = kr_load_int(m, path, "sliding_window", false, 0, 0, MAX_SEQ, &h->sliding_window, err)))
         return status;
+    bool rope = !m->arch->encoder;  // an encoder has absolute positions (model.h)
     if ((status = kr_load_float(m, path, "norm_eps", true, 0, 0, true, 1, &h->norm_eps, err)) ||
-        (status = kr_load_float(m, path, "rope_theta", true, 0, 0, true, 1e12, &h->rope_theta, err)) ||
+        (status = kr_load_float(m, path, "rope_theta", rope, 10000, 0, true, 1e12, &h->rope_theta, err)) ||
         (status = kr_load_float(m, path, "rope_theta_local", false, h->rope_theta, 0, true, 1e12,
                                 &h->rope_theta_local, err)) ||
         (status = kr_load_float(m, path, "rope_scale", false, 1, 0, true, 1e6, &h->rope_scale, err)) ||
@@ -70,6 +72,9 @@ static int load_hparams(kr_model *m, const char *path, kr_error *err) {
         (status = kr_load_float(m, path, "attn_softcap", false, 0, 0, false, 1e6, &h->attn_softcap, err)) ||
         (status = kr_load_float(m, path, "final_softcap", false, 0, 0, false, 1e6, &h->final_softcap, err)))
         return status;
+    m->q_dim = h->n_heads * h->head_dim;
+    m->kv_dim = h->n_kv_heads * h->head_dim;
+    if (!rope) return KR_OK;  // the encoder reads its activation itself
     if ((status = load_string(m, path, "rope_style", &rope_style, err))) return status;
     if (!strcmp(rope_style, "norm")) h->rope_style = KR_ROPE_NORM;
     else if (!strcmp(rope_style, "neox")) h->rope_style = KR_ROPE_NEOX;
@@ -92,10 +97,13 @@ static int load_hparams(kr_model *m, const char *path, kr_error *err) {
 static int bind_embeddings(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
     int status;
-    if ((status = kr_bind_matrix(m, path, "token_embd.weight", h->n_vocab, h->dim, &m->token_embd, err)) ||
-        (status = kr_bind_f32(m, path, "output_norm.weight", h->dim, 0, &m->output_norm, err)))
+    if ((status = kr_bind_matrix(m, path, "token_embd.weight", h->n_vocab, h->dim, &m->token_embd, err)))
         return status;
-    if (h->tied_embeddings) {
+    if (m->arch->encoder) {  // no head: the output type is the embedding's
+        m->output.type = m->token_embd.type;
+    } else if ((status = kr_bind_f32(m, path, "output_norm.weight", h->dim, 0, &m->output_norm, err))) {
+        return status;
+    } else if (h->tied_embeddings) {
         if (kr_file_find_tensor_index(m->file, "output.weight") >= 0)
             return kr_fail(err, KR_ERR_FORMAT, "%s: tied_embeddings is 1 but output.weight is present", path);
         m->output = m->token_embd;

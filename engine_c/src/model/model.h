@@ -77,6 +77,8 @@ struct kr_model {
     atomic_int busy;                  // 1 while a step of this model runs
     void *pack;                       // speed: pack.c's state (kr_model_pack), else NULL
     void (*pack_free)(void *pack);    // pack.c's, set with m->pack; kr_model_close calls it
+    int32_t n_labels;                 // encoder: outputs of its classifier head (a cross-encoder), else 0
+    int32_t n_token_types;            // encoder: rows of its token type (segment) embedding
 };
 
 // One sequence's memory: its KV cache and the architecture's recurrent state.
@@ -127,6 +129,7 @@ typedef struct {
     const int32_t *pos;
     kr_seq *const *seq;
     float *const *logits;             // token i's logits go to logits[i] unless NULL (or logits NULL)
+    const int32_t *token_types;       // encoder: token i's segment (0 or 1 for a sentence pair), NULL: all 0
 } kr_batch;
 
 // What an architecture implements. `open` reads m->file into m after model.c has read the common
@@ -152,12 +155,23 @@ struct kr_arch {
     int (*truncate)(const kr_model *m, int32_t keep, int32_t held, kr_error *err);
     // One forward step over the batch: caches and states of its sequences, logits it asks for.
     void (*step)(kr_model *m, kr_scratch *s, const kr_batch *b);
+    // An encoder (arch_bert.c) has no RoPE, no output norm or head and no KV cache: model.c reads
+    // neither rope_* nor activation and binds only token_embd; its step attends within each
+    // sequence both ways (a sequence is the run of tokens from a position 0 to the next, all in
+    // one step) and leaves every token's final hidden state in s->x (n, dim). kr_session_eval
+    // refuses it; kr_session_embed pools s->x.
+    bool encoder;
+    // Optional (encoders with m->n_labels > 0): the classifier head on the first token's hidden
+    // state (dim,) -> out (n_labels,), with `work` (dim,) floats to use.
+    void (*classify)(const kr_model *m, const float *first_hidden, float *work, float *out);
 };
 
 extern const kr_arch kr_arch_llama, kr_arch_qwen2, kr_arch_gemma3, kr_arch_qwen35;
 // issue 17: mistral, phi3 (split by the converter) and smollm3 (layer_rope) are llama's layer,
 // qwen3 llama's layer with q/k head norms (arch_llama.c)
 extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smollm3;
+// issue 27: BERT-family encoders and cross-encoders (arch_bert.c)
+extern const kr_arch kr_arch_bert;
 
 // --- Sequences and scratch (session.c), for a step over several sequences
 

@@ -23,6 +23,7 @@ struct kr_session {
     // A step's tokens, positions, sequences and where its logits go, (n_batch,) each: this
     // session's own steps, or any kr_batch_eval's that borrows its scratch.
     int32_t *tokens, *pos;
+    int32_t *types;                   // an encoder's token types (kr_session_embed)
     kr_seq **seqs;
     float **logits;
 };
@@ -155,6 +156,7 @@ kr_session *kr_session_new(kr_model *m, int32_t n_ctx, int32_t kv_type, int32_t 
     bool failed = false;
     s->tokens = kr_zalloc((size_t)n_batch, sizeof *s->tokens, &failed);
     s->pos = kr_zalloc((size_t)n_batch, sizeof *s->pos, &failed);
+    s->types = kr_zalloc((size_t)n_batch, sizeof *s->types, &failed);
     s->seqs = kr_zalloc((size_t)n_batch, sizeof *s->seqs, &failed);
     s->logits = kr_zalloc((size_t)n_batch, sizeof *s->logits, &failed);
     if (failed || kr_scratch_new(m, &s->scratch, n_batch, n_ctx, err)) {
@@ -170,7 +172,7 @@ void kr_session_free(kr_session *s) {
     if (!s) return;
     kr_seq_free(s->model, &s->seq);
     if (s->scratch.n_batch) kr_scratch_free(s->model, &s->scratch);
-    free(s->tokens), free(s->pos), free(s->seqs), free(s->logits);
+    free(s->tokens), free(s->pos), free(s->types), free(s->seqs), free(s->logits);
     free(s);
 }
 
@@ -230,6 +232,9 @@ static int check_item(kr_model *m, const kr_batch_item *item, const char *prefix
     kr_session *s = item->session;
     if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "%ssession is NULL", prefix);
     if (s->model != m) return kr_fail(err, KR_ERR_ARGUMENT, "%sthe session belongs to another model", prefix);
+    if (m->arch->encoder)
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "%sa %s model is an encoder: it has no logits (kr_session_embed)", prefix,
+                       m->arch->name);
     if (!item->tokens || item->n_tokens < 1) return kr_fail(err, KR_ERR_ARGUMENT, "%sno tokens to evaluate", prefix);
     if (item->logits < KR_LOGITS_NONE || item->logits > KR_LOGITS_ALL)
         return kr_fail(err, KR_ERR_ARGUMENT, "%slogits mode %d is not one of none (0), last (1), all (2)", prefix,
@@ -322,6 +327,7 @@ int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const in
             if (sessions[other] == sessions[k]) return kr_fail(err, KR_ERR_ARGUMENT, "session %d is listed twice", k);
     }
     kr_model *m = sessions[0]->model;
+    if (m->arch->encoder) return kr_fail(err, KR_ERR_UNSUPPORTED, "kr_test_eval_mixed: an encoder has no logits");
     kr_scratch *scratch = &sessions[0]->scratch;
     if (n > scratch->n_batch)
         return kr_fail(err, KR_ERR_ARGUMENT, "%d tokens do not fit in a step of %d", n, scratch->n_batch);
@@ -352,4 +358,99 @@ int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const in
     }
     free(count), free(pos), free(seqs), free(rows);
     return status;
+}
+
+// --- Embeddings: an encoder's pooled hidden states (krafla.h, kr_session_embed)
+
+int32_t kr_model_pooled_size(const kr_model *m, int32_t pooling) {
+    if (!m || !m->arch->encoder) return 0;
+    if (pooling == KR_POOLING_RANK) return m->n_labels;
+    return pooling >= KR_POOLING_NONE && pooling <= KR_POOLING_LAST ? m->info.dim : 0;
+}
+
+static int check_sequences(kr_session *s, const int32_t *tokens, const int32_t *types, const int32_t *lengths,
+                           int32_t n_sequences, int32_t pooling, const float *out, kr_error *err) {
+    kr_model *m = s->model;
+    if (!m->arch->encoder)
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "kr_session_embed: a %s model is not an encoder", m->arch->name);
+    if (pooling < KR_POOLING_NONE || pooling > KR_POOLING_RANK)
+        return kr_fail(err, KR_ERR_ARGUMENT, "pooling %d is not one of none (0), mean (1), cls (2), last (3), rank (4)",
+                       pooling);
+    if (pooling == KR_POOLING_RANK && !m->n_labels)
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "rank pooling needs a classifier head; this model has none");
+    if (!tokens || !lengths || !out || n_sequences < 1)
+        return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_embed: no sequences, or tokens, lengths or out is NULL");
+    int32_t longest = s->scratch.n_batch;
+    if (s->seq.kv.n_ctx < longest) longest = s->seq.kv.n_ctx;
+    if (m->info.max_seq < longest) longest = m->info.max_seq;
+    for (int64_t k = 0, at = 0; k < n_sequences; at += lengths[k], k++) {
+        if (lengths[k] < 1) return kr_fail(err, KR_ERR_ARGUMENT, "sequence %lld has %d tokens", (long long)k, lengths[k]);
+        if (lengths[k] > longest)
+            return kr_fail(err, KR_ERR_CONTEXT, "sequence %lld has %d tokens; at most %d fit (the model's %d positions, "
+                           "the session's context %d and batch %d)", (long long)k, lengths[k], longest,
+                           m->info.max_seq, s->seq.kv.n_ctx, s->scratch.n_batch);
+        for (int64_t i = at; i < at + lengths[k]; i++) {
+            if (tokens[i] < 0 || tokens[i] >= m->info.n_vocab)
+                return kr_fail(err, KR_ERR_ARGUMENT, "sequence %lld: token id %d at index %lld is outside [0, %d)",
+                               (long long)k, tokens[i], (long long)(i - at), m->info.n_vocab);
+            if (types && (types[i] < 0 || types[i] >= m->n_token_types))
+                return kr_fail(err, KR_ERR_ARGUMENT, "sequence %lld: token type %d at index %lld is outside [0, %d)",
+                               (long long)k, types[i], (long long)(i - at), m->n_token_types);
+        }
+    }
+    return KR_OK;
+}
+
+// Sequence k's rows [first, first + n) of the step's s->x into out, pooled.
+static float *pool_rows(kr_session *s, int32_t first, int32_t n, int32_t pooling, float *out) {
+    kr_model *m = s->model;
+    int64_t dim = m->info.dim;
+    const float *x = s->scratch.x + (int64_t)first * dim;
+    switch (pooling) {
+    case KR_POOLING_NONE:
+        memcpy(out, x, (size_t)n * (size_t)dim * sizeof(float));
+        return out + (int64_t)n * dim;
+    case KR_POOLING_MEAN:
+        for (int64_t i = 0; i < dim; i++) {
+            float sum = 0;
+            for (int32_t t = 0; t < n; t++) sum += x[t * dim + i];
+            out[i] = sum / (float)n;
+        }
+        return out + dim;
+    case KR_POOLING_CLS:
+    case KR_POOLING_LAST:
+        memcpy(out, x + (pooling == KR_POOLING_LAST ? (int64_t)(n - 1) * dim : 0), (size_t)dim * sizeof(float));
+        return out + dim;
+    default:  // KR_POOLING_RANK; the step's xb is free scratch now
+        m->arch->classify(m, x, s->scratch.xb, out);
+        return out + m->n_labels;
+    }
+}
+
+int kr_session_embed(kr_session *s, const int32_t *tokens, const int32_t *token_types, const int32_t *lengths,
+                     int32_t n_sequences, int32_t pooling, float *out, kr_error *err) {
+    if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_embed: session is NULL");
+    int status = check_sequences(s, tokens, token_types, lengths, n_sequences, pooling, out, err);
+    if (status) return status;
+    kr_model *m = s->model;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&m->busy, &expected, 1))
+        return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
+    // Whole sequences into steps of at most n_batch tokens, in order.
+    for (int32_t k = 0, at = 0; k < n_sequences;) {
+        int32_t n = 0, first = k;
+        for (; k < n_sequences && n + lengths[k] <= s->scratch.n_batch; at += lengths[k], k++)
+            for (int32_t i = 0; i < lengths[k]; i++, n++) {
+                s->tokens[n] = tokens[at + i];
+                s->types[n] = token_types ? token_types[at + i] : 0;
+                s->pos[n] = i;
+                s->seqs[n] = &s->seq;
+            }
+        kr_batch batch = {.n = n, .tokens = s->tokens, .pos = s->pos, .seq = s->seqs, .token_types = s->types};
+        m->arch->step(m, &s->scratch, &batch);
+        for (int32_t q = first, row = 0; q < k; row += lengths[q], q++) out = pool_rows(s, row, lengths[q], pooling, out);
+    }
+    atomic_store(&m->busy, 0);
+    kr_ok(err);
+    return KR_OK;
 }

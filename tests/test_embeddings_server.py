@@ -1,0 +1,206 @@
+"""/v1/embeddings, /v1/rerank and Ollama's /api/embed through a real `twistd krafla --embeddings`,
+driven by the clients RAG tools use: the openai library, LangChain's OpenAIEmbeddings, LlamaIndex's
+OpenAILikeEmbedding and the ollama library. The vectors must equal sentence-transformers' for the
+same tiny model (tests/data/embedders/expected.npz), the rerank order transformers' scores.
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from krafla_twisted.convert.bert import convert_bert
+from tests.support.fake_backend import APIHarness
+from tests.support.server import ServerProcess
+
+DATA = Path(__file__).parent / "data" / "embedders"
+EXPECTED = np.load(DATA / "expected.npz")
+TEXTS = json.loads((DATA / "sentences.json").read_text())
+SENTENCES = TEXTS["sentences"]
+COSINE = 0.9999
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def assert_reference(vectors, reference=EXPECTED["tiny_bert_embeddings"]):
+    assert len(vectors) == len(reference)
+    for got, want in zip(vectors, reference):
+        assert cosine(got, want) >= COSINE
+
+
+def serve(tmp_path_factory, name, *extra):
+    folder = tmp_path_factory.mktemp(name)
+    mlb, mlt = convert_bert(DATA / name, folder / f"{name}.mlb", folder / f"{name}.mlt", "f32", progress=False)
+    return ServerProcess(["--embeddings", str(mlb), "-z", str(mlt), "-t", "1", *extra]).start()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = serve(tmp_path_factory, "tiny-bert")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    process = serve(tmp_path_factory, "tiny-cross-encoder", "--alias", "tiny-reranker")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+class OpenAIClientTests:
+    def test_strings_equal_sentence_transformers(self, client):
+        """A list of strings: one vector each, in order, as SentenceTransformer.encode gives them."""
+        reply = client.embeddings.create(model="tiny-bert", input=SENTENCES)
+        assert [d.index for d in reply.data] == list(range(len(SENTENCES)))
+        assert_reference([d.embedding for d in reply.data])
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == int(EXPECTED["tiny_bert_lengths"].sum())
+        assert reply.model == "tiny-bert" and reply.object == "list"
+
+    def test_token_ids_and_base64_give_the_same_vectors(self, client):
+        """One string, its token ids, a list of token-id lists; base64 is the same floats as float32."""
+        lengths = EXPECTED["tiny_bert_lengths"]
+        ids = [a.tolist() for a in np.split(EXPECTED["tiny_bert_ids"], np.cumsum(lengths)[:-1])]
+        text = client.embeddings.create(model="m", input=SENTENCES[0], encoding_format="float").data[0].embedding
+        one = client.embeddings.create(model="m", input=ids[0]).data[0].embedding
+        assert one == text
+        many = client.embeddings.create(model="m", input=ids)
+        assert_reference([d.embedding for d in many.data])
+        raw = httpx.post(f"{client.base_url}embeddings", json={"input": SENTENCES[0], "encoding_format": "base64"},
+                         timeout=60).json()["data"][0]["embedding"]
+        decoded = np.frombuffer(base64.b64decode(raw), "<f4")
+        np.testing.assert_array_equal(decoded, np.float32(text))
+        # the openai library asks for base64 by default and decodes it itself
+        assert np.allclose(client.embeddings.create(model="m", input=SENTENCES[0]).data[0].embedding, text, atol=1e-7)
+
+    def test_dimensions_truncate_and_renormalise(self, client):
+        short = client.embeddings.create(model="m", input=SENTENCES[1], dimensions=8, encoding_format="float")
+        head = EXPECTED["tiny_bert_embeddings"][1][:8]
+        assert len(short.data[0].embedding) == 8
+        assert cosine(short.data[0].embedding, head) >= COSINE
+        assert abs(np.linalg.norm(short.data[0].embedding) - 1) < 1e-6
+
+    @pytest.mark.parametrize("body, param, words", [
+        ({"input": ""}, "input", "empty string"),
+        ({"input": []}, "input", "empty list"),
+        ({"input": [[]]}, "input", "empty list of token ids"),
+        ({"input": 5}, "input", "not a number"),
+        ({"input": [1.5]}, "input", "must be a string or a list of token ids"),
+        ({"input": ["ok", {"text": "x"}]}, "input", "not an object"),
+        ({"input": "the " * 70}, "input", "at most 64"),
+        ({"input": [[2] * 65]}, "input", "at most 64"),
+        ({"input": [[2, 100000, 3]]}, "input", "outside"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": "a", "dimensions": 33}, "dimensions", "1 to 32"),
+        ({"input": "a", "dimensions": 0}, "dimensions", "positive integer"),
+    ])
+    def test_bad_input_is_openai_400(self, server, body, param, words):
+        """Each bad body gets OpenAI's 400 error shape, naming the field."""
+        response = httpx.post(server.url("/embeddings"), json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert words in error["message"], error["message"]
+
+    def test_openai_library_raises_bad_request(self, client):
+        with pytest.raises(openai.BadRequestError, match="empty string"):
+            client.embeddings.create(model="m", input="")
+
+    def test_generation_endpoints_say_the_server_embeds(self, client, server):
+        """A server started for embeddings answers chat and completions with a 400 that says so."""
+        with pytest.raises(openai.BadRequestError, match="started for embeddings"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        response = httpx.post(server.root_url("/api/generate"), json={"model": "m", "prompt": "hi"}, timeout=60)
+        assert response.status_code == 400 and "started for embeddings" in response.json()["error"]
+        rerank = httpx.post(server.url("/rerank"), json={"query": "a", "documents": ["b"]}, timeout=60)
+        assert rerank.status_code == 400 and rerank.json()["error"]["code"] == "model_not_reranker"
+
+
+class FrameworkTests:
+    def test_langchain_openai_embeddings(self, server):
+        """LangChain's OpenAIEmbeddings (check_embedding_ctx_length=False sends the strings)."""
+        from langchain_openai import OpenAIEmbeddings
+
+        embeddings = OpenAIEmbeddings(model="tiny-bert", base_url=server.base_url, api_key="unused",
+                                      check_embedding_ctx_length=False, max_retries=0)
+        assert_reference(embeddings.embed_documents(SENTENCES))
+        assert cosine(embeddings.embed_query(SENTENCES[2]), EXPECTED["tiny_bert_embeddings"][2]) >= COSINE
+
+    def test_llama_index_openai_like_embedding(self, server):
+        """LlamaIndex's OpenAILikeEmbedding, batched and one at a time."""
+        from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+        embedding = OpenAILikeEmbedding(model_name="tiny-bert", api_base=server.base_url, api_key="unused",
+                                        embed_batch_size=3)
+        assert_reference(embedding.get_text_embedding_batch(SENTENCES))
+        assert cosine(embedding.get_query_embedding(SENTENCES[4]), EXPECTED["tiny_bert_embeddings"][4]) >= COSINE
+
+    def test_ollama_embed_and_legacy_embeddings(self, server):
+        """The ollama library's embed (a list, one string) and its legacy embeddings call."""
+        import ollama
+
+        client = ollama.Client(host=server.root_url(""))
+        reply = client.embed(model="tiny-bert", input=SENTENCES)
+        assert_reference(reply.embeddings)
+        assert reply.prompt_eval_count == int(EXPECTED["tiny_bert_lengths"].sum())
+        single = client.embed(model="tiny-bert", input=SENTENCES[0]).embeddings
+        assert len(single) == 1 and cosine(single[0], EXPECTED["tiny_bert_embeddings"][0]) >= COSINE
+        legacy = client.embeddings(model="tiny-bert", prompt=SENTENCES[3]).embedding
+        assert cosine(legacy, EXPECTED["tiny_bert_embeddings"][3]) >= COSINE
+        with pytest.raises(ollama.ResponseError) as caught:
+            client.embed(model="tiny-bert", input="")
+        assert caught.value.status_code == 400
+
+
+class RerankTests:
+    def test_order_and_scores_equal_the_cross_encoders(self, reranker):
+        """Results best first, each document's score transformers' logit; top_n and return_documents."""
+        body = {"model": "tiny-reranker", "query": TEXTS["query"], "documents": TEXTS["documents"]}
+        reply = httpx.post(reranker.url("/rerank"), json=body, timeout=60).json()
+        order = np.argsort(-EXPECTED["cross_scores"], kind="stable").tolist()
+        assert [r["index"] for r in reply["results"]] == order
+        for result in reply["results"]:
+            assert abs(result["relevance_score"] - EXPECTED["cross_scores"][result["index"]]) < 1e-4
+            assert "document" not in result
+        assert reply["usage"]["prompt_tokens"] == int(EXPECTED["cross_lengths"].sum())
+        top = httpx.post(reranker.root_url("/rerank"), json={**body, "top_n": 2, "return_documents": True,
+                                                            "documents": [{"text": d} for d in TEXTS["documents"]]},
+                         timeout=60).json()["results"]
+        assert [r["index"] for r in top] == order[:2]
+        assert [r["document"]["text"] for r in top] == [TEXTS["documents"][i] for i in order[:2]]
+
+    @pytest.mark.parametrize("body, param", [
+        ({"documents": ["a"]}, "query"),
+        ({"query": "q", "documents": []}, "documents"),
+        ({"query": "q", "documents": [3]}, "documents"),
+        ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+        ({"query": "q", "documents": ["a " * 70]}, "documents"),
+    ])
+    def test_bad_rerank_bodies_are_400(self, reranker, body, param):
+        response = httpx.post(reranker.url("/rerank"), json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+class ChatServerTests:
+    def test_a_chat_server_refuses_embeddings_clearly(self):
+        """A server not started for embeddings answers /v1/embeddings, /v1/rerank and /api/embed with 400."""
+        harness = APIHarness()
+        for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+            response, content = harness.fetch("POST", path, body)
+            assert response.code == 400
+            error = json.loads(content)["error"]
+            assert error["code"] == "model_not_embedding" and "--embeddings" in error["message"]
+        response, content = harness.fetch("POST", "/api/embed", {"model": "m", "input": "hi"})
+        assert response.code == 400 and "not started for embeddings" in json.loads(content)["error"]
