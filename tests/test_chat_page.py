@@ -303,14 +303,16 @@ class ChatPageBrowserTests:
         tab.wait_for_reply()
 
     def test_reload_keeps_the_conversations(self, tab):
-        """Chats live in localStorage: after a reload both chats are listed and the current one shown;
+        """Chats live in localStorage (the second sent with the Enter key): after a reload both chats are
+        listed and the current one shown;
         the other opens with its messages; a deleted chat stays deleted."""
         tab.wait_for_models()
         tab.settings(temperature=0, max_tokens=6)
         tab.send(QUESTION)
         first_reply = tab.wait_for_reply().locator(".content").inner_text()
         tab.page.click("#new-chat")
-        tab.send("Name a colour.")
+        tab.page.fill("#prompt", "Name a colour.")
+        tab.page.press("#prompt", "Enter")  # Enter sends (Shift+Enter would be a new line)
         tab.wait_for_reply()
         tab.page.reload()
         tab.wait_for_models()
