@@ -153,6 +153,11 @@ class ChatPageServingTests:
         assert "unsafe-" not in headers["content-security-policy"]
         assert headers["x-content-type-options"] == "nosniff" and headers["cache-control"] == "no-cache"
         assert raw_get(server, "/", {"If-None-Match": headers["etag"]})[:1] == (304,)
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.request("HEAD", "/")
+        head = connection.getresponse()
+        assert (head.status, head.getheader("content-type"), head.read()) == (200, "text/html; charset=utf-8", b"")
+        connection.close()
         types = {"app.js": "text/javascript; charset=utf-8", "markdown.js": "text/javascript; charset=utf-8",
                  "style.css": "text/css; charset=utf-8"}
         for name, content_type in types.items():
@@ -332,7 +337,7 @@ class ChatPageBrowserTests:
 
     def test_code_block_from_the_model(self, tab, server):
         """A reply with a fenced block shows it as a code block whose text is the fence's content in the
-        non-streamed reply, labelled with its language."""
+        non-streamed reply, labelled with its language; Copy puts that text on the clipboard."""
         tab.wait_for_models()
         tab.settings(temperature=0, max_tokens=60)
         prompt = "Write a Python function that adds two numbers."
@@ -345,6 +350,10 @@ class ChatPageBrowserTests:
         assert reply.locator(".code-block code").text_content() == fence.group(2)
         assert reply.locator(".code-language").text_content() == fence.group(1)
         tab.screenshot("chat-page.png")
+        tab.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=tab.origin)
+        reply.locator(".copy-code").click()
+        tab.page.wait_for_function("() => document.querySelector('.copy-code').textContent === 'Copied'")
+        assert tab.page.evaluate("() => navigator.clipboard.readText()") == fence.group(2)
 
     def test_html_from_the_model_is_text(self, tab, server):
         """The model asked for an HTML page answers raw HTML (a <script src=...> included): the page shows
