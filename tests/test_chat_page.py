@@ -11,6 +11,7 @@ KRAFLA_SCREENSHOTS=docs/images writes the screenshots docs/server.md shows.
 """
 
 import distutils.core
+import html.parser
 import http.client
 import json
 import os
@@ -148,9 +149,15 @@ class ChatPageServingTests:
         assert status == 200 and headers["content-type"] == "text/html; charset=utf-8"
         assert body == open(os.path.join(REPO, "krafla_twisted", "api", "web", "index.html"), "rb").read()
         assert headers["content-security-policy"] == CONTENT_SECURITY_POLICY.decode()
-        assert "default-src 'self'" in headers["content-security-policy"] and "unsafe-inline" not in body.decode()
+        assert "default-src 'self'" in headers["content-security-policy"]
+        assert "unsafe-" not in headers["content-security-policy"]
         assert headers["x-content-type-options"] == "nosniff" and headers["cache-control"] == "no-cache"
         assert raw_get(server, "/", {"If-None-Match": headers["etag"]})[:1] == (304,)
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.request("HEAD", "/")
+        head = connection.getresponse()
+        assert (head.status, head.getheader("content-type"), head.read()) == (200, "text/html; charset=utf-8", b"")
+        connection.close()
         types = {"app.js": "text/javascript; charset=utf-8", "markdown.js": "text/javascript; charset=utf-8",
                  "style.css": "text/css; charset=utf-8"}
         for name, content_type in types.items():
@@ -166,6 +173,32 @@ class ChatPageServingTests:
         assert raw_get(server, "/health")[::2] == (200, b'{"status": "ok"}')
         status, _, body = raw_get(server, "/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["object"] == "model"
+
+    def test_no_inline_code_and_no_html_parsing(self):
+        """index.html has no inline script, style or event handler (the CSP would refuse them), and the
+        scripts never hand a string to the HTML parser or to eval: replies reach the page as text nodes."""
+
+        class Inline(html.parser.HTMLParser):
+            def __init__(self):
+                super().__init__()
+                self.found = []
+
+            def handle_starttag(self, tag, attrs):
+                names = {name for name, _ in attrs}
+                if tag == "style" or "style" in names or any(name.startswith("on") for name in names):
+                    self.found.append((tag, attrs))
+                if tag == "script" and "src" not in names:
+                    self.found.append((tag, attrs))
+
+        web = os.path.join(REPO, "krafla_twisted", "api", "web")
+        parser = Inline()
+        parser.feed(open(os.path.join(web, "index.html")).read())
+        assert parser.found == []
+        for name in ("app.js", "markdown.js"):
+            script = open(os.path.join(web, name)).read()
+            for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
+                         "DOMParser", "createContextualFragment", "setAttribute(\"style"):
+                assert sink not in script, (name, sink)
 
     def test_package_data_ships_the_page(self):
         """setup.py's build_py (what `pip install .` and a wheel copy) takes every file of web/, and
@@ -212,7 +245,9 @@ class ChatPageBrowserTests:
         plain = plain_reply(server, body["messages"], temperature=0, top_p=0.9, max_tokens=24, seed=7)
         stored = tab.current()["messages"][-1]
         assert stored["content"] == plain.choices[0].message.content
-        assert "Paris" in reply.locator(".content").inner_text()
+        # The reply is one plain sentence (no Markdown), so what is shown is its text as it is.
+        assert reply.locator(".content").inner_text() == plain.choices[0].message.content.strip()
+        assert "Paris" in stored["content"]
         meta = reply.locator(".meta").inner_text()
         match = re.search(r"(\d+) tokens · ([\d.]+) tokens/s · first token ([\d.]+) s", meta)
         assert match, meta
@@ -273,14 +308,16 @@ class ChatPageBrowserTests:
         tab.wait_for_reply()
 
     def test_reload_keeps_the_conversations(self, tab):
-        """Chats live in localStorage: after a reload both chats are listed and the current one shown;
+        """Chats live in localStorage (the second sent with the Enter key): after a reload both chats are
+        listed and the current one shown;
         the other opens with its messages; a deleted chat stays deleted."""
         tab.wait_for_models()
         tab.settings(temperature=0, max_tokens=6)
         tab.send(QUESTION)
         first_reply = tab.wait_for_reply().locator(".content").inner_text()
         tab.page.click("#new-chat")
-        tab.send("Name a colour.")
+        tab.page.fill("#prompt", "Name a colour.")
+        tab.page.press("#prompt", "Enter")  # Enter sends (Shift+Enter would be a new line)
         tab.wait_for_reply()
         tab.page.reload()
         tab.wait_for_models()
@@ -300,7 +337,7 @@ class ChatPageBrowserTests:
 
     def test_code_block_from_the_model(self, tab, server):
         """A reply with a fenced block shows it as a code block whose text is the fence's content in the
-        non-streamed reply, labelled with its language."""
+        non-streamed reply, labelled with its language; Copy puts that text on the clipboard."""
         tab.wait_for_models()
         tab.settings(temperature=0, max_tokens=60)
         prompt = "Write a Python function that adds two numbers."
@@ -313,6 +350,10 @@ class ChatPageBrowserTests:
         assert reply.locator(".code-block code").text_content() == fence.group(2)
         assert reply.locator(".code-language").text_content() == fence.group(1)
         tab.screenshot("chat-page.png")
+        tab.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=tab.origin)
+        reply.locator(".copy-code").click()
+        tab.page.wait_for_function("() => document.querySelector('.copy-code').textContent === 'Copied'")
+        assert tab.page.evaluate("() => navigator.clipboard.readText()") == fence.group(2)
 
     def test_html_from_the_model_is_text(self, tab, server):
         """The model asked for an HTML page answers raw HTML (a <script src=...> included): the page shows

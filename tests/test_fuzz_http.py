@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.logger import globalLogPublisher
 
+from krafla_twisted.api.page import load_page_files
 from krafla_twisted.api.site import REQUEST_DEADLINE_SECONDS, WRITE_DEADLINE_SECONDS
 from tests.support.fake_backend import APIHarness, RawConnection
 
@@ -196,11 +197,13 @@ class PathFuzzTests(unittest.TestCase):
     @BOUNDED
     @given(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=5), st.sampled_from([b"GET", b"POST", b"HEAD"]))
     def test_no_path_served_without_the_key_but_health(self, segments, method):
-        """Without the key: 401, or 404 for what routes nowhere, or /health's own answer; never another 200."""
+        """Without the key: 401, or 404 for what routes nowhere, or /health's own answer, or the chat page
+        at / (api/page.py: it calls the API with the key); never another 200."""
         path = ("/" + "/".join(segments)).encode()
         status, body = self.status(method, path, key=False)
-        if self.status(b"GET", path, key=False) == (200, b'{"status": "ok"}'):
-            self.assertIn(status, (200, 405), path)  # /health: open, GET and HEAD only
+        open_answers = ((200, b'{"status": "ok"}'), (200, load_page_files()["index.html"].body))
+        if self.status(b"GET", path, key=False) in open_answers:
+            self.assertIn(status, (200, 405), path)  # /health and the page: open, GET and HEAD only
         else:
             self.assertIn(status, (401, 404), path)
             with_key = self.status(method, path, key=True)[0]

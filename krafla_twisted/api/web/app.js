@@ -474,13 +474,23 @@ function stop() {
 
 // --- wiring ---
 
+// Copy a code block's text; where the clipboard API is missing (a page not served from localhost
+// or HTTPS is no secure context), select the text instead, for Ctrl+C.
 function copyCode(button) {
-  const code = button.closest(".code-block").querySelector("code").textContent;
+  const code = button.closest(".code-block").querySelector("code");
+  const selectText = () => {
+    const range = document.createRange();
+    range.selectNodeContents(code);
+    window.getSelection().removeAllRanges();
+    window.getSelection().addRange(range);
+    button.textContent = "Selected";
+  };
   const done = () => {
     button.textContent = "Copied";
     setTimeout(() => { button.textContent = "Copy"; }, 1500);
   };
-  if (navigator.clipboard) navigator.clipboard.writeText(code).then(done, () => { button.textContent = "Copy failed"; });
+  if (navigator.clipboard && window.isSecureContext) navigator.clipboard.writeText(code.textContent).then(done, selectText);
+  else selectText();
 }
 
 function start() {
