@@ -103,7 +103,8 @@ SERVE_ARGS ?=
 SERVE_LIBRARY := $(BUILD)/$(BEST_ISA)/libkrafla.so
 SERVE_VENV := $(if $(shell [ $(VENV)/.installed -nt setup.py ] && echo fresh),,$(VENV)/.installed-serve)
 .PHONY: serve-announce
-serve: serve-announce $(SERVE_LIBRARY) $(SERVE_VENV)
+# The venv comes first: make starts its install, then fills the other cores with compiles.
+serve: serve-announce $(SERVE_VENV) $(SERVE_LIBRARY)
 	@echo "make serve: [3/4] the default model (krafla pull; downloaded and converted once, then cached)"
 	$(VENV)/bin/krafla pull
 	@echo "make serve: [4/4] serving it (twistd krafla $(SERVE_ARGS))"
