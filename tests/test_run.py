@@ -202,11 +202,13 @@ class RunTests:
 
     def test_default_model(self, smollm):
         """Without a model argument the default model (already pulled) is used, with its own chat
-        template: the same reply as naming its files with --chat smollm."""
+        template: the same reply as naming its files with its --chat."""
+        from krafla_twisted.cli import models
         from tests.support.real_models import real_model
 
-        default_files = real_model("smollm2-135m", None)  # what a pull gives by default: the file's own types
-        named = krafla_run(str(default_files.mlb), "-z", str(default_files.mlt), "--chat", "smollm", "-n", "12", "-p", "Hi!")
+        default_files = real_model(models.DEFAULT_MODEL, None)  # what a pull gives by default: the file's own types
+        assert default_files.chat == "qwen"
+        named = krafla_run(str(default_files.mlb), "-z", str(default_files.mlt), "--chat", "qwen", "-n", "12", "-p", "Hi!")
         default = krafla_run("-n", "12", "-p", "Hi!")
         assert default.returncode == 0, default.stderr
         assert default.stdout == named.stdout and default.stdout.strip()

