@@ -96,9 +96,9 @@ class KeepTypesTests:
         expected = gguf.quants.quantize(values.reshape(16, 256), GGML["Q8_0"]).reshape(-1)
         assert np.array_equal(formats.read(mlb).tensors["blk.0.attn_v.weight"].data.reshape(-1), expected)
 
-    @pytest.mark.parametrize("gguf_type", ["Q3_K", "Q2_K", "IQ4_NL"])
+    @pytest.mark.parametrize("gguf_type", ["IQ3_S", "IQ2_XXS"])
     def test_type_the_engine_lacks_is_refused_then_requantized(self, tmp_path, gguf_type):
-        """A Q3_K (or Q2_K, IQ4_NL) matrix: the default conversion names the tensor, the type and
+        """An IQ3_S (or IQ2_XXS) matrix: the default conversion names the tensor, the type and
         --type q8_0, writing nothing; with --type q8_0 it is dequantized by gguf-py and requantized."""
         cols = 256
         source = write_gguf(tmp_path / "m.gguf", dim=cols, raw={"blk.0.attn_q.weight": gguf_type})
@@ -163,7 +163,7 @@ class FiniteCheckTests:
                 expected = bool(np.isfinite(decoded).all())
                 assert all_finite(gguf_type, bad) == expected, (offset, pattern)
                 refused += not expected
-        assert refused  # the check refuses something for every type
+        assert refused or gguf_type == "MXFP4"  # the check refuses something for every type with float scales
 
 
 REAL = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
