@@ -73,7 +73,8 @@ typedef struct {
 int kr_is_lowbit(int32_t weight_type);          // q2_K, q3_K, iq4_nl, iq4_xs, mxfp4
 int kr_lowbit_is_super(int32_t weight_type);    // q2_K, q3_K, iq4_xs: super-blocks of 256
 size_t kr_lowbit_block_bytes(int32_t weight_type);
-float kr_e8m0_half(uint8_t e);                  // 2^(e - 128) as ggml_e8m0_to_fp32_half, subnormal for e < 2
+// 2^(e - 128), as ggml_e8m0_to_fp32_half: subnormal for e < 2.
+static inline float kr_e8m0_half(uint8_t e) { return kr_bits_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
 // The reference decoding of one block, and a row of n weights to floats exactly as gguf-py (and
 // ggml) dequantize: (d * scale) * q - dmin * min for q2_K, (d * scale) * q for q3_K and iq4_xs,

@@ -29,63 +29,73 @@ KR_INLINE __m256i grid_of(const int8_t values[16]) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values));
 }
 
-// scale_lanes[c]: scale[2c] in the low 8 int16, scale[2c + 1] in the high 8.
-KR_INLINE void set_scale_lanes(kr_lowbit_block *out, const int16_t scale[16]) {
-    for (int c = 0; c < 8; c++)
-        _mm256_store_si256((__m256i *)out->scale_lanes[c],
-                           _mm256_set_m128i(_mm_set1_epi16(scale[2 * c + 1]), _mm_set1_epi16(scale[2 * c])));
+// scale_lanes[c]: scale[2c] in the low 8 int16, scale[2c + 1] in the high 8, from the 16 scales as
+// signed bytes.
+KR_INLINE void set_scale_lanes(kr_lowbit_block *out, __m128i scales) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m128i pick = _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * c)), _mm_set1_epi8((char)(2 * c + 1)));
+        _mm256_store_si256((__m256i *)out->scale_lanes[c], _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+    }
 }
 
-// q2_K and q3_K's low 2 bits: 32 bytes of qs for each half h, four 2-bit fields per byte.
-KR_INLINE void decode_two_bits(const uint8_t qs[64], int8_t q[256]) {
-    const __m256i three = _mm256_set1_epi8(3);
+// q2_K and q3_K's low 2 bits: 32 bytes of qs for each half h, four 2-bit fields per byte; q3_K
+// (hmask not NULL) takes 4 from weight 32k + l unless bit k of hmask[l] is set.
+KR_INLINE void decode_two_bits(const uint8_t qs[64], const uint8_t *hmask, int8_t q[256]) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i high = hmask ? _mm256_loadu_si256((const __m256i *)hmask) : _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
-        _mm256_store_si256((__m256i *)(q + 128 * h), _mm256_and_si256(bits, three));
-        _mm256_store_si256((__m256i *)(q + 128 * h + 32), _mm256_and_si256(_mm256_srli_epi16(bits, 2), three));
-        _mm256_store_si256((__m256i *)(q + 128 * h + 64), _mm256_and_si256(_mm256_srli_epi16(bits, 4), three));
-        _mm256_store_si256((__m256i *)(q + 128 * h + 96), _mm256_and_si256(_mm256_srli_epi16(bits, 6), three));
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            __m256i value = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * s), three);
+            if (hmask) {
+                const __m256i unset = _mm256_andnot_si256(_mm256_srli_epi16(high, 4 * h + s), one);
+                value = _mm256_sub_epi8(value, _mm256_slli_epi16(unset, 2));
+            }
+            _mm256_store_si256((__m256i *)(q + 128 * h + 32 * s), value);
+        }
     }
 }
 
 KR_INLINE void decode_super(const int32_t type, const char *block, kr_lowbit_block *out) {
-    int16_t scale[16];
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m128i scales;
     if (type == KR_Q2_K) {
         const kr_block_q2_K *b = (const kr_block_q2_K *)block;
-        decode_two_bits(b->qs, out->q);
-        const __m128i packed = _mm_loadu_si128((const __m128i *)b->scales), low4 = _mm_set1_epi8(0x0f);
-        _mm256_store_si256((__m256i *)scale, _mm256_cvtepu8_epi16(_mm_and_si128(packed, low4)));
+        decode_two_bits(b->qs, NULL, out->q);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)b->scales);
+        scales = _mm_and_si128(packed, low4);
         _mm256_store_si256((__m256i *)out->min, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4)));
         out->d = f16_to_f32(b->d);
         out->dmin = f16_to_f32(b->dmin);
     } else if (type == KR_Q3_K) {
         const kr_block_q3_K *b = (const kr_block_q3_K *)block;
-        decode_two_bits(b->qs, out->q);
-        // weight 32k + l loses 4 unless bit k of hmask[l] is set
-        const __m256i hmask = _mm256_loadu_si256((const __m256i *)b->hmask), one = _mm256_set1_epi8(1);
-        for (int k = 0; k < 8; k++) {
-            __m256i *q = (__m256i *)(out->q + 32 * k);
-            const __m256i unset = _mm256_andnot_si256(_mm256_srli_epi16(hmask, k), one);
-            _mm256_store_si256(q, _mm256_sub_epi8(_mm256_load_si256(q), _mm256_slli_epi16(unset, 2)));
-        }
-        for (int j = 0; j < 16; j++) {
-            const int low = (j < 8 ? b->scales[j] : b->scales[j - 8] >> 4) & 15;
-            scale[j] = (int16_t)((low | ((b->scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32);
-        }
+        decode_two_bits(b->qs, b->hmask, out->q);
+        // scale j: the low nibble (j < 8) or high nibble of byte j % 8, over bits 2(j/4).. of byte 8 + j % 4
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)b->scales);
+        int32_t tops;
+        memcpy(&tops, b->scales + 8, 4);
+        const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+        const __m128i top = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(tops), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+        scales = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
         memset(out->min, 0, sizeof out->min);
         out->d = f16_to_f32(b->d);
     } else {  // iq4_xs
         const kr_block_iq4_xs *b = (const kr_block_iq4_xs *)block;
         const __m256i grid = grid_of(kr_kvalues_iq4nl);
+        _Alignas(16) int8_t scale[16];
         for (int j = 0; j < 8; j++) {
             _mm256_store_si256((__m256i *)(out->q + 32 * j), grid_nibbles(b->qs + 16 * j, grid));
             const int ls = ((b->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((b->scales_h >> (2 * j)) & 3) << 4;
-            scale[2 * j] = scale[2 * j + 1] = (int16_t)(ls - 32);
+            scale[2 * j] = scale[2 * j + 1] = (int8_t)(ls - 32);
         }
+        scales = _mm_load_si128((const __m128i *)scale);
         memset(out->min, 0, sizeof out->min);
         out->d = f16_to_f32(b->d);
     }
-    set_scale_lanes(out, scale);
+    set_scale_lanes(out, scales);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -29,8 +29,6 @@ size_t kr_lowbit_block_bytes(int32_t weight_type) {
     }
 }
 
-float kr_e8m0_half(uint8_t e) { return kr_bits_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
-
 // ---------------------------------------------------------------------------------------------
 // Decoding
 
