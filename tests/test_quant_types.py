@@ -13,6 +13,9 @@ What is pinned, and against what:
   blocks kept, then loads and runs, giving logits close to its f32 dequantization's.
 """
 
+import io
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -20,9 +23,11 @@ from gguf.quants import dequantize as gguf_dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from krafla_twisted.cli import info
 from krafla_twisted.convert import quantize
 from krafla_twisted.convert.gguf import convert_gguf
 from krafla_twisted.engine import clib, formats, kernels
+from krafla_twisted.engine.container import ContainerFile
 from tests.test_kernels import float32_sum_tolerance, random_float32, same_bits
 from tests.test_kquant import q8_K_values
 
@@ -226,7 +231,8 @@ def evaluate(path, tokens):
 
 class ModelFileTests:
     def test_kept_loaded_and_run(self, tmp_path, monkeypatch):
-        """`convert` keeps every low-bit matrix's blocks byte for byte; the model loads (packed: the
+        """`convert` keeps every low-bit matrix's blocks byte for byte and `krafla info` lists their
+        types; the model loads (packed: the
         low-bit matrices stay in the file layout) and its logits are close to those of the same GGUF
         converted to f32 (gguf-py's dequantization), the first tokens' bits the same alone."""
         types = {"blk.0.attn_q.weight": "q2_K", "blk.0.attn_k.weight": "q3_K", "blk.0.attn_v.weight": "iq4_xs",
@@ -239,6 +245,11 @@ class ModelFileTests:
             if tensor.name in types:
                 assert kept[tensor.name].type.name == types[tensor.name]
                 assert np.array_equal(kept[tensor.name].data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+        report = io.StringIO()
+        with ContainerFile(str(mlb)) as loaded:
+            info.describe(loaded, report)
+        for name, type_name in types.items():
+            assert re.search(rf"{re.escape(name)}\s+{type_name}\s", report.getvalue()), name
         tokens = [1, 4, 6, 5, 7, 3]
         logits, expected = evaluate(mlb, tokens), evaluate(f32, tokens)
         assert np.isfinite(logits).all()
