@@ -152,7 +152,8 @@ tools:
 # next to the default avx2 `make test`. It builds and loads only that ISA's library.
 ISA_TESTS ?= tests/test_kernels.py tests/test_legacy_kernels.py tests/test_kquant.py tests/test_pack.py \
 	tests/test_kv_q8.py tests/test_attention.py tests/test_mixed_batch.py tests/test_batch_eval.py \
-	tests/test_eval_all.py tests/test_reproducibility.py tests/test_reference_tiny.py tests/test_sampler.py
+	tests/test_eval_all.py tests/test_reproducibility.py tests/test_reference_tiny.py tests/test_sampler.py \
+	tests/test_quant_types.py
 .PHONY: test-isa
 test-isa: $(LIBRARY) venv
 	KRAFLA_ISA=$(ISA) KRAFLA_LIB=$(abspath $(LIBRARY)) $(VENV)/bin/python -m pytest -q $(ISA_TESTS)

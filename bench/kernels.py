@@ -10,16 +10,19 @@ weights (q4_0, q8_0, q4_1, q5_0, q5_1 and the k-quants) in the packed layout the
 loading a model (kernels.h, legacy.h).
 k-quants (--types q4_K,q5_K,q6_K) need rows of whole 256-wide super-blocks: they run the shapes of
 Qwen2.5-0.5B's down projection (896x4864), Gemma-3-270M's (640x2048) and its up projection (2048x640
-has 640 columns, so 2048x1024 stands in for it).
+has 640 columns, so 2048x1024 stands in for it). The low-bit types (--types q2_K,q3_K,iq4_xs,iq4_nl,mxfp4)
+run the same shapes, in the file layout (they are not packed).
 """
 
 import argparse
 import numpy as np
 
-from krafla_twisted.engine import kernels
+from krafla_twisted.engine import formats, kernels
 
 SHAPES = [(1536, 576), (576, 1536), (4864, 896), (896, 4864)]  # (rows, cols) of W
 KQUANT_SHAPES = [(896, 4864), (640, 2048), (2048, 1024)]
+# The low-bit types: where each block keeps its f16 scales (mxfp4: an E8M0 exponent byte at 0)
+LOW_BIT_SCALES = {"q2_K": (80, 82), "q3_K": (108,), "iq4_xs": (0,), "iq4_nl": (0,), "mxfp4": ()}
 
 
 def random_weights(type_name, rows, cols, rng):
@@ -38,6 +41,14 @@ def random_weights(type_name, rows, cols, rng):
             blocks[:, 208:210] = scale
         else:
             blocks[:, 0:2] = blocks[:, 2:4] = scale
+        return blocks.reshape(-1)
+    if type_name in LOW_BIT_SCALES:
+        tensor_type = formats.TENSOR_TYPES_BY_NAME[type_name]
+        blocks = rng.integers(0, 256, (rows * cols // tensor_type.block, tensor_type.block_bytes), dtype=np.uint8)
+        for offset in LOW_BIT_SCALES[type_name]:
+            blocks[:, offset:offset + 2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        if type_name == "mxfp4":
+            blocks[:, 0] = 118  # 2^-10
         return blocks.reshape(-1)
     values = rng.standard_normal((rows, cols)).astype(np.float32)
     if type_name == "f16":
@@ -70,7 +81,7 @@ def main():
           f"best of {args.repeat}")
     print(f"{'type':5} {'rows x cols':>11} {'tokens':>6} {'us':>9} {'GFLOP/s':>8} {'weight GB/s':>11}")
     for type_name in args.types.split(","):
-        for rows, cols in KQUANT_SHAPES if type_name in kernels.KQUANTS else SHAPES:
+        for rows, cols in KQUANT_SHAPES if type_name in kernels.KQUANTS or type_name in LOW_BIT_SCALES else SHAPES:
             for n_tokens in map(int, args.tokens.split(",")):
                 seconds, gflops, gbytes = measure(type_name, rows, cols, n_tokens, args.impl, args.repeat, rng, args.packed)
                 print(f"{type_name:5} {rows:>5}x{cols:<5} {n_tokens:>6} {seconds * 1e6:>9.1f} {gflops:>8.1f} {gbytes:>11.1f}")

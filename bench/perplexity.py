@@ -14,6 +14,12 @@ For each known model (`krafla pull`'s three published GGUFs), on one English tex
 - with --q4_0 also llama.cpp on the file's Q4_0 requantization (`llama-quantize --allow-requantize
   SOURCE OUT Q4_0`) and krafla on `krafla pull NAME --type q4_0`, the rows of issue 13's table.
 
+- with --types q2_K,q3_K,iq4_nl,iq4_xs,mxfp4 the low-bit types instead: for each, the published
+  file requantized by `llama-quantize --allow-requantize SOURCE OUT FTYPE` (Q2_K, Q3_K_M, IQ4_NL,
+  IQ4_XS; for mxfp4 `--tensor-type` puts every layer matrix in MXFP4 over a Q8_0 file, as
+  MXFP4_MOE does to a MoE model's experts), then llama.cpp and krafla on that same file (krafla
+  through `krafla convert OUT`, which keeps its blocks). The table names the file's types.
+
 It prints the table with krafla's default over llama.cpp on the published file, whose target is
 at most 1.01 (within 1%). Perplexity does not depend on the machine's load: one run suffices.
 """
@@ -24,8 +30,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-from compare import log, markdown_table, requantized  # bench/compare.py, beside this script
+from compare import log, markdown_table, requantized, run  # bench/compare.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +73,69 @@ def krafla_perplexity(pulled, args):
 def q4_0_gguf(binaries, source, vendor):
     """The published GGUF requantized by llama-quantize to Q4_0 (made once under vendor/)."""
     return requantized(binaries / "llama-quantize", source, vendor / "gguf" / f"{Path(source).stem}-requant-Q4_0.gguf")
+
+
+# krafla type -> llama-quantize's arguments after SOURCE OUT: the file type, with options before it
+LOW_BIT_QUANTIZE = {
+    "q2_K": ((), "Q2_K"),
+    "q3_K": ((), "Q3_K_M"),
+    "iq4_nl": ((), "IQ4_NL"),
+    "iq4_xs": ((), "IQ4_XS"),
+    "mxfp4": (("--tensor-type", r"blk\.[0-9]+\.(attn|ffn)_[a-z]+\.weight=mxfp4"), "Q8_0"),
+}
+
+
+def low_bit_gguf(binaries, source, vendor, type_name):
+    """The published GGUF requantized by llama-quantize for `type_name` (made once under vendor/)."""
+    options, file_type = LOW_BIT_QUANTIZE[type_name]
+    out = vendor / "gguf" / f"{Path(source).stem}-requant-{type_name}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        run([binaries / "llama-quantize", "--allow-requantize", *options, source, partial, file_type],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        partial.rename(out)
+    return out
+
+
+def measure_low_bit(name, type_name, binaries, args):
+    """llama.cpp and krafla on one llama-quantize file: the row of the low-bit table."""
+    import gguf
+
+    from krafla_twisted.cli import models
+    from krafla_twisted.convert.gguf import convert_gguf
+
+    source = models.fetch_source(name)
+    requant = low_bit_gguf(binaries, source, args.vendor, type_name)
+    counts = {}
+    for tensor in gguf.GGUFReader(requant).tensors:
+        if len(tensor.shape) == 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    mlb, mlt = requant.with_suffix(".mlb"), requant.with_suffix(".mlt")
+    if not mlb.is_file() or not mlt.is_file():
+        convert_gguf(requant, mlb, mlt, progress=False)
+    row = {"model": name, "type": type_name, "types": counts}
+    row["llama"] = llama_perplexity(binaries, requant, args)
+    row["krafla"] = krafla_perplexity(SimpleNamespace(mlb=mlb, mlt=mlt), args)
+    row["ratio"] = row["krafla"][0] / row["llama"][0]
+    return row
+
+
+def print_low_bit_table(rows, args):
+    def cell(value):
+        return f"{value[0]:.2f} ± {value[1]:.2f}"
+
+    head = ["model", "llama-quantize", "the file's matrices", "llama.cpp", "krafla", "krafla / llama.cpp",
+            f"target <= {TARGET:.2f}"]
+    lines = []
+    for row in rows:
+        options, file_type = LOW_BIT_QUANTIZE[row["type"]]
+        types = ", ".join(f"{count} {t}" for t, count in sorted(row["types"].items(), key=lambda item: -item[1]))
+        lines.append([row["model"], file_type + (" + MXFP4 layers" if options else ""), types, cell(row["llama"]),
+                      cell(row["krafla"]), f"{row['ratio']:.4f}", "met" if row["ratio"] <= TARGET else "NOT met"])
+    markdown_table(head, lines)
+    print(f"(perplexity ± its error, -c {args.ctx} --chunks {args.chunks}, -t {args.threads}, on "
+          f"{Path(args.text).name}; both on the same requantized GGUF)")
 
 
 def measure(name, binaries, args):
@@ -113,13 +183,15 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, default=8, help="chunks scored (default 8)")
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("--q4_0", action="store_true", help="also the Q4_0 requantizations (llama.cpp and krafla)")
+    parser.add_argument("--types", default=None, metavar="T,T",
+                        help=f"instead, the low-bit types' requantizations ({', '.join(LOW_BIT_QUANTIZE)})")
     parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
     parser.add_argument("--json", action="store_true", help="also print each row as JSON")
     parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
                         help="extra option for llama-perplexity, e.g. --llama-arg=-nr where the CPU reports AMX "
                              "but the system does not let a process use it (repeatable)")
     args = parser.parse_args(argv)
-    needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 else [])
+    needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 or args.types else [])
     missing = [tool for tool in needed if not (args.llama_bin / tool).is_file()]
     if missing:
         parser.error(f"--llama-bin {args.llama_bin}: no {', '.join(missing)} there")
@@ -129,6 +201,18 @@ def main(argv=None):
         parser.error("--ctx must be at least 8, --chunks and -t at least 1")
     args.vendor = args.vendor.resolve()
     rows = []
+    if args.types:
+        unknown = [t for t in args.types.split(",") if t not in LOW_BIT_QUANTIZE]
+        if unknown:
+            parser.error(f"--types: {', '.join(unknown)} not among {', '.join(LOW_BIT_QUANTIZE)}")
+        for name in args.models.split(","):
+            for type_name in args.types.split(","):
+                rows.append(measure_low_bit(name, type_name, args.llama_bin.resolve(), args))
+                log(f"{name} {type_name}: {rows[-1]}")
+                if args.json:
+                    print(json.dumps(rows[-1]), flush=True)
+        print_low_bit_table(rows, args)
+        return 0
     for name in args.models.split(","):
         rows.append(measure(name, args.llama_bin.resolve(), args))
         log(f"{name}: {rows[-1]}")

@@ -236,7 +236,7 @@ def _parser():
 
 # Where each block type keeps its f16 scale(s), in bytes of a block (ggml-common.h's layouts).
 SCALE_BYTES = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q3_K": (108, 110), "Q2_K": (80, 84),
-               "IQ4_NL": (0, 2)}
+               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2), "IQ3_S": (0, 2), "IQ2_XXS": (0, 2)}
 
 
 def write_gguf(path, arch="llama", *, drop=(), extra=None, kv=None, raw=None, encode=None, n_layers=1, values=None,
@@ -358,9 +358,9 @@ class RefusalTests:
             self.convert(tmp_path, source)
 
     def test_unsupported_tensor_type_is_named(self, tmp_path):
-        """A Q2_K tensor: refused naming the tensor, its type, the types kept and the --type to use."""
-        source = write_gguf(tmp_path / "m.gguf", dim=256, raw={"blk.0.ffn_gate.weight": "Q2_K"})
-        with pytest.raises(ConvertError, match=r"blk\.0\.ffn_gate\.weight has type Q2_K, which krafla does not "
+        """An IQ3_S tensor: refused naming the tensor, its type, the types kept and the --type to use."""
+        source = write_gguf(tmp_path / "m.gguf", dim=256, raw={"blk.0.ffn_gate.weight": "IQ3_S"})
+        with pytest.raises(ConvertError, match=r"blk\.0\.ffn_gate\.weight has type IQ3_S, which krafla does not "
                                                r"compute on \(it keeps .*Q4_K.*\); convert with --type q8_0"):
             self.convert(tmp_path, source)
 

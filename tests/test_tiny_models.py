@@ -139,7 +139,7 @@ class TinyModelLayoutTests:
         path = tmp_path / "m.mlb"
         cases = [
             (dict(arch="mamba"), "not 'mamba'"),
-            (dict(weight_type="q2_K"), "weight_type"),
+            (dict(weight_type="iq3_s"), "weight_type"),
             (dict(weight_type="q4_0", dim=48), "dim = 48 must be a multiple of 32"),
             (dict(weight_type="q8_0", ffn_dim=40), "ffn_dim = 40"),
             (dict(weight_type="q4_K", dim=128), "dim = 128 must be a multiple of 256"),

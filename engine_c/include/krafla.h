@@ -57,12 +57,14 @@ int kr_weight_type_supported(int32_t type);
 
 typedef enum { KR_META_INT = 1, KR_META_FLOAT = 2, KR_META_STR = 3, KR_META_INTS = 4, KR_META_FLOATS = 5 } kr_meta_kind;
 
-// Block types after KR_U8 are ggml's layouts byte for byte (docs/formats.md): q4_1, q5_0, q5_1 in
-// blocks of 32, the k-quants q4_K, q5_K, q6_K in super-blocks of 256.
+// Block types after KR_U8 are ggml's layouts byte for byte (docs/formats.md): q4_1, q5_0, q5_1,
+// iq4_nl and mxfp4 in blocks of 32, the k-quants q2_K, q3_K, q4_K, q5_K, q6_K and iq4_xs in
+// super-blocks of 256.
 typedef enum {
     KR_F32 = 0, KR_F16 = 1, KR_BF16 = 2, KR_Q8_0 = 3, KR_Q4_0 = 4, KR_I32 = 5, KR_U8 = 6,
     KR_Q4_1 = 7, KR_Q5_0 = 8, KR_Q5_1 = 9, KR_Q4_K = 10, KR_Q5_K = 11, KR_Q6_K = 12,
-    KR_TYPE_COUNT = 13,
+    KR_Q2_K = 13, KR_Q3_K = 14, KR_IQ4_NL = 15, KR_IQ4_XS = 16, KR_MXFP4 = 17,
+    KR_TYPE_COUNT = 18,
 } kr_type;
 
 typedef struct kr_file kr_file;
@@ -373,8 +375,9 @@ int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *
 // quant_ref.c, f16.c, legacy_ref.c, kquant_ref.c) or KR_KERNEL_AVX2 (kernels_avx2.c;
 // KR_ERR_UNSUPPORTED in an ISA=generic build). Every size and type is checked; a bad one is
 // KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0, KR_Q4_0, KR_Q4_1, KR_Q5_0,
-// KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K; q8_0/q4_0/q4_1/q5_0/q5_1 rows are whole blocks of 32,
-// k-quant rows of 256.
+// KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K, KR_Q2_K, KR_Q3_K, KR_IQ4_NL, KR_IQ4_XS, KR_MXFP4;
+// q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl/mxfp4 rows are whole blocks of 32, k-quant and iq4_xs rows of 256.
+// q2_K, q3_K, iq4_nl, iq4_xs and mxfp4 (kernels/lowbit.h) are not packed: kr_test_pack refuses them.
 
 #define KR_KERNEL_DISPATCH 0
 #define KR_KERNEL_REFERENCE 1

@@ -3,9 +3,9 @@
 `convert_gguf(src, out_mlb, out_mlt, type_name)` reads a GGUF file with gguf-py's reader and
 maps the architecture's hyperparameters to the metadata keys of docs/formats.md. With type_name
 None (the default) every matrix keeps the file's type: its blocks are copied byte for byte
-(f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K; ggml's layouts, docs/formats.md),
-nothing is dequantized and quantized again; a matrix of another type (IQ-quants, Q2_K, Q3_K, ...)
-is refused with a message naming it and the --type to use. With a type_name, every tensor is
+(f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs,
+mxfp4; ggml's layouts, docs/formats.md), nothing is dequantized and quantized again; a matrix of
+another type (IQ2_XXS, IQ3_S, ...) is refused with a message naming it and the --type to use. With a type_name, every tensor is
 dequantized (krafla_twisted/convert/quantize.py; gguf-py's dequantizers for the types ours lack)
 and the matrices are quantized to that type. Vectors (norms, biases) are f32 either way. Tensor
 names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up are split into the llama names, by
@@ -26,19 +26,25 @@ import numpy as np
 from krafla_twisted.convert import quantize
 from krafla_twisted.engine import formats
 
-OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0")  # what --type requantizes to
+OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q3_K", "iq4_nl", "iq4_xs", "mxfp4")  # what --type requantizes to
+# Types of 32-weight blocks and of 256-weight super-blocks among them: a matrix whose rows do not split
+# into its type's blocks falls back as llama-quantize does (super-blocks to iq4_nl, then f16).
+_SUPER_BLOCK_FALLBACK = "iq4_nl"
 # GGUF type -> the krafla type its blocks are copied as (the same bytes) when the file's types are kept
 KEPT_TYPES = {
     "F32": formats.F32, "F16": formats.F16, "BF16": formats.BF16, "Q8_0": formats.Q8_0, "Q4_0": formats.Q4_0,
     "Q4_1": formats.Q4_1, "Q5_0": formats.Q5_0, "Q5_1": formats.Q5_1,
     "Q4_K": formats.Q4_K, "Q5_K": formats.Q5_K, "Q6_K": formats.Q6_K,
+    "Q2_K": formats.Q2_K, "Q3_K": formats.Q3_K, "IQ4_NL": formats.IQ4_NL, "IQ4_XS": formats.IQ4_XS,
+    "MXFP4": formats.MXFP4,
 }
 _CHUNK_WEIGHTS = 1 << 23  # weights dequantized at once: bounds the converter's extra memory
 # Byte offsets of the f16 scales (d; m or dmin) in a block of each kept block type (docs/formats.md).
 # Every weight is d * q (- dmin * m, + m) with small integers q and m, so the block's weights are
-# all finite exactly when these floats are.
+# all finite exactly when these floats are. MXFP4's scale is an E8M0 byte, finite for every value.
 _SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
+                  "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
 
 
 class ConvertError(ValueError):
@@ -305,13 +311,16 @@ def _split_fused(metadata):
 
 
 def _output_type(name, shape, type_name, tied):
-    """The krafla type a tensor is stored as: vectors f32; the head (or tied embedding) q8_0 under q4_0."""
+    """The krafla type a tensor is stored as: vectors f32; the head (or tied embedding) q8_0 under the
+    types of 4 bits and fewer; rows that do not split into the type's blocks as llama-quantize does."""
     if len(shape) == 1 or type_name == "f32":
         return formats.F32
-    if shape[-1] % quantize.QK and type_name in ("q8_0", "q4_0"):
-        return formats.F16  # rows that do not split into 32-weight blocks
-    if type_name == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
-        return formats.Q8_0
+    if type_name not in ("f16", "q8_0") and (name == "output.weight" or (tied and name == "token_embd.weight")):
+        type_name = "q8_0"
+    if shape[-1] % formats.TENSOR_TYPES_BY_NAME[type_name].block:
+        type_name = _SUPER_BLOCK_FALLBACK if type_name in ("q2_K", "q3_K", "iq4_xs") else "f16"
+        if shape[-1] % formats.TENSOR_TYPES_BY_NAME[type_name].block:
+            type_name = "f16"  # rows that do not split into 32-weight blocks
     return formats.TENSOR_TYPES_BY_NAME[type_name]
 
 

@@ -1,4 +1,5 @@
-"""numpy dequantizers for GGUF's block types and quantizers to krafla's q8_0 and q4_0.
+"""numpy dequantizers for GGUF's block types and quantizers to krafla's q8_0, q4_0 and the low-bit
+types q2_K, q3_K, iq4_nl, iq4_xs and mxfp4.
 
 Written from ggml's block layouts (ggml-common.h / ggml-quants.c). Every function works on rows:
 a block type's raw data is a uint8 array of shape (rows, row_bytes) and the float data is
@@ -16,6 +17,11 @@ Block layouts (QK_K = 256 weights per super-block):
     Q5_K 256 w, 176 B: f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
     Q6_K 256 w, 210 B: u8 ql[128], u8 qh[64], i8 scales[16], f16 d
     Q8_K 256 w, 292 B: f32 d, i8 qs[256], i16 bsums[16]
+    Q2_K 256 w, 84 B:  u8 scales[16] (4-bit scale | 4-bit min << 4, per 16 w), u8 qs[64] (2 bits), f16 d, f16 dmin
+    Q3_K 256 w, 110 B: u8 hmask[32], u8 qs[64] (2 bits), u8 scales[12] (16 x 6-bit), f16 d
+    IQ4_NL 32 w, 18 B: f16 d, u8 qs[16]              w = d * kvalues_iq4nl[nibble]
+    IQ4_XS 256 w, 136 B: f16 d, u16 scales_h, u8 scales_l[4] (8 x 6-bit, per 32 w), u8 qs[128]
+    MXFP4  32 w, 17 B: u8 e (E8M0), u8 qs[16]        w = 2^(e - 128) * kvalues_mxfp4[nibble]
 
 In the 4-bit types byte j of qs holds weight j in its low nibble and weight j + 16 (of the same
 32-weight block) in its high nibble. The K-quants split a super-block into 32-weight sub-blocks,
@@ -41,6 +47,11 @@ BLOCKS = {
     "Q5_K": (QK_K, 176),
     "Q6_K": (QK_K, 210),
     "Q8_K": (QK_K, 292),
+    "Q2_K": (QK_K, 84),
+    "Q3_K": (QK_K, 110),
+    "IQ4_NL": (QK, 18),
+    "IQ4_XS": (QK_K, 136),
+    "MXFP4": (QK, 17),
 }
 
 
@@ -313,8 +324,180 @@ def to_f16(x):
         return np.ascontiguousarray(x.astype("<f2")).view(np.uint8).reshape(x.shape[0], -1)
 
 
+# ---------------------------------------------------------------------------------------------
+# The low-bit types (engine_c/src/kernels/lowbit.h). Straightforward quantizers: each block's scales
+# from its extremes (iq4_nl and iq4_xs refined once by least squares), every weight to the nearest
+# level its block can hold. They write ggml's layouts, which gguf-py and llama.cpp read.
+
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def _check_super_rows(x):
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"expected a 2-D float32 array, got {x.dtype} {x.shape}")
+    if x.shape[1] % QK_K:
+        raise ValueError(f"{x.shape[1]} weights per row is not a multiple of {QK_K}")
+    return np.ascontiguousarray(x).reshape(-1, QK_K)
+
+
+def _f16_round(x):
+    """float32 -> the nearest f16, back as float32 (what a stored scale is)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype("<f2").astype(np.float32)
+
+
+def _f16_bytes(x):
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(np.asarray(x, np.float32).astype("<f2")).view(np.uint8).reshape(-1, 2)
+
+
+def _safe_divide(x, d):
+    """x / d, 0 where d is 0."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.where(d == 0, np.float32(0), x / np.where(d == 0, np.float32(1), d)).astype(np.float32)
+
+
+def _signed_max(x):
+    """The element of largest magnitude along the last axis (the first on ties), with its sign."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _nearest(scaled, grid):
+    """Index into the sorted `grid` of the value nearest each of `scaled`, the lower on ties."""
+    return np.abs(scaled[..., None] - grid).argmin(axis=-1).astype(np.uint8)
+
+
+def _pack_nibbles(indices):
+    """(..., 32) indices -> (..., 16) bytes: byte l holds index l (low nibble) and l + 16 (high)."""
+    return (indices[..., :16] | (indices[..., 16:] << 4)).astype(np.uint8)
+
+
+def _grid_scale(x):
+    """A float scale per group of the last axis for the iq4_nl grid: the largest magnitude maps to -127,
+    then one least-squares step with the levels it picked, keeping whichever gives less error."""
+    first = _signed_max(x) / np.float32(-127)
+    levels = KVALUES_IQ4NL[_nearest(_safe_divide(x, first[..., None]), KVALUES_IQ4NL)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fitted = ((levels * x).sum(axis=-1) / (levels * levels).sum(axis=-1)).astype(np.float32)
+    candidates = []
+    for d in (first, np.where(np.isfinite(fitted), fitted, first).astype(np.float32)):
+        chosen = KVALUES_IQ4NL[_nearest(_safe_divide(x, d[..., None]), KVALUES_IQ4NL)]
+        candidates.append((((d[..., None] * chosen - x) ** 2).sum(axis=-1), d))
+    return np.where(candidates[1][0] < candidates[0][0], candidates[1][1], candidates[0][1]).astype(np.float32)
+
+
+def quantize_iq4_nl(x):
+    """float32 (rows, n) -> iq4_nl bytes (rows, n / 32 * 18): per block of 32 an f16 scale d and the
+    nearest of d * kvalues_iq4nl for each weight."""
+    blocks = _check_rows(x)
+    d = _f16_round(_grid_scale(blocks))
+    indices = _nearest(_safe_divide(blocks, d[:, None]), KVALUES_IQ4NL)
+    out = np.empty((blocks.shape[0], 18), np.uint8)
+    out[:, 0:2] = _f16_bytes(d)
+    out[:, 2:] = _pack_nibbles(indices)
+    return out.reshape(x.shape[0], -1)
+
+
+def quantize_iq4_xs(x):
+    """float32 (rows, n) -> iq4_xs bytes (rows, n / 256 * 136): sub-blocks of 32 take iq4_nl's grid with
+    a 6-bit scale (-32..31) of one f16 d per 256 weights."""
+    blocks = _check_super_rows(x)
+    sub = blocks.reshape(-1, 8, 32)
+    scales = _grid_scale(sub)
+    d = _f16_round(_signed_max(scales) / np.float32(-32))
+    levels = np.clip(np.rint(_safe_divide(scales, d[:, None])), -32, 31).astype(np.int32)
+    sub_scale = d[:, None] * levels.astype(np.float32)  # the engine's d * scale
+    indices = _nearest(_safe_divide(sub, sub_scale[:, :, None]), KVALUES_IQ4NL)
+    stored = (levels + 32).astype(np.uint32)
+    out = np.empty((blocks.shape[0], 136), np.uint8)
+    out[:, 0:2] = _f16_bytes(d)
+    scales_h = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint32))).sum(axis=1).astype("<u2")
+    out[:, 2:4] = scales_h.view(np.uint8).reshape(-1, 2)
+    low = (stored & 15).astype(np.uint8)
+    out[:, 4:8] = low[:, 0::2] | (low[:, 1::2] << 4)
+    out[:, 8:] = _pack_nibbles(indices).reshape(-1, 128)
+    return out.reshape(x.shape[0], -1)
+
+
+def quantize_mxfp4(x):
+    """float32 (rows, n) -> mxfp4 bytes (rows, n / 32 * 17): the OCP microscaling choice of exponent,
+    e = floor(log2(max |x|)) - 2 + 127 (0 for a zero block), and the nearest of 2^(e - 128) *
+    kvalues_mxfp4 for each weight (the first index on ties)."""
+    blocks = _check_rows(x)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2 + 127, 0)
+    e = np.clip(e, 0, 254).astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    d = bits.view(np.float32)
+    errors = np.abs(d[:, None, None] * KVALUES_MXFP4 - blocks[:, :, None])
+    indices = errors.argmin(axis=-1).astype(np.uint8)
+    out = np.empty((blocks.shape[0], 17), np.uint8)
+    out[:, 0] = e.astype(np.uint8)
+    out[:, 1:] = _pack_nibbles(indices)
+    return out.reshape(x.shape[0], -1)
+
+
+def _pack_two_bits(q):
+    """(n, 256) values 0..3 -> (n, 64) bytes: byte 32h + l holds weight 128h + 32s + l in bits 2s."""
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def quantize_q2_K(x):
+    """float32 (rows, n) -> q2_K bytes (rows, n / 256 * 84): per 16 weights an affine 2-bit grid from
+    min(min, 0) to the max, its scale and min in 4 bits of one f16 d and dmin per 256 weights."""
+    blocks = _check_super_rows(x)
+    sub = blocks.reshape(-1, 16, 16)
+    low = np.minimum(sub.min(axis=2), 0)
+    scale = (sub.max(axis=2) - low) / np.float32(3)
+    mins = -low
+    d = _f16_round(scale.max(axis=1) / np.float32(15))
+    dmin = _f16_round(mins.max(axis=1) / np.float32(15))
+    sc = np.clip(np.rint(_safe_divide(scale, d[:, None])), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(_safe_divide(mins, dmin[:, None])), 0, 15).astype(np.uint8)
+    step = d[:, None] * sc.astype(np.float32)
+    offset = dmin[:, None] * m.astype(np.float32)
+    q = np.clip(np.rint(_safe_divide(sub + offset[:, :, None], step[:, :, None])), 0, 3)
+    out = np.empty((blocks.shape[0], 84), np.uint8)
+    out[:, 0:16] = sc | (m << 4)
+    out[:, 16:80] = _pack_two_bits(q.reshape(-1, QK_K))
+    out[:, 80:82] = _f16_bytes(d)
+    out[:, 82:84] = _f16_bytes(dmin)
+    return out.reshape(x.shape[0], -1)
+
+
+def quantize_q3_K(x):
+    """float32 (rows, n) -> q3_K bytes (rows, n / 256 * 110): per 16 weights the levels -4..3 of a scale
+    that maps the largest magnitude to -4, in 6 bits (-32..31) of one f16 d per 256 weights."""
+    blocks = _check_super_rows(x)
+    sub = blocks.reshape(-1, 16, 16)
+    scale = _signed_max(sub) / np.float32(-4)
+    d = _f16_round(_signed_max(scale) / np.float32(-32))
+    levels = np.clip(np.rint(_safe_divide(scale, d[:, None])), -32, 31).astype(np.int32)
+    step = d[:, None] * levels.astype(np.float32)
+    q = (np.clip(np.rint(_safe_divide(sub, step[:, :, None])), -4, 3) + 4).astype(np.uint8).reshape(-1, QK_K)
+    out = np.zeros((blocks.shape[0], 110), np.uint8)
+    high = (q >> 2).reshape(-1, 8, 32)  # weight 32k + l: bit k of hmask[l]
+    out[:, 0:32] = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    out[:, 32:96] = _pack_two_bits(q & 3)
+    stored = (levels + 32).astype(np.uint8)
+    out[:, 96:104] = (stored[:, :8] & 15) | ((stored[:, 8:] & 15) << 4)
+    top = (stored >> 4).reshape(-1, 4, 4)  # scale j: bits 2 (j // 4) of byte 8 + j % 4
+    out[:, 104:108] = (top << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(axis=1).astype(np.uint8)
+    out[:, 108:110] = _f16_bytes(d)
+    return out.reshape(x.shape[0], -1)
+
+
 QUANTIZERS = {
     "q8_0": quantize_q8_0,
     "q4_0": quantize_q4_0,
     "f16": to_f16,
+    "q2_K": quantize_q2_K,
+    "q3_K": quantize_q3_K,
+    "iq4_nl": quantize_iq4_nl,
+    "iq4_xs": quantize_iq4_xs,
+    "mxfp4": quantize_mxfp4,
 }

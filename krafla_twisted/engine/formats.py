@@ -87,7 +87,20 @@ Q5_1 = TensorType(header.KR_Q5_1, "q5_1", 32, 24, None)
 Q4_K = TensorType(header.KR_Q4_K, "q4_K", 256, 144, None)
 Q5_K = TensorType(header.KR_Q5_K, "q5_K", 256, 176, None)
 Q6_K = TensorType(header.KR_Q6_K, "q6_K", 256, 210, None)
-TENSOR_TYPES = {t.code: t for t in (F32, F16, BF16, Q8_0, Q4_0, I32, U8, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
+# The low-bit types (engine_c/src/kernels/lowbit.h):
+# Q2_K: 16 bytes of 4-bit scales and mins (sub-blocks of 16), 64 bytes of 2-bit quants, f16 d, f16 dmin.
+# Q3_K: 32 bytes of high bits (hmask), 64 bytes of 2-bit quants, 12 bytes of 6-bit scales, f16 d.
+# IQ4_NL: f16 d, 16 bytes of nibbles indexing ggml's non-linear grid kvalues_iq4nl.
+# IQ4_XS: super-blocks of 256 = f16 d, u16 scales_h, 4 bytes scales_l (6-bit scales of 8 sub-blocks
+#   of 32), 128 bytes of nibbles indexing kvalues_iq4nl.
+# MXFP4: an E8M0 exponent byte, 16 bytes of e2m1 nibbles (OCP microscaling).
+Q2_K = TensorType(header.KR_Q2_K, "q2_K", 256, 84, None)
+Q3_K = TensorType(header.KR_Q3_K, "q3_K", 256, 110, None)
+IQ4_NL = TensorType(header.KR_IQ4_NL, "iq4_nl", 32, 18, None)
+IQ4_XS = TensorType(header.KR_IQ4_XS, "iq4_xs", 256, 136, None)
+MXFP4 = TensorType(header.KR_MXFP4, "mxfp4", 32, 17, None)
+TENSOR_TYPES = {t.code: t for t in (F32, F16, BF16, Q8_0, Q4_0, I32, U8, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+                                    Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4)}
 TENSOR_TYPES_BY_NAME = {t.name: t for t in TENSOR_TYPES.values()}
 
 

@@ -15,7 +15,8 @@ from krafla_twisted.engine import clib, formats, header
 IMPLEMENTATIONS = {name.lower(): code for name, code in header.members("KR_KERNEL_").items()}
 # The weight types the test entry points take (krafla.h, "Kernels (tests)").
 WEIGHT_TYPES = {name: formats.TENSOR_TYPES_BY_NAME[name].code
-                for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")}
+                for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K",
+                             "q2_K", "q3_K", "iq4_nl", "iq4_xs", "mxfp4")}
 BLOCK = formats.Q8_0.block
 BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
 # k-quants: super-blocks of 256 weights (kernels.h, "k-quants")

@@ -7,18 +7,23 @@
 
 typedef enum { ACTIVATIONS_F32, ACTIVATIONS_Q8_0, ACTIVATIONS_Q8_SUM, ACTIVATIONS_Q8_K } activation_kind;
 
-// q4_0 and its family (legacy.h) take the same prepared blocks; float weights, and types without
-// kernels, the f32 rows.
+// q4_0 and its family (legacy.h), iq4_nl and mxfp4 take the same prepared blocks; the k-quants and
+// iq4_xs q8_K; float weights, and types without kernels, the f32 rows.
 static activation_kind activations_of(int32_t weight_type) {
     switch (weight_type) {
     case KR_Q8_0: return ACTIVATIONS_Q8_0;
     case KR_Q4_0:
     case KR_Q4_1:
     case KR_Q5_0:
-    case KR_Q5_1: return ACTIVATIONS_Q8_SUM;
+    case KR_Q5_1:
+    case KR_IQ4_NL:
+    case KR_MXFP4: return ACTIVATIONS_Q8_SUM;
     case KR_Q4_K:
     case KR_Q5_K:
-    case KR_Q6_K: return ACTIVATIONS_Q8_K;
+    case KR_Q6_K:
+    case KR_Q2_K:
+    case KR_Q3_K:
+    case KR_IQ4_XS: return ACTIVATIONS_Q8_K;
     default: return ACTIVATIONS_F32;
     }
 }

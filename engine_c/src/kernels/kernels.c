@@ -5,6 +5,7 @@
 #include "kernels/deltanet.h"
 #include "kernels/kernels.h"
 #include "kernels/legacy.h"
+#include "kernels/lowbit.h"
 
 #include <string.h>
 
@@ -91,6 +92,11 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n) {
     case KR_Q4_K:
     case KR_Q5_K:
     case KR_Q6_K: kr_dequantize_row_kquant(type, row, out, n); break;
+    case KR_Q2_K:
+    case KR_Q3_K:
+    case KR_IQ4_NL:
+    case KR_IQ4_XS:
+    case KR_MXFP4: kr_dequantize_row_lowbit(type, row, out, n); break;
     default:
         // kr_kernel_type_supported() is checked where a tensor's type enters; nothing to do here
         break;
@@ -199,7 +205,8 @@ int kr_test_quantize_q8_0(int impl, const float *x, void *blocks, int64_t n, kr_
 static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
     if (!kr_kernel_type_supported(type))
         return kr_fail(err, KR_ERR_ARGUMENT,
-                       "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K",
+                       "weight type %d (%s) has no kernels; expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, "
+                       "q2_K, q3_K, iq4_nl, iq4_xs or mxfp4",
                        type, kr_type_name(type) ? kr_type_name(type) : "unknown");
     return check_count("cols", cols, kr_kernel_type_block(type), err);
 }

@@ -12,6 +12,7 @@
 // (legacy.h).
 #include "kernels/kernels.h"
 #include "kernels/legacy.h"
+#include "kernels/lowbit.h"
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
@@ -321,6 +322,10 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
     }
     if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
         kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+    if (kr_is_lowbit(weight_type)) {  // q2_K, q3_K, iq4_nl, iq4_xs, mxfp4: lowbit_avx2.c
+        kr_matmul_lowbit_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
     kr_matmul_row_tiles(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,

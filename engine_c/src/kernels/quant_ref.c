@@ -18,6 +18,7 @@
 // any number of rows side by side, and still give these bits.
 #include "kernels/kernels.h"
 #include "kernels/legacy.h"
+#include "kernels/lowbit.h"
 #include "krafla.h"
 
 #include <math.h>
@@ -274,6 +275,11 @@ void kr_matmul_ref(int32_t weight_type, const void *w, int64_t cols, const void 
             case KR_Q4_K:
             case KR_Q5_K:
             case KR_Q6_K: value = kr_dot_kquant_ref(weight_type, wr, a, cols); break;
+            case KR_Q2_K:
+            case KR_Q3_K:
+            case KR_IQ4_NL:
+            case KR_IQ4_XS:
+            case KR_MXFP4: value = kr_dot_lowbit_ref(weight_type, wr, a, cols); break;
             default: break;  // kr_kernel_type_supported() is checked where a tensor's type enters
             }
             out[t * out_stride + r] = value;

@@ -20,15 +20,16 @@ typedef struct {
 // Indexed by kr_type. Hidden: not exported from the library, and read without a GOT load.
 extern const kr_type_traits kr_types[KR_TYPE_COUNT] __attribute__((visibility("hidden")));
 
-// The weight types the kernels take (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and the k-quants):
+// The weight types the kernels take (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, the k-quants and
+// the low-bit q2_K, q3_K, iq4_nl, iq4_xs, mxfp4):
 // check a tensor's type with this where it enters; the kernels themselves do not check.
 int kr_kernel_type_supported(int32_t type);
-// Weights per block of such a type (1 for f32, f16, bf16; 32; 256 for the k-quants): a row's
+// Weights per block of such a type (1 for f32, f16, bf16; 32; 256 for the k-quants and iq4_xs): a row's
 // columns are a multiple of it. 0 for other types.
 int64_t kr_kernel_type_block(int32_t type);
 // Bytes of one weight row of `cols` (a multiple of the type's block), 0 for other types.
 size_t kr_weight_row_bytes(int32_t type, int64_t cols);
-// q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and the k-quants.
+// q4_0, q8_0, q4_1, q5_0, q5_1 (legacy.h's layout) and q4_K, q5_K, q6_K (not the low-bit types).
 int kr_packable(int32_t weight_type);
 
 #endif
