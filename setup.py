@@ -57,6 +57,7 @@ setup(
             "ollama>=0.4", "langchain-ollama>=0.2",
             "anthropic>=0.40",  # tests: the anthropic SDK drives /v1/messages (owner: anthropic API)
             "openai-agents>=0.2",  # tests: the Agents SDK's default Responses model drives /v1/responses (owner: responses)
+            "smolagents>=1.20",  # tests: its ToolCallingAgent and CodeAgent against a real server (owner: structured)
         ],
     },
     entry_points={"console_scripts": ["krafla=krafla_twisted.cli.main:main"]},

@@ -36,7 +36,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 STRING_MAX_LENGTH = 200        # characters in a string
 KEY_MAX_LENGTH = 40            # characters in a key of an object whose keys the schema leaves free
 ARRAY_MAX_ITEMS = 16
-OBJECT_MAX_PROPERTIES = 16     # keys of an object that may hold keys beyond its `properties`
+OBJECT_MAX_PROPERTIES = 16     # keys of an object whose schema names none
 NUMBER_LIMIT = 10 ** 15        # |number| <= 1e15: at most 16 digits before the point, no exponent
 NUMBER_STEP = 1e-6             # a number's multipleOf: at most 6 digits after the point
 FREE_VALUE_DEPTH = 2           # a value of any type ({}, json_object's values) nests arrays/objects this deep
@@ -131,10 +131,10 @@ def bounded(schema, level=0):
     array without maxItems at most ARRAY_MAX_ITEMS items; a number or integer without a minimum or
     maximum within +-NUMBER_LIMIT, and a number without multipleOf a multiple of NUMBER_STEP; an
     object with `properties` and no `additionalProperties` only those properties (as llama.cpp's
-    grammar reads it); an object that may hold other keys at most OBJECT_MAX_PROPERTIES of them
-    (keys of at most KEY_MAX_LENGTH characters when it names none); a value of any type
-    (`{}`, `true`) free_value(). A bound never goes below the schema's own minimum (minLength,
-    minItems, required, ...), so no satisfiable schema becomes unsatisfiable."""
+    grammar reads it); an object that names no keys at most OBJECT_MAX_PROPERTIES keys of at most
+    KEY_MAX_LENGTH characters; the other values of an object that allows other keys, and a value of
+    any type (`{}`, `true`), free_value(). A bound never goes below the schema's own minimum
+    (minLength, minItems, ...), so no satisfiable schema becomes unsatisfiable."""
     if level > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels")
     if schema is True:
@@ -187,21 +187,16 @@ def _bound_array(schema, out):
 def _bound_object(schema, out):
     properties = schema.get("properties")
     patterns = schema.get("patternProperties")
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    additional = schema.get("additionalProperties", True)
     if "additionalProperties" not in schema and properties and not patterns:
         out["additionalProperties"] = False
-    if out.get("additionalProperties") is False:
-        if patterns and "maxProperties" not in schema:
-            out["maxProperties"] = max(OBJECT_MAX_PROPERTIES, _count(schema.get("minProperties")), len(required),
-                                       len(properties or ()))
-        return
-    if not properties and not patterns and not required and schema.get("additionalProperties", True) is True:
+    elif not properties and not patterns and not schema.get("required") and additional is True:
         out.update({key: value for key, value in _free_object(free_value()).items() if key != "type"})
-    elif schema.get("additionalProperties", True) is True:
+        out["maxProperties"] = schema.get("maxProperties", max(OBJECT_MAX_PROPERTIES, _count(schema.get("minProperties"))))
+    elif additional is True:
+        # other keys stay allowed, their values bounded (llguidance 1.9 refuses every object when
+        # maxProperties is given beside properties, so their number is not bounded here)
         out["additionalProperties"] = free_value()
-    if "maxProperties" not in schema:
-        out["maxProperties"] = max(OBJECT_MAX_PROPERTIES, _count(schema.get("minProperties")), len(required),
-                                   len(properties or ()))
 
 
 def _bound_number(schema, out, fractions):
