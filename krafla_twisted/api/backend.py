@@ -83,7 +83,8 @@ class Backend:
         return tuple((piece(e.token), e.logprob, tuple((piece(t), value) for t, value in e.top)) for e in entries)
 
     def constraint(self, completion):
-        """The grammar.Constraint a request's response_format or tool_choice asks for, or None.
+        """(the grammar.Constraint a request's response_format or tool_choice asks for, or None;
+        whether the whole reply is JSON that Constraint.close_within may close).
         This must be called in the worker thread (a tokenizer's first grammar builds its vocabulary)."""
         if completion.requires_call:
             only = None if completion.tool_choice == "required" else completion.tool_choice
@@ -91,23 +92,36 @@ class Backend:
             thinking = bool(getattr(self.template, "thinking", False))
             text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
                                             thinking=thinking)
-            source, param = grammar.lark_grammar(text), "tools"
-        elif completion.response_format is not None:
-            schema = completion.response_format.get("schema", {"type": "object"})
-            if completion.response_format["type"] == "json_object":
-                schema = {"type": "object"}
+            return self._constraint(grammar.lark_grammar(text), "tools"), not thinking
+        if completion.response_format is not None:
             param = "response_format"
+            if completion.response_format["type"] == "json_object":
+                return self._json_object_constraint(completion), True
             try:
-                source = grammar.json_schema_grammar(schema)
+                source = grammar.json_schema_grammar(completion.response_format["schema"])
             except grammar.GrammarError as e:
                 raise InvalidRequest(str(e), param=param) from None
-        elif completion.tools and completion.tool_choice == "auto" and getattr(self.tool_format, "constrains_text",
-                                                                               False):
+            return self._constraint(source, param), True
+        if completion.tools and completion.tool_choice == "auto" and getattr(self.tool_format, "constrains_text", False):
             # the generic format: the reply is a plain text or a call
             text = self.tool_format.grammar(completion.tools, parallel=completion.parallel_tool_calls, text=True)
-            source, param = grammar.lark_grammar(text), "tools"
-        else:
-            return None
+            return self._constraint(grammar.lark_grammar(text), "tools"), False
+        return None, False
+
+    def _json_object_constraint(self, completion):
+        """json_object: an object valid against the JSON schema of an object that the system or user
+        messages write (as instructor's JSON mode and pydantic-ai's prompted output put it there), or
+        any object when they write none or it cannot be used (docs/api.md, "Structured output")."""
+        texts = [m["content"] for m in completion.messages if m["role"] in ("system", "developer", "user")]
+        found = grammar.schema_in_texts(texts)
+        if found is not None:
+            try:
+                return self._constraint(grammar.json_schema_grammar(found), "response_format")
+            except (grammar.GrammarError, InvalidRequest):
+                pass   # the prompt's schema is a hint the client did not send as one: fall back to any object
+        return self._constraint(grammar.json_schema_grammar({"type": "object"}), "response_format")
+
+    def _constraint(self, source, param):
         try:
             vocabulary = grammar.Vocabulary.of(self.tokenizer, self.runtime.stop_token_ids)
             return grammar.Constraint(vocabulary, source)
@@ -125,7 +139,7 @@ class Backend:
             raise InvalidRequest(str(e), param="tools" if no_format else param) from None
         except ValueError as e:  # an empty prompt, a token id the engine refuses
             raise InvalidRequest(str(e), param=param) from None
-        constraint = self.constraint(completion)
+        constraint, closes = self.constraint(completion)
         if on_logprobs is not None:
             streamed, on_logprobs = on_logprobs, lambda entries: streamed(self.logprob_pieces(entries))
         max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
@@ -143,6 +157,8 @@ class Backend:
                 logprobs=completion.logprobs,
                 on_logprobs=on_logprobs,
             )
+        if closes:
+            constraint.close_within(generation.limit)
 
         def conclude(finished):
             with self._request_errors(completion):
