@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from krafla_twisted.convert import gguf as gguf_convert
+from krafla_twisted.convert import moe
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError
 from krafla_twisted.engine import formats
 
@@ -149,7 +150,7 @@ def _load_config(folder):
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
          "qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3": "qwen3", "mistral": "mistral",
-         "phi3": "phi3", "smollm3": "smollm3"}
+         "phi3": "phi3", "smollm3": "smollm3", **moe.HF_MODEL_TYPES}
 
 
 def llama3_rope_factors(theta, rope_dims, factor, low_freq_factor, high_freq_factor, original_context):
@@ -308,6 +309,8 @@ def hyperparameters(config, path="<config>"):
         })
         if metadata["linear_v_heads"] % metadata["linear_k_heads"]:
             raise ConvertError(f"{path}: linear value heads are not a multiple of linear key heads")
+    if moe.is_moe(arch):
+        metadata.update(moe.hf_metadata(arch, text, path))
     return arch, text, metadata
 
 
@@ -405,6 +408,10 @@ def expected_shapes(metadata):
                 s.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
             if arch == "gemma3":
                 s.update({"post_attention_norm.weight": (dim,), "post_ffw_norm.weight": (dim,)})
+        if moe.is_moe(arch):  # the experts in place of the MLP
+            for dense in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+                del s[dense]
+            s.update(moe.layer_shapes(m))
         for name, shape in s.items():
             shapes[f"blk.{i}.{name}"] = shape
     return shapes
@@ -413,7 +420,7 @@ def expected_shapes(metadata):
 def _map_names(arch, names, path, metadata):
     """krafla name -> Hugging Face name (or, for a part of a fused matrix, its name, first row and
     rows); unknown tensors are an error, vision/MTP ones skipped."""
-    layer_names = _LAYER_NAMES[arch]
+    layer_names = _LAYER_NAMES.get(arch, {})  # the MoE architectures: moe.py's
     mapped, skipped, unknown = {}, [], []
     for hf_name in names:
         if hf_name.startswith(_SKIPPED):
@@ -435,6 +442,8 @@ def _map_names(arch, names, path, metadata):
             _, layer, suffix = rest.split(".", 2)
             if suffix in layer_names:
                 mapped[f"blk.{int(layer)}.{layer_names[suffix]}"] = hf_name
+            elif moe.is_moe(arch) and moe.map_hf_layer_tensor(int(layer), suffix, hf_name, metadata, mapped):
+                pass
             elif suffix in _FUSED.get(arch, {}):  # each part: (the fused matrix, first row, its rows)
                 parts = gguf_convert.fused_parts(metadata)[_FUSED[arch][suffix]]
                 total = sum(rows for _, rows in parts.values())
@@ -449,6 +458,7 @@ def _map_names(arch, names, path, metadata):
     if unknown:
         raise ConvertError(f"{path}: tensors krafla does not know for {arch}: {', '.join(unknown[:8])}"
                            + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    moe.finish_hf_mapping(mapped, metadata, path)
     return mapped
 
 
@@ -466,7 +476,7 @@ def _values(arch, name, values):
 def _output_type(name, shape, type_name, tied):
     if name.endswith("ssm_conv1d.weight"):
         return formats.F32
-    return gguf_convert._output_type(name, shape, type_name, tied)
+    return moe.output_type(name) or gguf_convert._output_type(name, shape, type_name, tied)
 
 
 def _convert_tensor(st, hf_name, arch, krafla_name, shape, tensor_type, src, fused=None):
@@ -592,10 +602,16 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             model.add("rope_freqs.weight", formats.F32, rope_freqs.shape, rope_freqs)
         for krafla_name in sorted(expected, key=gguf_convert._tensor_order):
             hf_name, fused = mapped[krafla_name], None
-            if isinstance(hf_name, tuple):  # a part of a fused matrix: (first row, rows of the whole)
-                hf_name, fused = hf_name[0], hf_name[1:]
             shape = expected[krafla_name]
             tensor_type = _output_type(krafla_name, shape, type_name, tied)
+            if isinstance(hf_name, moe.Stack):  # experts, one tensor each or fused: merged
+                model.add(krafla_name, tensor_type, shape,
+                          moe.convert_stack(where, hf_name, krafla_name, shape, tensor_type, gguf_convert._encode, src))
+                if bar is not None:
+                    bar.update(1)
+                continue
+            if isinstance(hf_name, tuple):  # a part of a fused matrix: (first row, rows of the whole)
+                hf_name, fused = hf_name[0], hf_name[1:]
             model.add(krafla_name, tensor_type, shape,
                       _convert_tensor(where[hf_name], hf_name, arch, krafla_name, shape, tensor_type, src, fused))
             if bar is not None:

@@ -215,13 +215,18 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
         size_t table = ((size_t)l->sliding * (size_t)s->n_batch + (size_t)t) * (size_t)half;
         const float *c = s->rope_cos + table, *sn = s->rope_sin + table;
         float *q = s->q + t * m->q_dim, *k = s->k + t * m->kv_dim, *v = s->v + t * m->kv_dim;
+        bool head_norms = !l->qk_norm_whole;
+        if (l->qk_norm_whole) {
+            rms_norm(q, l->q_norm, q, m->q_dim, h->norm_eps);
+            rms_norm(k, l->k_norm, k, m->kv_dim, h->norm_eps);
+        }
         for (int32_t head = 0; head < h->n_heads; head++) {
             if (l->gated) memcpy(q + head * hd, s->qg + t * 2 * m->q_dim + head * 2 * hd, (size_t)hd * sizeof(float));
-            if (l->q_norm) rms_norm(q + head * hd, l->q_norm, q + head * hd, hd, h->norm_eps);
+            if (l->q_norm && head_norms) rms_norm(q + head * hd, l->q_norm, q + head * hd, hd, h->norm_eps);
             if (!l->no_rope) rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
-            if (l->k_norm) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
+            if (l->k_norm && head_norms) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
             if (!l->no_rope) rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         kr_kv_cache *kv = &b->seq[t]->kv;

@@ -42,6 +42,7 @@ typedef struct {
     kr_matrix wq, wk, wv, wo;
     const float *bq, *bk, *bv;        // biases (qwen2) or NULL
     const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm or NULL
+    int32_t qk_norm_whole;            // 1: q_norm, k_norm are (q_dim,), (kv_dim,) over the whole projection (olmoe)
     int32_t sliding;                  // 1: sliding-window layer (the model's sliding_window, local RoPE)
     int32_t no_rope;                  // 1: q and k are not rotated (smollm3's every fourth layer)
     int32_t gated;
@@ -172,6 +173,8 @@ extern const kr_arch kr_arch_llama, kr_arch_qwen2, kr_arch_gemma3, kr_arch_qwen3
 extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smollm3;
 // issue 27: BERT-family encoders and cross-encoders (arch_bert.c)
 extern const kr_arch kr_arch_bert;
+// issue 28: the mixtures of experts (arch_moe.c, experts.c)
+extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe;
 
 // --- Sequences and scratch (session.c), for a step over several sequences
 
