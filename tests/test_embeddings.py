@@ -155,7 +155,7 @@ class EncoderTests:
             ids = runtime.tokenize(TEXTS["sentences"][0])
             full, short = runtime.embed([ids])[0], runtime.embed([ids], dimensions=8)[0]
             head = np.asarray(full[:8])
-            np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-12)
+            np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-6)  # float32 values
             with pytest.raises(EmbeddingError, match="1 to 32"):
                 runtime.embed([ids], dimensions=33)
             with pytest.raises(EmbeddingError, match="at most 64"):
@@ -163,13 +163,13 @@ class EncoderTests:
         finally:
             runtime.close()
 
-    def test_an_encoder_is_not_a_chat_model_and_back(self, converted, tmp_path):
-        """EmbeddingRuntime refuses a decoder's file; the chat session refuses the encoder's."""
+    def test_a_model_and_a_tokenizer_of_different_vocabularies_are_refused(self, converted, tmp_path):
+        """A decoder's file with the encoder's WordPiece tokenizer: the two vocabularies differ."""
         from tests.support.tiny_models import write_tiny_model
 
         decoder = tmp_path / "llama.mlb"
         write_tiny_model(decoder, "llama", seed=1)
-        with pytest.raises(EngineError, match="not an encoder"):
+        with pytest.raises(EmbeddingError, match="tokens, but"):
             EmbeddingRuntime.load(decoder, converted["tiny-bert"][1])
 
 
@@ -201,3 +201,48 @@ class RealMiniLMTests:
             runtime.close()
         for got, reference in zip(vectors, expected["embeddings"]):
             assert cosine(got, reference) >= COSINE
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """tests/data/embedders/tiny-qwen3 converted to f32."""
+    from krafla_twisted.convert.hf import convert_hf
+    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.mlb"
+    convert_hf(DATA / "tiny-qwen3", path, None, "f32", progress=False)
+    return path
+
+
+class DecoderEmbedderTests:
+    """A random Qwen3 (Qwen3-Embedding's architecture) made with transformers: the states after its
+    final norm, pooled by the last token or the mean, equal Qwen3Model's last_hidden_state."""
+
+    def test_pooled_states_equal_transformers(self, decoder):
+        lengths = EXPECTED["qwen3_lengths"]
+        ids = split(EXPECTED["qwen3_ids"], lengths)
+        hidden = split(EXPECTED["qwen3_hidden"], lengths)
+        with Model(decoder, threads=2) as model:
+            encoder = Encoder(model)
+            assert not encoder.is_encoder and encoder.n_labels == 0
+            for pooling, pick in (("last", lambda h: h[-1]), ("mean", lambda h: h.mean(0)), ("cls", lambda h: h[0]),
+                                  ("none", lambda h: h.reshape(-1))):
+                for row, states in zip(encoder.embed(ids, pooling), hidden):
+                    np.testing.assert_allclose(row, pick(states), atol=1e-5)
+                    assert cosine(row, pick(states)) >= COSINE
+
+    def test_steps_threads_and_company_do_not_change_the_bits(self, decoder):
+        """A 40-token sequence in steps of 512 or 7 tokens, alone or after others, 1 or 3 threads: same bits."""
+        ids = split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])
+        with Model(decoder, threads=1) as one, Model(decoder, threads=3) as three:
+            alone = Encoder(one).embed([ids[2]], "mean")[0].tobytes()
+            assert Encoder(three).embed(ids, "mean")[2].tobytes() == alone
+            narrow = Encoder(three)
+            narrow._session = three.session(ctx=64, batch=7)
+            assert narrow.embed([ids[0], ids[2]], "mean")[1].tobytes() == alone
+            with pytest.raises(EngineError, match="rank"):
+                narrow.embed([ids[0]], "rank")
+            with pytest.raises(InvalidTokenError, match="token types"):
+                narrow.embed([ids[0]], "last", token_types=[[0] * len(ids[0])])
+            with pytest.raises(ContextFullError):
+                narrow.embed([[1] * 65])
+            session = three.session(ctx=64)  # the model is free again: a chat session evaluates
+            assert session.eval([1, 2, 3]).shape == (128,)
