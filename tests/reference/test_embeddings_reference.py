@@ -94,3 +94,39 @@ def test_cross_encoder_scores(tmp_path):
                                                                    activation_fn=torch.nn.Identity())
     np.testing.assert_allclose(scores, want, atol=1e-4)
     assert np.argsort(scores).tolist() == np.argsort(want).tolist()
+
+
+def test_llama_cpp_gguf(tmp_path):
+    """A random BERT with the real all-MiniLM-L6-v2 vocabulary (llama.cpp's converter recognises
+    only known vocabularies), turned into a GGUF by llama.cpp's convert_hf_to_gguf.py and into
+    .mlb/.mlt by convert_bert_gguf: BertTokenizerFast's ids and SentenceTransformer's vectors."""
+    import shutil
+
+    from krafla_twisted.cli import models as pulled
+    from krafla_twisted.convert.bert import convert_bert_gguf
+    from tests.support.llama_cpp_convert import convert_hf_to_gguf
+
+    source = pulled.pull_embedder("all-minilm-l6-v2", progress=False).mlb.parent / "source"
+    folder = tmp_path / "bert"
+    torch.manual_seed(11)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=512)
+    model = BertModel(config).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(source / name, folder / name)
+    gguf_path = convert_hf_to_gguf(folder, tmp_path / "bert.gguf")
+    mlb, mlt = convert_bert_gguf(gguf_path, tmp_path / "g.mlb", tmp_path / "g.mlt", progress=False)
+    tokenizer = BertTokenizerFast.from_pretrained(folder)
+    assert [WordPiece(mlt).encode(t) for t in TEXTS] == [tokenizer(t)["input_ids"] for t in TEXTS]
+    st = SentenceTransformer(modules=[models.Transformer(str(folder)), models.Pooling(32, pooling_mode="mean"),
+                                      models.Normalize()], device="cpu")
+    runtime = EmbeddingRuntime.load(mlb, mlt)
+    try:
+        got = np.asarray(runtime.embed([runtime.tokenize(t) for t in TEXTS]), np.float64)
+    finally:
+        runtime.close()
+    want = st.encode(TEXTS, convert_to_numpy=True).astype(np.float64)
+    assert ((got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)).min() >= 0.9999

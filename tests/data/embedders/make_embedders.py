@@ -42,6 +42,7 @@ SENTENCES = [
     "xyzzy unknownword 中文 tokens",
     "a",
     "searching documents embeddings, querying models",
+    "ΣΊΣΥΦΟΣ İstanbul straße",
 ]
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Paris is the capital of France.", "The lazy dog sleeps.", "France has a city named Paris.",
