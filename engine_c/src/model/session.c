@@ -360,7 +360,7 @@ int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const in
     return status;
 }
 
-// --- Embeddings: an encoder's pooled hidden states (krafla.h, kr_session_embed)
+// --- Embeddings: an encoder's or a decoder's pooled hidden states (krafla.h, kr_session_embed)
 
 int32_t kr_model_pooled_size(const kr_model *m, int32_t pooling) {
     if (!m) return 0;
