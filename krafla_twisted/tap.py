@@ -59,8 +59,9 @@ class Options(usage.Options):
     ] + _ENGINE_PARAMETERS
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
-        ["embeddings", None, "Serve an embedding model (a BERT-family encoder .mlb with its WordPiece .mlt) at "
-         "/v1/embeddings, /v1/rerank (a cross-encoder) and Ollama's /api/embed, instead of text generation."],
+        ["embeddings", None, "Serve an embedding model (a BERT-family encoder .mlb with its WordPiece .mlt, or a "
+         "decoder embedder) at /v1/embeddings, /v1/rerank (a cross-encoder) and Ollama's /api/embed, instead of "
+         "text generation; without MODEL, all-MiniLM-L6-v2 (pulled on first use)."],
         ["log-queue", None, "Log 'queue: N pending' whenever a request joins or leaves the engine's queue."],
     ]
 
@@ -118,8 +119,6 @@ class Options(usage.Options):
             raise usage.UsageError("--pooling goes with --embeddings")
         if self["pooling"] not in (None, "mean", "cls", "last"):
             raise usage.UsageError(f"--pooling must be mean, cls or last, not {self['pooling']!r}")
-        if self["embeddings"] and self["model"] is None:
-            raise usage.UsageError("--embeddings needs a model file: twistd krafla --embeddings MODEL.mlb -z TOKENIZER.mlt")
         clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))
@@ -245,7 +244,7 @@ class KraflaService(service.Service):
 
         super().startService()
         config = self.config
-        if config.get("model") is None:
+        if config.get("model") is None and not config.get("embeddings"):
             from krafla_twisted.cli import models
 
             log.info("no model given: using {name} (pulled and converted on first use)", name=models.DEFAULT_MODEL)
@@ -331,8 +330,14 @@ def load_embeddings(config):
 
     values = options.validate(options.values(config))
     threads = values["threads"] or options.default_threads()
-    runtime = EmbeddingRuntime.load(config["model"], config["tokenizer"], threads=threads, pooling=config["pooling"])
-    return runtime, EmbeddingBackend(runtime, model_id=config.get("alias") or file_stem(config["model"]))
+    model, tokenizer = config["model"], config["tokenizer"]
+    if model is None:  # the known embedding model, pulled and converted on first use
+        from krafla_twisted.cli import models
+
+        pulled = models.pull_embedder(models.DEFAULT_EMBEDDER, progress=False)
+        model, tokenizer = str(pulled.mlb), str(pulled.mlt)
+    runtime = EmbeddingRuntime.load(model, tokenizer, threads=threads, pooling=config["pooling"])
+    return runtime, EmbeddingBackend(runtime, model_id=config.get("alias") or file_stem(model))
 
 
 def makeService(config, reactor=None):

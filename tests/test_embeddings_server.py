@@ -204,3 +204,30 @@ class ChatServerTests:
             assert error["code"] == "model_not_embedding" and "--embeddings" in error["message"]
         response, content = harness.fetch("POST", "/api/embed", {"model": "m", "input": "hi"})
         assert response.code == 400 and "not started for embeddings" in json.loads(content)["error"]
+
+
+class RealMiniLMServerTests:
+    def test_default_embedding_model_equals_sentence_transformers(self):
+        """`twistd krafla --embeddings` without a model serves all-MiniLM-L6-v2 (pulled into the shared
+        cache): the openai client and LangChain get SentenceTransformer.encode's vectors
+        (tests/data/embedders/minilm_expected.npz); Ollama's /api/show says it embeds."""
+        from langchain_openai import OpenAIEmbeddings
+
+        from krafla_twisted.cli import models
+        models.pull_embedder(models.DEFAULT_EMBEDDER, progress=False)  # the pull's lock, before the server's
+        reference = np.load(DATA / "minilm_expected.npz")["embeddings"]
+        process = ServerProcess(["--embeddings", "-t", "2"]).start()
+        try:
+            client = openai.OpenAI(base_url=process.base_url, api_key="unused", max_retries=0)
+            reply = client.embeddings.create(model="all-MiniLM-L6-v2", input=SENTENCES)
+            assert_reference([d.embedding for d in reply.data], reference)
+            assert reply.model == "all-MiniLM-L6-v2-F16"
+            langchain = OpenAIEmbeddings(model="m", base_url=process.base_url, api_key="unused",
+                                         check_embedding_ctx_length=False, max_retries=0)
+            assert_reference(langchain.embed_documents(SENTENCES), reference)
+            show = httpx.post(process.root_url("/api/show"), json={"model": "m"}, timeout=60).json()
+            assert show["capabilities"] == ["embedding"]
+            too_long = httpx.post(process.url("/embeddings"), json={"input": "word " * 600}, timeout=60)
+            assert too_long.status_code == 400 and "at most 512" in too_long.json()["error"]["message"]
+        finally:
+            process.stop()

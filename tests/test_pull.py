@@ -293,7 +293,9 @@ class CommandTests:
         out = capsys.readouterr().out
         for name, model in models.KNOWN_MODELS.items():
             assert name in out and f"chat {model.chat}" in out
-        assert "(default)" in out and out.count("not pulled") == len(models.KNOWN_MODELS)
+        for name in models.EMBEDDING_MODELS:  # issue 27's embedding models are listed too
+            assert name in out
+        assert "(default)" in out and out.count("not pulled") == len(models.KNOWN_MODELS) + len(models.EMBEDDING_MODELS)
 
     def test_krafla_command_dispatches_to_pull(self, tmp_path, capsys):
         """`krafla pull --list` reaches this module through the top-level command."""

@@ -296,20 +296,24 @@ int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const in
 // --- Embeddings (model/session.c, model/arch_bert.c; owner: embed)
 //
 // kr_session_embed runs n_sequences independent sequences (tokens laid end to end, sequence k
-// lengths[k] tokens long, each from position 0: the session's own positions are not used nor
-// changed) through an encoder (arch bert) and writes, sequence after sequence, into out:
+// lengths[k] tokens long, each from position 0) through an encoder (arch bert; the session's own
+// positions are not used nor changed) or a decoder (any other arch: each sequence in turn through
+// the session's KV cache, causal attention, the states after output_norm; the session holds no
+// tokens afterwards) and writes, sequence after sequence, into out:
 //   KR_POOLING_NONE   every token's final hidden state, lengths[k] * dim floats;
 //   KR_POOLING_MEAN   their mean (the tokens summed in order, then divided), dim floats;
 //   KR_POOLING_CLS    the first token's, dim floats;
 //   KR_POOLING_LAST   the last token's, dim floats;
 //   KR_POOLING_RANK   the classifier head on the first token (a cross-encoder), n_labels floats.
+// (A decoder's KR_POOLING_LAST is Qwen3-Embedding's last-token pooling.)
 // No normalisation: the caller applies what the model card says. token_types (NULL: all 0) gives
 // each token's segment, below the model's n_token_types. Sequences share forward steps of the
-// session's n_batch tokens (each sequence whole in one step: lengths[k] <= n_batch, n_ctx and the
-// model's max_seq, else KR_ERR_CONTEXT), and a sequence's outputs are bitwise the same whichever
-// others share its step, in any order, on any thread count. Everything is checked first
-// (KR_ERR_ARGUMENT: ids, types, lengths, pooling; KR_ERR_UNSUPPORTED: not an encoder, or
-// KR_POOLING_RANK without a classifier head; KR_ERR_STATE: the model busy).
+// session's n_batch tokens (an encoder's each whole in one step: lengths[k] <= n_batch, n_ctx and
+// the model's max_seq; a decoder's within n_ctx and max_seq; else KR_ERR_CONTEXT), and a
+// sequence's outputs are bitwise the same whichever others share its step, in any order, on any
+// thread count. Everything is checked first (KR_ERR_ARGUMENT: ids, types (a decoder takes none),
+// lengths, pooling; KR_ERR_UNSUPPORTED: KR_POOLING_RANK without a classifier head; KR_ERR_STATE:
+// the model busy).
 typedef enum {
     KR_POOLING_NONE = 0,
     KR_POOLING_MEAN = 1,
@@ -320,7 +324,7 @@ typedef enum {
 int kr_session_embed(kr_session *session, const int32_t *tokens, const int32_t *token_types, const int32_t *lengths,
                      int32_t n_sequences, int32_t pooling, float *out, kr_error *err);
 // Floats kr_session_embed writes per sequence for `pooling` (KR_POOLING_NONE: per token): dim, or
-// n_labels for KR_POOLING_RANK; 0 when the model cannot (not an encoder, no classifier head).
+// n_labels for KR_POOLING_RANK (0 when the model has no classifier head).
 int32_t kr_model_pooled_size(const kr_model *model, int32_t pooling);
 // --- end Embeddings
 

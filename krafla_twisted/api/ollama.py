@@ -481,6 +481,8 @@ class Show(OllamaEndpoint):
         facts = model_facts(self.api)
         template = getattr(backend, "template", None)
         capabilities = ["completion"] + (["tools"] if getattr(backend, "tool_format", None) else [])
+        if getattr(backend, "embeddings", None) is not None:  # --embeddings: Ollama's word for it
+            capabilities = ["embedding"]
         parameters = self._parameters(backend, template)
         return json_response(request, {
             "modelfile": f"# krafla serves this model file\nFROM {self._path(backend)}\n"

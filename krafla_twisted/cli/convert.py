@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError, convert_gguf, output_names
-from krafla_twisted.convert.bert import convert_bert, is_bert
+from krafla_twisted.convert.bert import convert_bert, convert_bert_gguf, is_bert, is_bert_gguf
 from krafla_twisted.convert.hf import convert_hf
 from krafla_twisted.engine.formats import FormatError
 
@@ -29,6 +29,7 @@ def add_arguments(parser):
 def main(args):
     source = Path(args.source)
     encoder = source.is_dir() and is_bert(source)  # an embedding model: convert/bert.py, f16 by default
+    encoder_gguf = source.is_file() and source.suffix == ".gguf" and is_bert_gguf(source)
     if source.is_dir():
         args.type_name = args.type_name or ("f16" if encoder else "q4_0")
         default_mlb = source.parent / f"{source.name}-{args.type_name.upper()}.mlb"
@@ -37,8 +38,9 @@ def main(args):
     out_mlb = Path(args.output) if args.output else default_mlb
     out_mlt = Path(args.tokenizer) if args.tokenizer else out_mlb.with_suffix(".mlt")
     try:
-        if encoder:
-            convert_bert(source, out_mlb, out_mlt, args.type_name, progress=not args.quiet, name=args.name)
+        if encoder or encoder_gguf:
+            convert = convert_bert if encoder else convert_bert_gguf
+            convert(source, out_mlb, out_mlt, args.type_name, progress=not args.quiet, name=args.name)
             print(f"wrote {out_mlb} and {out_mlt} (an encoder: serve it with twistd krafla --embeddings)")
             return 0
         if source.is_dir():

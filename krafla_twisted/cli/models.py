@@ -356,6 +356,7 @@ def main(args):
 # (f16 unless --type says otherwise). Serve it with `twistd krafla --embeddings MLB -z MLT`.
 
 EMBEDDER_TYPE = "f16"
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # what `twistd krafla --embeddings` serves without a model file
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ Tensor names follow llama.cpp's `bert` (docs/formats.md, "Encoders"):
     layer.i.output.LayerNorm            blk.i.layer_output_norm.weight/bias
     pooler.dense, classifier            cls.weight/bias, cls.output.weight/bias (cross-encoders)
 Metadata beyond the common keys: pooling (mean, cls), normalize (0/1), n_token_types, n_labels.
+
+`convert_bert_gguf` reads the same model from a GGUF file llama.cpp's convert_hf_to_gguf.py wrote
+(the tensor names are the same; the vocabulary's spelling is turned back into WordPiece's).
 """
 
 import json
@@ -188,9 +191,7 @@ def wordpiece_container(folder, n_vocab):
 
     lowercase = normalizer.get("lowercase", config.get("do_lower_case", True))
     strip_accents = normalizer.get("strip_accents", config.get("strip_accents"))
-    container = formats.Container(formats.TOKENIZER_MAGIC)
-    container.metadata.update({
-        "kind": "wordpiece", "n_vocab": n_vocab,
+    return _wordpiece_file(tokens, {
         "cls_id": special("cls_token", "[CLS]"), "sep_id": special("sep_token", "[SEP]"),
         "unk_id": special("unk_token", "[UNK]"), "pad_id": special("pad_token", "[PAD]"),
         "lowercase": int(bool(lowercase)),
@@ -200,6 +201,12 @@ def wordpiece_container(folder, n_vocab):
         "subword_prefix": prefix, "max_chars_per_word": max_chars,
         "model_max_length": int(min(config.get("model_max_length") or 1 << 30, 1 << 30)),
     })
+
+
+def _wordpiece_file(tokens, settings):
+    n_vocab = len(tokens)
+    container = formats.Container(formats.TOKENIZER_MAGIC)
+    container.metadata.update({"kind": "wordpiece", "n_vocab": n_vocab, **settings})
     spelled = [t.encode("utf-8") for t in tokens]
     offsets = np.zeros(n_vocab + 1, np.int64)
     offsets[1:] = np.cumsum([len(t) for t in spelled])
@@ -244,3 +251,100 @@ def convert_bert(src, out_mlb, out_mlt, type_name="f16", progress=True, *, name=
         formats.write(Path(out_mlt), wordpiece_container(src, metadata["n_vocab"]))
     formats.write(out_mlb, model)
     return out_mlb, Path(out_mlt) if out_mlt is not None else None
+
+
+# --- From a GGUF that llama.cpp's convert_hf_to_gguf.py wrote (general.architecture bert)
+
+_GGUF_POOLING = {1: "mean", 2: "cls", 4: "cls"}  # llama.cpp's pooling_type: mean, cls, rank
+
+
+def is_bert_gguf(path):
+    """True when `path` is a GGUF file whose general.architecture is bert."""
+    import gguf
+
+    try:
+        return gguf_convert._Fields(gguf.GGUFReader(path), path).get("general.architecture") == "bert"
+    except (OSError, ValueError, IndexError, KeyError):
+        return False
+
+
+def wordpiece_from_gguf(fields, src):
+    """The WordPiece .mlt of a GGUF bert vocabulary. llama.cpp's converter spells a word-initial
+    piece with a leading U+2581 and drops the `##` of a continuation; control tokens stay as they are."""
+    tokens = fields.require("tokenizer.ggml.tokens", "the vocabulary")
+    types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if fields.get("tokenizer.ggml.model") != "bert" or len(types) != len(tokens):
+        raise ConvertError(f"{src}: tokenizer.ggml.model {fields.get('tokenizer.ggml.model')!r}, expected bert")
+    spelled = [t if kind == 3 else t[1:] if t.startswith("\u2581") else "##" + t for t, kind in zip(tokens, types)]
+    lowercase = bool(fields.get("tokenizer.ggml.normalizer.lowercase", True))
+
+    def special(key, what):
+        value = fields.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < len(tokens):
+            raise ConvertError(f"{src}: metadata {key} ({what}) is missing or outside the vocabulary")
+        return value
+
+    return _wordpiece_file(spelled, {
+        "cls_id": int(special("tokenizer.ggml.bos_token_id", "[CLS]")),
+        "sep_id": int(special("tokenizer.ggml.seperator_token_id", "[SEP]")) if fields.get(
+            "tokenizer.ggml.seperator_token_id") is not None else int(special("tokenizer.ggml.eos_token_id", "[SEP]")),
+        "unk_id": int(special("tokenizer.ggml.unknown_token_id", "[UNK]")),
+        "pad_id": int(special("tokenizer.ggml.padding_token_id", "[PAD]")) if fields.get(
+            "tokenizer.ggml.padding_token_id") is not None else 0,
+        "lowercase": int(lowercase), "strip_accents": int(lowercase), "chinese_chars": 1,
+        "subword_prefix": "##", "max_chars_per_word": 100, "model_max_length": 1 << 30,
+    })
+
+
+def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=None):
+    """Convert a GGUF bert file (llama.cpp's) to `out_mlb` and `out_mlt`: matrices in the file's own
+    types (type_name None) or requantized; vectors, position and type embeddings and the
+    classifier f32. llama.cpp L2-normalises an embedding model's vectors by default: so does the file."""
+    src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
+    if type_name is not None and type_name not in OUTPUT_TYPES:
+        raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
+    reader = gguf_convert._open(src, progress)
+    fields = gguf_convert._Fields(reader, src)
+    if fields.get("general.architecture") != "bert":
+        raise ConvertError(f"{src}: general.architecture {fields.get('general.architecture')!r}, expected bert")
+    sources = {t.name: (t, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    for needed in ("token_embd.weight", "token_types.weight"):
+        if needed not in sources:
+            raise ConvertError(f"{src}: tensor {needed} is missing")
+    dim, heads = fields.integer("bert.embedding_length", "dim"), fields.integer("bert.attention.head_count", "heads")
+    labels = sources["cls.output.weight"][1][0] if "cls.output.weight" in sources else 0
+    metadata = {
+        "arch": "bert", "n_vocab": sources["token_embd.weight"][1][0], "dim": dim,
+        "n_layers": fields.integer("bert.block_count", "layers"), "n_heads": heads, "n_kv_heads": heads,
+        "head_dim": dim // heads, "ffn_dim": fields.integer("bert.feed_forward_length", "ffn"),
+        "max_seq": fields.integer("bert.context_length", "positions"),
+        "norm_eps": fields.real("bert.attention.layer_norm_epsilon", "LayerNorm epsilon"),
+        "activation": "gelu", "n_token_types": sources["token_types.weight"][1][0], "n_labels": labels,
+        "pooling": _GGUF_POOLING.get(fields.get("bert.pooling_type", 1), "mean"), "normalize": int(not labels),
+    }
+    expected = expected_shapes(metadata)
+    missing = [n for n in expected if n not in sources]
+    if missing:
+        raise ConvertError(f"{src}: bert model lacks tensors {', '.join(missing[:8])}")
+    model = formats.Container(formats.MODEL_MAGIC)
+    model.metadata["name"] = name or fields.get("general.name") or src.stem
+    model.metadata.update(metadata)
+    for krafla, shape in expected.items():
+        tensor, file_shape = sources[krafla]
+        if file_shape != shape:
+            raise ConvertError(f"{src}: tensor {krafla} has shape {file_shape}, expected {shape}")
+        gguf_type = tensor.tensor_type.name
+        if len(shape) == 1 or krafla in _F32_ALWAYS:
+            encode_as = formats.F32 if gguf_type != "F32" else None
+            tensor_type = formats.F32
+        elif type_name is None:
+            gguf_convert._check_readable(tensor, krafla, shape, src, None)
+            encode_as, tensor_type = None, gguf_convert.KEPT_TYPES[gguf_type]
+        else:
+            tensor_type = gguf_convert._output_type(krafla, shape, type_name, tied=False)
+            encode_as = tensor_type
+        data = gguf_convert._tensor_data(tensor, krafla, shape, src, None, encode_as)
+        model.add(krafla, tensor_type, shape, data.reshape(-1))
+    formats.write(out_mlt, wordpiece_from_gguf(fields, src))
+    formats.write(out_mlb, model)
+    return out_mlb, out_mlt

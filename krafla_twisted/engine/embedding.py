@@ -1,12 +1,13 @@
-"""kr_session_embed through ctypes: an encoder's pooled hidden states (krafla.h, "Embeddings").
+"""kr_session_embed through ctypes: an encoder's pooled hidden states, or a decoder's (the final
+norm's output, causal attention: Qwen3-Embedding's last-token pooling) (krafla.h, "Embeddings").
 
     with Model("all-MiniLM-L6-v2-F16.mlb") as model:
         encoder = Encoder(model)
         rows = encoder.embed([[101, 7592, 102], [101, 2088, 102]], pooling="mean")  # 2 rows of dim floats
         scores = encoder.embed(pair_ids, pooling="rank", token_types=pair_types)     # n_labels floats each
 
-The session is as long as the model's positions and its step as wide, so any sequence the model
-can take fits; several sequences share a forward step and each gets the bits it gets alone.
+An encoder's session is as long as the model's positions and its step as wide, so any sequence the
+model can take fits; a decoder's is KR_DEFAULT_MAX_CTX long at most; several sequences share a forward step and each gets the bits it gets alone.
 Results are array.array('f') rows (no numpy: the server runs without it). No normalisation here:
 generation/embeddings.py applies what the model card says.
 """
@@ -18,6 +19,8 @@ from krafla_twisted.engine import clib, header
 from krafla_twisted.engine import model as engine_model
 
 POOLINGS = {name.lower(): code for name, code in header.members("KR_POOLING_").items()}  # kr_pooling
+ENCODER_ARCHS = ("bert",)  # arch_bert.c's: attention both ways, a sequence whole in one step
+DECODER_BATCH = 512
 
 _int32_p = ctypes.POINTER(ctypes.c_int32)
 
@@ -42,14 +45,17 @@ class Encoder:
     """Embeddings of an encoder `Model` (arch bert): one session of max_seq positions."""
 
     def __init__(self, model):
-        if not pooled_size(model, "mean"):
-            raise engine_model.EngineError(f"{model.path}: a {model.arch} model is not an encoder", header.KR_ERR_UNSUPPORTED)
         self.model = model
         self.dim = pooled_size(model, "mean")
         self.n_labels = pooled_size(model, "rank")
-        self.max_tokens = model.max_seq
+        self.is_encoder = model.arch in ENCODER_ARCHS
         self._lib = clib.load()
-        self._session = model.session(ctx=model.max_seq, batch=model.max_seq)
+        if self.is_encoder:  # every sequence whole in one step
+            self.max_tokens = model.max_seq
+            self._session = model.session(ctx=model.max_seq, batch=model.max_seq)
+        else:  # a decoder runs one sequence at a time through its KV cache, in steps of DECODER_BATCH
+            self.max_tokens = min(model.max_seq, header.KR_DEFAULT_MAX_CTX)
+            self._session = model.session(ctx=self.max_tokens, batch=DECODER_BATCH)
 
     def embed(self, sequences, pooling="mean", token_types=None):
         """One array('f') per sequence of token ids: `dim` floats (mean, cls, last), n_labels

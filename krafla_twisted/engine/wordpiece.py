@@ -94,7 +94,8 @@ class WordPiece:
         text = "".join(out)
         if self.strip_accents:
             text = "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
-        return text.lower() if self.lowercase else text
+        # character by character, as tokenizers does: no final-sigma rule (str.lower() gives 'ς')
+        return "".join(c.lower() for c in text) if self.lowercase else text
 
     def words(self, text):
         """The pre-tokenizer's words of normalised text."""

@@ -1,4 +1,4 @@
-"""Embeddings and reranking: an encoder model, its WordPiece tokenizer, pooled as its card says.
+"""Embeddings and reranking: an encoder model (or a decoder embedder), its tokenizer, pooled as its card says.
 
     runtime = EmbeddingRuntime.load("all-MiniLM-L6-v2-F16.mlb", "all-MiniLM-L6-v2.mlt", threads=2)
     vectors = runtime.embed([runtime.tokenize("a sentence"), [101, 2088, 102]])   # lists of floats
@@ -8,7 +8,9 @@ The pooling is the file's (`pooling`: the sentence-transformers Pooling module t
 read; convert/bert.py) unless the server's --pooling says otherwise; the vector is L2-normalised
 when the file says `normalize` (a Normalize module followed). `dimensions` keeps the first N
 values and normalises again (Matryoshka truncation; a model not trained for it gives vectors that
-are merely shorter). A reranker (a cross-encoder: n_labels > 0) scores "[CLS] query [SEP]
+are merely shorter). A decoder (llama, qwen3, ...: Qwen3-Embedding is a qwen3) is pooled by its
+last token (`--pooling mean` for a mean-pooled one) and normalised, over the states after its
+final norm. A reranker (a cross-encoder: n_labels > 0) scores "[CLS] query [SEP]
 document [SEP]" by its classifier's first output, the raw logit as llama-server gives it (the
 sigmoid of sentence-transformers' CrossEncoder is monotonic: the order is the same).
 
@@ -39,10 +41,13 @@ class EmbeddingRuntime:
         self.tokenizer = tokenizer
         self.encoder = Encoder(model)
         self.threads = threads
-        self.pooling = pooling or model.info.get("pooling", "mean")
+        # An encoder's file says how (convert/bert.py); a decoder embedder is Qwen3-Embedding's
+        # kind: its last token, normalised.
+        default = model.info.get("pooling", "mean") if self.encoder.is_encoder else "last"
+        self.pooling = pooling or default
         if self.pooling not in POOLINGS:
             raise EmbeddingError(f"pooling {self.pooling!r} is not one of {', '.join(POOLINGS)}")
-        self.normalize = bool(model.info.get("normalize", 0))
+        self.normalize = bool(model.info.get("normalize", 0 if self.encoder.is_encoder else 1))
         self.dim = self.encoder.dim
         self.n_labels = self.encoder.n_labels
         self.max_tokens = self.encoder.max_tokens
@@ -50,11 +55,15 @@ class EmbeddingRuntime:
 
     @classmethod
     def load(cls, model_path, tokenizer_path, *, threads=1, pooling=None):
-        """Open the .mlb and its WordPiece .mlt; clib.KraflaError / ValueError for a bad file."""
+        """Open the .mlb and its .mlt (WordPiece for an encoder, the C tokenizer's BPE or
+        SentencePiece for a decoder); clib.KraflaError / ValueError for a bad file."""
+        from krafla_twisted.engine import formats
         from krafla_twisted.engine.model import Model
+        from krafla_twisted.engine.tokenizer import Tokenizer
         from krafla_twisted.engine.wordpiece import WordPiece
 
-        tokenizer = WordPiece(tokenizer_path)
+        kind = formats.read(tokenizer_path, formats.TOKENIZER_MAGIC).metadata.get("kind")
+        tokenizer = WordPiece(tokenizer_path) if kind == "wordpiece" else _DecoderTokenizer(Tokenizer(tokenizer_path))
         model = Model(model_path, threads=threads)
         try:
             runtime = cls(model, tokenizer, pooling=pooling, threads=threads)
@@ -128,6 +137,21 @@ class EmbeddingRuntime:
     def close(self):
         self.encoder.close()
         self.model.close()
+
+
+class _DecoderTokenizer:
+    """The C tokenizer of a decoder embedder with WordPiece's `encode`: the text's ids, with the
+    bos/eos the file says to add (Qwen3-Embedding's tokenizer appends its <|endoftext|>)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.n_vocab = tokenizer.n_vocab
+
+    def encode(self, text):
+        return list(self.tokenizer.encode(text))
+
+    def encode_pair(self, first, second):
+        raise EmbeddingError("a decoder model is not a reranker", param="model")
 
 
 def _normalized(values):

@@ -123,6 +123,7 @@ typedef struct {
     const kr_batch *b;
     const float *add;                 // norm job: x = LayerNorm(x + add)
     const float *norm, *norm_bias;
+    int64_t n_blocks;                 // attention job: query_blocks' count
 } bert_job;
 
 // out = (x - mean) / sqrt(variance + eps) * weight + bias over n values, sums in index order.
@@ -178,38 +179,58 @@ static void gelu_job(void *arg, int chunk, int n_chunks, int thread) {
     }
 }
 
-// Attention of one (token, head) over its sequence's rows [first, end) of the step, which
-// s->att_blocks holds per token. Split by (token, head) items.
+// Attention of one head for a block of consecutive queries of one sequence, over the sequence's
+// rows [first, end) of the step: the keys and values are read once for the whole block. The
+// kernels give every (query, position) the same bits however the queries are grouped
+// (attention.h), so the block size never changes a value. Split by (block, head) items.
 static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
     bert_job *j = arg;
     const kr_model *m = j->m;
     kr_scratch *s = j->s;
+    const kr_batch *b = j->b;
     int32_t hd = m->info.head_dim, n_heads = m->info.n_heads;
     size_t row_stride = (size_t)m->q_dim * sizeof(float);
     float *scores = s->scores + (size_t)thread * (size_t)s->att_queries * (size_t)s->n_ctx;
+    float *queries = s->att_q + (size_t)thread * (size_t)s->att_queries * (size_t)hd;
+    int32_t begin_rows[KR_ATT_MAX_QUERIES] = {0}, end_rows[KR_ATT_MAX_QUERIES];
+    float *out[KR_ATT_MAX_QUERIES];
     int64_t begin, end;
-    kr_split((int64_t)j->b->n * n_heads, 1, chunk, n_chunks, &begin, &end);
+    kr_split(j->n_blocks * n_heads, 1, chunk, n_chunks, &begin, &end);
     for (int64_t item = begin; item < end; item++) {
-        int32_t t = (int32_t)(item / n_heads), head = (int32_t)(item % n_heads);
-        int32_t first = s->att_blocks[2 * t], span = s->att_blocks[2 * t + 1] - first, zero = 0;
-        const float *q = s->q + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+        const int32_t *block = s->att_blocks + 2 * (item / n_heads);
+        int32_t head = (int32_t)(item % n_heads), t0 = block[0], n = block[1] - block[0];
+        int32_t first = t0 - b->pos[t0], last = t0 + n;  // the sequence's rows: from its position 0 ...
+        while (last < b->n && b->pos[last] != 0) last++;  // ... to the next sequence
+        int32_t span = last - first;
+        for (int32_t i = 0; i < n; i++) {
+            size_t at = (size_t)(t0 + i) * (size_t)m->q_dim + (size_t)head * (size_t)hd;
+            memcpy(queries + (size_t)i * (size_t)hd, s->q + at, (size_t)hd * sizeof(float));
+            end_rows[i] = span;
+            out[i] = s->att + at;
+        }
         const float *keys = s->k + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
         const float *values = s->v + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
-        float *out = s->att + (size_t)t * (size_t)m->q_dim + (size_t)head * (size_t)hd;
-        kr_attend_scores(KR_F32, keys, row_stride, hd, q, 1, &span, scores, (size_t)span);
-        kr_attention_softmax(scores, span, m->info.attn_scale, 0);
-        kr_attend_values(KR_F32, values, row_stride, hd, scores, (size_t)span, &zero, &span, 1, &out);
+        kr_attend_scores(KR_F32, keys, row_stride, hd, queries, n, end_rows, scores, (size_t)span);
+        for (int32_t i = 0; i < n; i++) kr_attention_softmax(scores + (size_t)i * (size_t)span, span, m->info.attn_scale, 0);
+        kr_attend_values(KR_F32, values, row_stride, hd, scores, (size_t)span, begin_rows, end_rows, n, out);
     }
 }
 
-// Each token's sequence as rows [first, end) of the step, into s->att_blocks (2 per token).
-static void sequence_rows(kr_scratch *s, const kr_batch *b) {
+// The step's blocks of queries into s->att_blocks ([first, end) rows, 2 per block): each
+// sequence (the run of tokens from a position 0 to the next) cut into blocks of at most
+// s->att_queries tokens. Returns the number of blocks (at most b->n).
+static int64_t query_blocks(kr_scratch *s, const kr_batch *b) {
+    int64_t n_blocks = 0;
     for (int32_t t = 0; t < b->n;) {
         int32_t end = t + 1;
         while (end < b->n && b->pos[end] != 0) end++;
-        for (int32_t i = t; i < end; i++) s->att_blocks[2 * i] = t, s->att_blocks[2 * i + 1] = end;
+        for (int32_t i = t; i < end; i += s->att_queries, n_blocks++) {
+            s->att_blocks[2 * n_blocks] = i;
+            s->att_blocks[2 * n_blocks + 1] = i + s->att_queries < end ? i + s->att_queries : end;
+        }
         t = end;
     }
+    return n_blocks;
 }
 
 static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
@@ -218,7 +239,7 @@ static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
     int64_t dim = m->info.dim;
     int chunks = kr_pool_chunks(pool, b->n);
     bert_job j = {.m = m, .s = s, .b = b};
-    sequence_rows(s, b);
+    j.n_blocks = query_blocks(s, b);
     kr_pool_run(pool, embed_job, &j, chunks);
     for (int32_t layer = 0; layer < m->info.n_layers; layer++) {
         const bert_layer *l = &bm->layers[layer];
@@ -226,7 +247,7 @@ static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
         float *qkv_out[] = {s->q, s->k, s->v}, *proj[] = {s->proj}, *gate[] = {s->gate};
         const float *qkv_bias[] = {l->bq, l->bk, l->bv}, *bo[] = {l->bo}, *b_up[] = {l->b_up}, *b_down[] = {l->b_down};
         kr_matmuls(m, s, b->n, s->x, dim, 3, qkv, qkv_out, qkv_bias);
-        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, (int64_t)b->n * m->info.n_heads));
+        kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, j.n_blocks * m->info.n_heads));
         kr_matmuls(m, s, b->n, s->att, m->q_dim, 1, wo, proj, bo);
         j.add = s->proj, j.norm = l->attn_norm, j.norm_bias = l->attn_norm_bias;
         kr_pool_run(pool, norm_job, &j, chunks);

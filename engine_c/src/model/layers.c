@@ -384,8 +384,18 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
 }
 
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm) {
-    if (!b->logits) return;
     int64_t dim = m->info.dim;
+    if (b->hidden) {  // kr_session_embed: hidden states, no head
+        for (int32_t t = 0; t < b->n; t++) {
+            if (!b->hidden[t]) continue;
+            float *x = s->x + (int64_t)t * dim, *last = add + (int64_t)t * dim;
+            if (add_norm) rms_norm(last, add_norm, last, dim, m->info.norm_eps);
+            for (int64_t i = 0; i < dim; i++) x[i] += last[i];
+            rms_norm(x, m->output_norm, b->hidden[t], dim, m->info.norm_eps);
+        }
+        return;
+    }
+    if (!b->logits) return;
     int32_t n_out = 0;
     int32_t *wanted = s->att_blocks;  // free again after the last layer's attention
     for (int32_t t = 0; t < b->n; t++) {

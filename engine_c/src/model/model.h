@@ -131,6 +131,9 @@ typedef struct {
     kr_seq *const *seq;
     float *const *logits;             // token i's logits go to logits[i] unless NULL (or logits NULL)
     const int32_t *token_types;       // encoder: token i's segment (0 or 1 for a sentence pair), NULL: all 0
+    // kr_session_embed of a decoder: token i's final hidden state (after output_norm, dim floats)
+    // goes to hidden[i] unless NULL; a step asks for hidden states or for logits, not both.
+    float *const *hidden;
 } kr_batch;
 
 // What an architecture implements. `open` reads m->file into m after model.c has read the common
@@ -232,6 +235,7 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
 // The MLP of prepared xb into s->proj.
 void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l);
 // Tokens that ask for logits: x += add (after add_norm), final norm, the output head, softcap.
+// With b->hidden (no logits): the final norm of the tokens that ask, into hidden[i], and no head.
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm);
 
 #endif

@@ -360,27 +360,27 @@ int kr_test_eval_mixed(kr_session *const *sessions, int32_t n_sessions, const in
     return status;
 }
 
-// --- Embeddings: an encoder's pooled hidden states (krafla.h, kr_session_embed)
+// --- Embeddings: an encoder's or a decoder's pooled hidden states (krafla.h, kr_session_embed)
 
 int32_t kr_model_pooled_size(const kr_model *m, int32_t pooling) {
-    if (!m || !m->arch->encoder) return 0;
-    if (pooling == KR_POOLING_RANK) return m->n_labels;
+    if (!m) return 0;
+    if (pooling == KR_POOLING_RANK) return m->arch->encoder ? m->n_labels : 0;
     return pooling >= KR_POOLING_NONE && pooling <= KR_POOLING_LAST ? m->info.dim : 0;
 }
 
 static int check_sequences(kr_session *s, const int32_t *tokens, const int32_t *types, const int32_t *lengths,
                            int32_t n_sequences, int32_t pooling, const float *out, kr_error *err) {
     kr_model *m = s->model;
-    if (!m->arch->encoder)
-        return kr_fail(err, KR_ERR_UNSUPPORTED, "kr_session_embed: a %s model is not an encoder", m->arch->name);
     if (pooling < KR_POOLING_NONE || pooling > KR_POOLING_RANK)
         return kr_fail(err, KR_ERR_ARGUMENT, "pooling %d is not one of none (0), mean (1), cls (2), last (3), rank (4)",
                        pooling);
-    if (pooling == KR_POOLING_RANK && !m->n_labels)
+    if (pooling == KR_POOLING_RANK && !kr_model_pooled_size(m, pooling))
         return kr_fail(err, KR_ERR_UNSUPPORTED, "rank pooling needs a classifier head; this model has none");
+    if (!m->arch->encoder && types)
+        return kr_fail(err, KR_ERR_ARGUMENT, "a %s model has no token types", m->arch->name);
     if (!tokens || !lengths || !out || n_sequences < 1)
         return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_embed: no sequences, or tokens, lengths or out is NULL");
-    int32_t longest = s->scratch.n_batch;
+    int32_t longest = m->arch->encoder ? s->scratch.n_batch : s->seq.kv.n_ctx;  // a decoder takes several steps
     if (s->seq.kv.n_ctx < longest) longest = s->seq.kv.n_ctx;
     if (m->info.max_seq < longest) longest = m->info.max_seq;
     for (int64_t k = 0, at = 0; k < n_sequences; at += lengths[k], k++) {
@@ -427,15 +427,66 @@ static float *pool_rows(kr_session *s, int32_t first, int32_t n, int32_t pooling
     }
 }
 
+// A decoder's sequences one after the other, each from position 0 of the session's own cache in
+// steps of n_batch tokens: the tokens the pooling reads get their final hidden state written in
+// place of their residual row (kr_batch.hidden), pooled into out after each step (a mean sums
+// the rows in order across steps, then divides: the encoder's arithmetic). The session holds no
+// tokens afterwards.
+static void embed_causal(kr_session *s, const int32_t *tokens, const int32_t *lengths, int32_t n_sequences,
+                         int32_t pooling, float *out) {
+    kr_model *m = s->model;
+    int64_t dim = m->info.dim;
+    int32_t n_batch = s->scratch.n_batch;
+    for (int32_t k = 0, at = 0; k < n_sequences; at += lengths[k], k++) {
+        int32_t n = lengths[k];
+        if (pooling == KR_POOLING_MEAN) memset(out, 0, (size_t)dim * sizeof(float));
+        for (int32_t first = 0; first < n; first += n_batch) {
+            int32_t count = n - first < n_batch ? n - first : n_batch;
+            for (int32_t j = 0; j < count; j++) {
+                int32_t i = first + j;
+                bool wanted = pooling == KR_POOLING_NONE || pooling == KR_POOLING_MEAN ||
+                              (pooling == KR_POOLING_CLS && i == 0) || (pooling == KR_POOLING_LAST && i == n - 1);
+                s->tokens[j] = tokens[at + i];
+                s->pos[j] = i;
+                s->seqs[j] = &s->seq;
+                s->logits[j] = wanted ? s->scratch.x + (int64_t)j * dim : NULL;
+            }
+            kr_batch batch = {.n = count, .tokens = s->tokens, .pos = s->pos, .seq = s->seqs, .hidden = s->logits};
+            m->arch->step(m, &s->scratch, &batch);
+            for (int32_t j = 0; j < count; j++) {
+                if (!s->logits[j]) continue;
+                const float *row = s->logits[j];
+                if (pooling == KR_POOLING_MEAN)
+                    for (int64_t d = 0; d < dim; d++) out[d] += row[d];
+                else if (pooling == KR_POOLING_NONE)
+                    memcpy(out + (int64_t)(first + j) * dim, row, (size_t)dim * sizeof(float));
+                else
+                    memcpy(out, row, (size_t)dim * sizeof(float));
+            }
+        }
+        if (pooling == KR_POOLING_MEAN)
+            for (int64_t d = 0; d < dim; d++) out[d] /= (float)n;
+        out += pooling == KR_POOLING_NONE ? (int64_t)n * dim : dim;
+    }
+    s->n_tokens = 0;
+}
+
 int kr_session_embed(kr_session *s, const int32_t *tokens, const int32_t *token_types, const int32_t *lengths,
                      int32_t n_sequences, int32_t pooling, float *out, kr_error *err) {
     if (!s) return kr_fail(err, KR_ERR_ARGUMENT, "kr_session_embed: session is NULL");
     int status = check_sequences(s, tokens, token_types, lengths, n_sequences, pooling, out, err);
     if (status) return status;
     kr_model *m = s->model;
+    if (!m->arch->encoder && m->arch->truncate && (status = m->arch->truncate(m, 0, s->n_tokens, err))) return status;
     int expected = 0;
     if (!atomic_compare_exchange_strong(&m->busy, &expected, 1))
         return kr_fail(err, KR_ERR_STATE, "the model is busy: another session is evaluating");
+    if (!m->arch->encoder) {
+        embed_causal(s, tokens, lengths, n_sequences, pooling, out);
+        atomic_store(&m->busy, 0);
+        kr_ok(err);
+        return KR_OK;
+    }
     // Whole sequences into steps of at most n_batch tokens, in order.
     for (int32_t k = 0, at = 0; k < n_sequences;) {
         int32_t n = 0, first = k;

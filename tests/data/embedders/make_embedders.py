@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer, models
-from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast
+from transformers import (BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,6 +42,7 @@ SENTENCES = [
     "xyzzy unknownword 中文 tokens",
     "a",
     "searching documents embeddings, querying models",
+    "ΣΊΣΥΦΟΣ İstanbul straße",
 ]
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Paris is the capital of France.", "The lazy dog sleeps.", "France has a city named Paris.",
@@ -112,6 +114,27 @@ def cross_encoder_folder(vocab, seed):
     return folder
 
 
+def decoder_folder(seed):
+    """A random Qwen3 (the architecture of Qwen3-Embedding) and its final hidden states of random ids."""
+    folder = HERE / "tiny-qwen3"
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=128,
+                         tie_word_embeddings=True, rms_norm_eps=1e-6)
+    model = Qwen3ForCausalLM(config).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    generator = np.random.default_rng(seed)
+    ids = [generator.integers(0, 128, n) for n in (5, 1, 40, 17)]
+    states = []
+    for sequence in ids:
+        with torch.no_grad():
+            states.append(model.model(torch.tensor(sequence)[None]).last_hidden_state[0].numpy())
+    return ids, states
+
+
 def ragged(arrays):
     """A list of 1-D or 2-D arrays as one concatenation plus the lengths."""
     return np.concatenate(arrays), np.array([len(a) for a in arrays], np.int64)
@@ -139,6 +162,9 @@ def main():
     pair_types = [tokenizer(QUERY, d)["token_type_ids"] for d in DOCUMENTS]
     expected["cross_ids"], expected["cross_lengths"] = ragged([np.array(p) for p in pair_ids])
     expected["cross_types"], _ = ragged([np.array(p) for p in pair_types])
+    ids, states = decoder_folder(4)
+    expected["qwen3_ids"], expected["qwen3_lengths"] = ragged(ids)
+    expected["qwen3_hidden"], _ = ragged(states)
     np.savez(HERE / "expected.npz", **expected)
     (HERE / "sentences.json").write_text(json.dumps(
         {"sentences": SENTENCES, "query": QUERY, "documents": DOCUMENTS}, ensure_ascii=False, indent=1) + "\n")
