@@ -427,7 +427,8 @@ class ServerTests:
     def test_metrics_and_log_line(self, smollm):
         """A `twistd krafla --metrics` (speculation on by default) answers a code-editing chat with the
         text the same prompt gets without speculation; /metrics counts the proposed and accepted tokens
-        and the request's log line reports the same numbers."""
+        and the request's log line reports the same numbers; streamed logprobs equal the whole reply's
+        although several tokens come out of one step."""
         import httpx2
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -451,8 +452,18 @@ class ServerTests:
                        for sample in family.samples}
             proposed = samples["krafla_speculative_proposed_tokens_total"]
             accepted = samples["krafla_speculative_accepted_tokens_total"]
-            assert proposed > accepted > 10
+            assert proposed >= accepted > 10
             line = server.wait_for(lambda entry: "POST /v1/chat/completions 200" in entry)
             assert f"speculation {int(accepted)}/{int(proposed)} proposed tokens accepted" in line
+            # Several tokens per step: streamed, each token's logprobs still arrive once, in order.
+            from openai import OpenAI
+
+            client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+            ask_logprobs = dict(model="local", messages=ask, max_tokens=60, logprobs=True, top_logprobs=2)
+            whole = client.chat.completions.create(**ask_logprobs).choices[0].logprobs.content
+            streamed = [entry for chunk in client.chat.completions.create(stream=True, **ask_logprobs)
+                        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+            assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole]
+            assert "".join(e.token for e in whole) == want.text
         finally:
             server.stop()
