@@ -23,7 +23,7 @@ from krafla_twisted.engine.model import Model
 from krafla_twisted.generation import grammar
 from krafla_twisted.generation.generate import Generation, Generator, Runtime, SamplingParams, run_alone
 from krafla_twisted.generation.scheduler import Scheduler
-from krafla_twisted.generation.speculate import (DraftError, DraftModel, LookupProposer, Speculation,
+from krafla_twisted.generation.speculate import (DraftError, DraftLength, DraftModel, LookupProposer, Speculation,
                                                  check_same_vocabulary)
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
@@ -188,6 +188,22 @@ class LookupProposerTests:
         assert proposer.propose([4, 1, 2], 2) == [3, 7]    # "4 1 2" is new, "1 2" last seen before 3 7
         assert proposer.propose([4, 1, 2, 3, 9, 1], 9) == [2, 3, 7, 8, 5, 2, 3, 4]
         assert proposer.propose([4, 1, 2, 3, 9, 1, 6, 8], 9) == []  # only "8" occurred: one token is no match
+
+
+    def test_the_length_adapts(self):
+        """Whole proposals taken: twice as many next (up to the most); a partial one: one more than was
+        accepted; two misses in a row: a pause of one step, then of two after the next two misses."""
+        length = DraftLength(start=4, most=16)
+        length.observe(4, 4)
+        assert length.wanted() == 8
+        length.observe(8, 8), length.observe(16, 16)
+        assert length.wanted() == 16
+        length.observe(16, 5)
+        assert length.wanted() == 6
+        length.observe(6, 0), length.observe(1, 0)
+        assert [length.wanted() for _ in range(2)] == [0, 1]
+        length.observe(1, 0), length.observe(1, 0)
+        assert [length.wanted() for _ in range(3)] == [0, 0, 1]
 
 
 class FixedProposer:
