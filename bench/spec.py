@@ -267,7 +267,8 @@ def main(argv=None):
                         help="also measure --draft DRAFT (a known model name) for MODEL")
     parser.add_argument("--llama-bin", help="a llama.cpp build's bin/ folder: measure llama-server too")
     parser.add_argument("--llama-spec-arg", action="append", default=None,
-                        help="llama-server's lookup options (default: --spec-type ngram-simple)")
+                        help="one of llama-server's lookup options, repeated for each word, as --llama-spec-arg=--spec-type "
+                             "--llama-spec-arg=ngram-simple (the default)")
     ARGS = parser.parse_args(argv)
     ARGS.drafts = dict(item.split("=", 1) for item in ARGS.draft_for)
     ARGS.llama_spec_arg = ARGS.llama_spec_arg or ["--spec-type", "ngram-simple"]

@@ -23,7 +23,7 @@ from krafla_twisted.engine.model import Model
 from krafla_twisted.generation import grammar
 from krafla_twisted.generation.generate import Generation, Generator, Runtime, SamplingParams, run_alone
 from krafla_twisted.generation.scheduler import Scheduler
-from krafla_twisted.generation.speculate import (DraftError, DraftModel, LookupProposer, Speculation,
+from krafla_twisted.generation.speculate import (DraftError, DraftLength, DraftModel, LookupProposer, Speculation,
                                                  check_same_vocabulary)
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
@@ -188,6 +188,22 @@ class LookupProposerTests:
         assert proposer.propose([4, 1, 2], 2) == [3, 7]    # "4 1 2" is new, "1 2" last seen before 3 7
         assert proposer.propose([4, 1, 2, 3, 9, 1], 9) == [2, 3, 7, 8, 5, 2, 3, 4]
         assert proposer.propose([4, 1, 2, 3, 9, 1, 6, 8], 9) == []  # only "8" occurred: one token is no match
+
+
+    def test_the_length_adapts(self):
+        """Whole proposals taken: twice as many next (up to the most); a partial one: one more than was
+        accepted; two misses in a row: a pause of one step, then of two after the next two misses."""
+        length = DraftLength(start=4, most=16)
+        length.observe(4, 4)
+        assert length.wanted() == 8
+        length.observe(8, 8), length.observe(16, 16)
+        assert length.wanted() == 16
+        length.observe(16, 5)
+        assert length.wanted() == 6
+        length.observe(6, 0), length.observe(1, 0)
+        assert [length.wanted() for _ in range(2)] == [0, 1]
+        length.observe(1, 0), length.observe(1, 0)
+        assert [length.wanted() for _ in range(3)] == [0, 0, 1]
 
 
 class FixedProposer:
@@ -427,7 +443,8 @@ class ServerTests:
     def test_metrics_and_log_line(self, smollm):
         """A `twistd krafla --metrics` (speculation on by default) answers a code-editing chat with the
         text the same prompt gets without speculation; /metrics counts the proposed and accepted tokens
-        and the request's log line reports the same numbers."""
+        and the request's log line reports the same numbers; streamed logprobs equal the whole reply's
+        although several tokens come out of one step."""
         import httpx2
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -451,8 +468,18 @@ class ServerTests:
                        for sample in family.samples}
             proposed = samples["krafla_speculative_proposed_tokens_total"]
             accepted = samples["krafla_speculative_accepted_tokens_total"]
-            assert proposed > accepted > 10
+            assert proposed >= accepted > 10
             line = server.wait_for(lambda entry: "POST /v1/chat/completions 200" in entry)
             assert f"speculation {int(accepted)}/{int(proposed)} proposed tokens accepted" in line
+            # Several tokens per step: streamed, each token's logprobs still arrive once, in order.
+            from openai import OpenAI
+
+            client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+            ask_logprobs = dict(model="local", messages=ask, max_tokens=60, logprobs=True, top_logprobs=2)
+            whole = client.chat.completions.create(**ask_logprobs).choices[0].logprobs.content
+            streamed = [entry for chunk in client.chat.completions.create(stream=True, **ask_logprobs)
+                        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+            assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole]
+            assert "".join(e.token for e in whole) == want.text
         finally:
             server.stop()

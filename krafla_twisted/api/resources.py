@@ -352,8 +352,12 @@ class Reply(QueuedReply):
         self.api.worker.call_in_reactor(self._piece, text)
 
     def _logprobs_from_worker(self, entries):
-        # Runs in the worker thread, just before the text of these tokens.
-        self.api.worker.call_in_reactor(self.pending_logprobs.extend, entries)
+        # Runs in the worker thread, just before the text of these tokens. The list is looked up in the
+        # reactor, not here: a chunk sent in between replaces it (speculation emits several tokens per step).
+        self.api.worker.call_in_reactor(self._add_logprobs, entries)
+
+    def _add_logprobs(self, entries):
+        self.pending_logprobs.extend(entries)
 
     def _piece(self, text):
         if self.gone or not text:
