@@ -20,6 +20,8 @@ What is counted, from `make serve` started to the server's `# listening on` line
 Not counted: the `git clone` (a local clone of this repository into a temporary folder) and the
 Debian packages (gcc, make, python3-venv are taken as installed).
 
+The wall time depends on what else the machine runs; the CPU seconds of `make serve` and all
+its processes (to the end of the README's request, so twistd's answer is in them) much less.
 Each output line of `make serve` is timestamped; the phases are told apart by the lines this
 Makefile prints (`make serve: [n/4] ...`, `[link] ...`). After `# listening on` the README's curl
 request is sent and the reply printed, so a run also shows that the first start answers right.
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -73,6 +76,7 @@ def run(rev, shared_home, no_pip_cache, timeout):
                                   if not p.startswith(os.path.dirname(sys.executable)))
     lines = []  # (seconds since start, line)
     listening = threading.Event()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     make = subprocess.Popen(["make", "serve", "SERVE_ARGS=--port 0"], cwd=clone, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
@@ -105,7 +109,9 @@ def run(rev, shared_home, no_pip_cache, timeout):
         except subprocess.TimeoutExpired:
             os.killpg(make.pid, signal.SIGKILL)
             make.wait()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # make and all it ran, twistd included, reaped
         shutil.rmtree(work, ignore_errors=True)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     phases = []
     for name, pattern in MARKERS:
         seen = next((t for t, line in lines if pattern.search(line)), None)
@@ -114,7 +120,7 @@ def run(rev, shared_home, no_pip_cache, timeout):
     banner = next((line for _, line in lines if "# krafla " in line and ", isa " in line), "")
     return {"rev": rev, "home": "shared" if shared_home else "empty", "pip_cache": not no_pip_cache,
             "phases": phases, "listening_s": phases[-1][1], "banner": banner.split("[krafla#info] ")[-1],
-            "answer": answer, "log": lines}
+            "cpu_s": cpu, "answer": answer, "log": lines}
 
 
 def main():
@@ -142,7 +148,9 @@ def main():
         print(f"  {name:36} at {seen:7.1f} s  (+{seen - previous:6.1f} s)")
         previous = seen
     print(f"  {result['banner']}")
-    print(f"first start to listening: {result['listening_s']:.1f} s; the README's question answered: {result['answer']!r}")
+    print(f"first start to listening: {result['listening_s']:.1f} s, {result['cpu_s']:.0f} CPU seconds "
+          f"(make serve and every process it ran, to the end of the README's request; "
+          f"load average now {os.getloadavg()[0]:.1f}); the README's question answered: {result['answer']!r}")
 
 
 if __name__ == "__main__":
