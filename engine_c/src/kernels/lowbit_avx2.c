@@ -157,9 +157,9 @@ KR_INLINE __m256i min_sums(const kr_lowbit_block *w, const kr_block_q8_K *a) {
     return _mm256_madd_epi16(_mm256_load_si256((const __m256i *)w->min), _mm256_loadu_si256((const __m256i *)a->bsums));
 }
 
-// The 32 products of one block of 32 against one token's block, in 8 int32 lanes.
-KR_INLINE __m256i block_sums(__m256i q, const int8_t *a) {
-    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a), q), u = _mm256_abs_epi8(q);
+// The 32 products of one block of 32 (q, and u = |q|) against one token's block, in 8 int32 lanes.
+KR_INLINE __m256i block_sums(__m256i q, __m256i u, const int8_t *a) {
+    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a), q);
 #if defined(KR_HAVE_AVX512)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
@@ -214,7 +214,7 @@ KR_INLINE void tile_32(const int32_t type, const int R, const int T, const char 
     __m128 acc[4];
     for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
-        __m256i q[4];
+        __m256i q[4], u[4];
         float d[4] = {0};
         for (int r = 0; r < R; r++) {
             const char *block = w + (size_t)r * w_stride + (size_t)b * block_bytes;
@@ -226,12 +226,13 @@ KR_INLINE void tile_32(const int32_t type, const int R, const int T, const char 
                 q[r] = grid_nibbles(((const kr_block_iq4_nl *)block)->qs, grid);
                 d[r] = f16_to_f32(((const kr_block_iq4_nl *)block)->d);
             }
+            u[r] = _mm256_abs_epi8(q[r]);
         }
         const __m128 dw = _mm_loadu_ps(d);
         for (int t = 0; t < T; t++) {
             const kr_block_q8_sum *x = (const kr_block_q8_sum *)(a + (size_t)t * a_stride) + b;
             __m256i sums[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int r = 0; r < R; r++) sums[r] = block_sums(q[r], x->q);
+            for (int r = 0; r < R; r++) sums[r] = block_sums(q[r], u[r], x->q);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(dw, _mm_set1_ps(x->d)), _mm_cvtepi32_ps(sum4_epi32(sums[0], sums[1], sums[2], sums[3])),
                                   acc[t]);
         }
