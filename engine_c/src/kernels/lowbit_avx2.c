@@ -1,12 +1,13 @@
 // lowbit_avx2.c: the low-bit weight matmul (lowbit.h: q2_K, q3_K, iq4_xs, iq4_nl, mxfp4) with AVX2
 // intrinsics, file layout. A tile is R <= 4 rows x T <= 4 tokens: per block each row is decoded
-// once into bytes (the grids by one shuffle of the nibbles), every token's integer sums are formed
-// against it, 4 rows' sums are added up together, and each token takes its 4 rows' fused
-// multiply-adds in the lanes of one 128-bit vector: lowbit_ref.c's float steps, lane by lane.
+// once into bytes (the grids by one shuffle of the nibbles; for one token a super-block's sums are
+// formed straight from its bytes instead), every token's integer sums are formed against it, 4
+// rows' sums are added up together, and each token takes its 4 rows' fused multiply-adds in the
+// lanes of one 128-bit vector: lowbit_ref.c's float steps, lane by lane.
 //
-// The ISA=avx512 build compiles this file too: the super-blocks' sums run 64 weights per 512-bit
-// step, the blocks of 32 take VNNI's dpbusd. The integer sums are exact either way, so every build
-// gives the reference's bits.
+// The ISA=avx512 build compiles this file too: the decoded super-blocks' sums run 64 weights per
+// 512-bit step, the blocks of 32 take VNNI's dpbusd. The integer sums are exact either way, so every
+// build gives the reference's bits.
 #include "kernels/lowbit.h"
 #include "krafla.h"
 
