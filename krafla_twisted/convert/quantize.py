@@ -365,8 +365,10 @@ def _signed_max(x):
 
 
 def _nearest(scaled, grid):
-    """Index into the sorted `grid` of the value nearest each of `scaled`, the lower on ties."""
-    return np.abs(scaled[..., None] - grid).argmin(axis=-1).astype(np.uint8)
+    """Index into the sorted `grid` of the value nearest each of `scaled`, the lower on ties: how many
+    midpoints between neighbours lie below it."""
+    midpoints = (grid[:-1] + grid[1:]) / np.float32(2)
+    return np.searchsorted(midpoints, scaled, side="left").astype(np.uint8)
 
 
 def _pack_nibbles(indices):
@@ -432,8 +434,13 @@ def quantize_mxfp4(x):
     e = np.clip(e, 0, 254).astype(np.uint32)
     bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
     d = bits.view(np.float32)
-    errors = np.abs(d[:, None, None] * KVALUES_MXFP4 - blocks[:, :, None])
-    indices = errors.argmin(axis=-1).astype(np.uint8)
+    indices = np.zeros(blocks.shape, np.uint8)
+    best = np.full(blocks.shape, np.inf, np.float32)
+    for index, level in enumerate(KVALUES_MXFP4):  # |d * level - x|, the first level on ties
+        error = np.abs(d[:, None] * level - blocks)
+        better = error < best
+        indices[better] = index
+        best = np.where(better, error, best)
     out = np.empty((blocks.shape[0], 17), np.uint8)
     out[:, 0] = e.astype(np.uint8)
     out[:, 1:] = _pack_nibbles(indices)

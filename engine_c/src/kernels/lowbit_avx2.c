@@ -1,12 +1,13 @@
 // lowbit_avx2.c: the low-bit weight matmul (lowbit.h: q2_K, q3_K, iq4_xs, iq4_nl, mxfp4) with AVX2
 // intrinsics, file layout. A tile is R <= 4 rows x T <= 4 tokens: per block each row is decoded
-// once into bytes (the grids by one shuffle of the nibbles), every token's integer sums are formed
-// against it, 4 rows' sums are added up together, and each token takes its 4 rows' fused
-// multiply-adds in the lanes of one 128-bit vector: lowbit_ref.c's float steps, lane by lane.
+// once into bytes (the grids by one shuffle of the nibbles; for one token a super-block's sums are
+// formed straight from its bytes instead), every token's integer sums are formed against it, 4
+// rows' sums are added up together, and each token takes its 4 rows' fused multiply-adds in the
+// lanes of one 128-bit vector: lowbit_ref.c's float steps, lane by lane.
 //
-// The ISA=avx512 build compiles this file too: the super-blocks' sums run 64 weights per 512-bit
-// step, the blocks of 32 take VNNI's dpbusd. The integer sums are exact either way, so every build
-// gives the reference's bits.
+// The ISA=avx512 build compiles this file too: the decoded super-blocks' sums run 64 weights per
+// 512-bit step, the blocks of 32 take VNNI's dpbusd. The integer sums are exact either way, so every
+// build gives the reference's bits.
 #include "kernels/lowbit.h"
 #include "krafla.h"
 
@@ -29,80 +30,100 @@ KR_INLINE __m256i grid_of(const int8_t values[16]) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values));
 }
 
-// scale_lanes[c]: scale[2c] in the low 8 int16, scale[2c + 1] in the high 8, from the 16 scales as
-// signed bytes.
-KR_INLINE void set_scale_lanes(kr_lowbit_block *out, __m128i scales) {
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) {
-        const __m128i pick = _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * c)), _mm_set1_epi8((char)(2 * c + 1)));
-        _mm256_store_si256((__m256i *)out->scale_lanes[c], _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+// Weights 32c..32c+31 of a super-block as signed bytes: for q2_K and q3_K bits 2s..2s+1 of qs[32h + l]
+// (c = 4h + s), q3_K taking 4 unless bit c of hmask[l] is set; for iq4_xs sub-block c's nibbles in the grid.
+KR_INLINE __m256i super_chunk(const int32_t type, const char *block, const int c, const __m256i grid) {
+    if (type == KR_IQ4_XS) return grid_nibbles(((const kr_block_iq4_xs *)block)->qs + 16 * c, grid);
+    const uint8_t *qs = type == KR_Q2_K ? ((const kr_block_q2_K *)block)->qs : ((const kr_block_q3_K *)block)->qs;
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 4)));
+    __m256i value = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (c % 4)), _mm256_set1_epi8(3));
+    if (type == KR_Q3_K) {
+        const __m256i hmask = _mm256_loadu_si256((const __m256i *)((const kr_block_q3_K *)block)->hmask);
+        const __m256i unset = _mm256_andnot_si256(_mm256_srli_epi16(hmask, c), _mm256_set1_epi8(1));
+        value = _mm256_sub_epi8(value, _mm256_slli_epi16(unset, 2));
     }
+    return value;
 }
 
-// q2_K and q3_K's low 2 bits: 32 bytes of qs for each half h, four 2-bit fields per byte; q3_K
-// (hmask not NULL) takes 4 from weight 32k + l unless bit k of hmask[l] is set.
-KR_INLINE void decode_two_bits(const uint8_t qs[64], const uint8_t *hmask, int8_t q[256]) {
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const __m256i high = hmask ? _mm256_loadu_si256((const __m256i *)hmask) : _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
-#pragma GCC unroll 4
-        for (int s = 0; s < 4; s++) {
-            __m256i value = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * s), three);
-            if (hmask) {
-                const __m256i unset = _mm256_andnot_si256(_mm256_srli_epi16(high, 4 * h + s), one);
-                value = _mm256_sub_epi8(value, _mm256_slli_epi16(unset, 2));
-            }
-            _mm256_store_si256((__m256i *)(q + 128 * h + 32 * s), value);
-        }
-    }
-}
-
-KR_INLINE void decode_super(const int32_t type, const char *block, kr_lowbit_block *out) {
+// The 16 scales of a super-block as signed bytes; d (and q2_K's dmin and mins, else 0) into `out`.
+KR_INLINE __m128i super_scales(const int32_t type, const char *block, kr_lowbit_block *out) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
-    __m128i scales;
     if (type == KR_Q2_K) {
         const kr_block_q2_K *b = (const kr_block_q2_K *)block;
-        decode_two_bits(b->qs, NULL, out->q);
         const __m128i packed = _mm_loadu_si128((const __m128i *)b->scales);
-        scales = _mm_and_si128(packed, low4);
         _mm256_store_si256((__m256i *)out->min, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4)));
         out->d = f16_to_f32(b->d);
         out->dmin = f16_to_f32(b->dmin);
-    } else if (type == KR_Q3_K) {
+        return _mm_and_si128(packed, low4);
+    }
+    memset(out->min, 0, sizeof out->min);
+    out->dmin = 0.0f;
+    if (type == KR_Q3_K) {
         const kr_block_q3_K *b = (const kr_block_q3_K *)block;
-        decode_two_bits(b->qs, b->hmask, out->q);
         // scale j: the low nibble (j < 8) or high nibble of byte j % 8, over bits 2(j/4).. of byte 8 + j % 4
         const __m128i packed = _mm_loadl_epi64((const __m128i *)b->scales);
         int32_t tops;
         memcpy(&tops, b->scales + 8, 4);
         const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
         const __m128i top = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(tops), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
-        scales = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
-        memset(out->min, 0, sizeof out->min);
         out->d = f16_to_f32(b->d);
-    } else {  // iq4_xs
-        const kr_block_iq4_xs *b = (const kr_block_iq4_xs *)block;
-        const __m256i grid = grid_of(kr_kvalues_iq4nl);
-        _Alignas(16) int8_t scale[16];
-        for (int j = 0; j < 8; j++) {
-            _mm256_store_si256((__m256i *)(out->q + 32 * j), grid_nibbles(b->qs + 16 * j, grid));
-            const int ls = ((b->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((b->scales_h >> (2 * j)) & 3) << 4;
-            scale[2 * j] = scale[2 * j + 1] = (int8_t)(ls - 32);
-        }
-        scales = _mm_load_si128((const __m128i *)scale);
-        memset(out->min, 0, sizeof out->min);
-        out->d = f16_to_f32(b->d);
+        return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
     }
-    set_scale_lanes(out, scales);
+    // byte i: sub-block j = i / 2's scale, its low 4 bits nibble j of scales_l, its top 2 bits 2j.. of scales_h
+    const kr_block_iq4_xs *b = (const kr_block_iq4_xs *)block;
+    const __m128i odd = _mm_setr_epi8(0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1), three = _mm_set1_epi8(3);
+    int32_t packed;
+    memcpy(&packed, b->scales_l, 4);
+    const __m128i nibbles = _mm_shuffle_epi8(_mm_cvtsi32_si128(packed), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    const __m128i low = _mm_blendv_epi8(_mm_and_si128(nibbles, low4), _mm_and_si128(_mm_srli_epi16(nibbles, 4), low4), odd);
+    // 32-bit lane L: scales_h >> 4L, whose bits 0..1 top sub-block 2L's scale and bits 2..3 sub-block 2L + 1's
+    const __m128i tops = _mm_srlv_epi32(_mm_set1_epi32(b->scales_h), _mm_setr_epi32(0, 4, 8, 12));
+    const __m128i spread = _mm_shuffle_epi8(tops, _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    const __m128i top = _mm_blendv_epi8(_mm_and_si128(spread, three), _mm_and_si128(_mm_srli_epi16(spread, 2), three), odd);
+    out->d = f16_to_f32(b->d);
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+}
+
+// scale_lanes[c]: scale[2c] in the low 8 int16, scale[2c + 1] in the high 8 (the madd pairs of chunk c).
+KR_INLINE __m256i scale_lane(__m128i scales, const int c) {
+    const __m128i pick = _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * c)), _mm_set1_epi8((char)(2 * c + 1)));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+}
+
+// Several tokens: each row's super-block decoded once into kr_lowbit_block.
+KR_INLINE void decode_super(const int32_t type, const char *block, kr_lowbit_block *out) {
+    const __m256i grid = grid_of(kr_kvalues_iq4nl);
+    const __m128i scales = super_scales(type, block, out);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        _mm256_store_si256((__m256i *)(out->q + 32 * c), super_chunk(type, block, c, grid));
+        _mm256_store_si256((__m256i *)out->scale_lanes[c], scale_lane(scales, c));
+    }
+}
+
+// The products of 32 weights q and activations a, in int16 pairs (|q| times a with q's sign: a pair is
+// at most 2 * 127 * 127 < 32767; q2_K's weights are unsigned already).
+KR_INLINE __m256i product_pairs(const int32_t type, __m256i q, __m256i a) {
+    return type == KR_Q2_K ? _mm256_maddubs_epi16(q, a) : _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q));
+}
+
+// One token: a row's super-block straight from its bytes, no decoded copy (generation). The same
+// integer sums as super_sums below, in 8 int32 lanes.
+KR_INLINE __m256i super_sums_direct(const int32_t type, const char *block, const int8_t *a, kr_lowbit_block *scalars) {
+    const __m256i grid = grid_of(kr_kvalues_iq4nl);
+    const __m128i scales = super_scales(type, block, scalars);
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m256i pairs = product_pairs(type, super_chunk(type, block, c, grid), _mm256_loadu_si256((const __m256i *)(a + 32 * c)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale_lane(scales, c)));
+    }
+    return acc;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Integer sums of one row's decoded super-block against one token's q8_K block, in 8 int32 lanes
-// (their total is isum). Signed weights times signed activations: |w| times a with w's sign
-// (|w| * |a| <= 127 * 127, so a maddubs pair stays below 32767), then the pairs times the sub-block
-// scales. q2_K's weights are unsigned already.
+// (their total is isum): the products in pairs, then the pairs times the sub-block scales.
 
 #if defined(KR_HAVE_AVX512)
 KR_INLINE __m256i super_sums(const int32_t type, const kr_lowbit_block *w, const int8_t *a) {
@@ -125,8 +146,7 @@ KR_INLINE __m256i super_sums(const int32_t type, const kr_lowbit_block *w, const
     for (int c = 0; c < 8; c++) {
         const __m256i q = _mm256_load_si256((const __m256i *)(w->q + 32 * c));
         const __m256i x = _mm256_loadu_si256((const __m256i *)(a + 32 * c));
-        const __m256i pairs = type == KR_Q2_K ? _mm256_maddubs_epi16(q, x)
-                                              : _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+        const __m256i pairs = product_pairs(type, q, x);
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_load_si256((const __m256i *)w->scale_lanes[c])));
     }
     return acc;
@@ -138,9 +158,9 @@ KR_INLINE __m256i min_sums(const kr_lowbit_block *w, const kr_block_q8_K *a) {
     return _mm256_madd_epi16(_mm256_load_si256((const __m256i *)w->min), _mm256_loadu_si256((const __m256i *)a->bsums));
 }
 
-// The 32 products of one block of 32 against one token's block, in 8 int32 lanes.
-KR_INLINE __m256i block_sums(__m256i q, const int8_t *a) {
-    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a), q), u = _mm256_abs_epi8(q);
+// The 32 products of one block of 32 (q, and u = |q|) against one token's block, in 8 int32 lanes.
+KR_INLINE __m256i block_sums(__m256i q, __m256i u, const int8_t *a) {
+    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a), q);
 #if defined(KR_HAVE_AVX512)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
@@ -159,18 +179,23 @@ KR_INLINE void tile_super(const int32_t type, const int R, const int T, const ch
     for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         float d[4] = {0}, dmin[4] = {0};
+        __m256i direct[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int r = 0; r < R; r++) {
             const char *block = w + (size_t)r * w_stride + (size_t)b * block_bytes;
             if (next) _mm_prefetch(next + (size_t)r * w_stride + (size_t)b * block_bytes, _MM_HINT_T0);
-            decode_super(type, block, &decoded[r]);
+            if (T == 1)
+                direct[r] = super_sums_direct(type, block, ((const kr_block_q8_K *)a + b)->q, &decoded[r]);
+            else
+                decode_super(type, block, &decoded[r]);
             d[r] = decoded[r].d;
             dmin[r] = decoded[r].dmin;
         }
         const __m128 dw = _mm_loadu_ps(d), dminw = _mm_loadu_ps(dmin);
         for (int t = 0; t < T; t++) {
             const kr_block_q8_K *x = (const kr_block_q8_K *)(a + (size_t)t * a_stride) + b;
-            __m256i sums[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int r = 0; r < R; r++) sums[r] = super_sums(type, &decoded[r], x->q);
+            __m256i sums[4] = {direct[0], direct[1], direct[2], direct[3]};
+            if (T > 1)
+                for (int r = 0; r < R; r++) sums[r] = super_sums(type, &decoded[r], x->q);
             const __m128 da = _mm_set1_ps(x->d);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(dw, da), _mm_cvtepi32_ps(sum4_epi32(sums[0], sums[1], sums[2], sums[3])), acc[t]);
             if (type == KR_Q2_K) {
@@ -190,7 +215,7 @@ KR_INLINE void tile_32(const int32_t type, const int R, const int T, const char 
     __m128 acc[4];
     for (int t = 0; t < T; t++) acc[t] = _mm_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
-        __m256i q[4];
+        __m256i q[4], u[4];
         float d[4] = {0};
         for (int r = 0; r < R; r++) {
             const char *block = w + (size_t)r * w_stride + (size_t)b * block_bytes;
@@ -202,12 +227,13 @@ KR_INLINE void tile_32(const int32_t type, const int R, const int T, const char 
                 q[r] = grid_nibbles(((const kr_block_iq4_nl *)block)->qs, grid);
                 d[r] = f16_to_f32(((const kr_block_iq4_nl *)block)->d);
             }
+            u[r] = _mm256_abs_epi8(q[r]);
         }
         const __m128 dw = _mm_loadu_ps(d);
         for (int t = 0; t < T; t++) {
             const kr_block_q8_sum *x = (const kr_block_q8_sum *)(a + (size_t)t * a_stride) + b;
             __m256i sums[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int r = 0; r < R; r++) sums[r] = block_sums(q[r], x->q);
+            for (int r = 0; r < R; r++) sums[r] = block_sums(q[r], u[r], x->q);
             acc[t] = _mm_fmadd_ps(_mm_mul_ps(dw, _mm_set1_ps(x->d)), _mm_cvtepi32_ps(sum4_epi32(sums[0], sums[1], sums[2], sums[3])),
                                   acc[t]);
         }
