@@ -231,9 +231,9 @@ class SmolagentsTests:
 
     def test_code_agent(self, qwen):
         """smolagents' CodeAgent with Qwen2.5-Coder: plain chat with stop strings; the 0.5B model
-        does not write CodeAgent's <code> blocks (llama-server's replies to the same prompts are the
-        same, docs/clients.md), so the agent ends at max_steps with the answer its last, tool-less
-        call writes: the test pins that the loop runs and ends with a text answer."""
+        does not write CodeAgent's <code> blocks (docs/clients.md), so the agent ends at max_steps
+        with the answer its last, tool-less call writes: the test pins that every request is served
+        and the loop ends with a text answer."""
         from smolagents import CodeAgent, OpenAIServerModel
 
         get_weather, _ = smolagents_tool()
@@ -336,6 +336,7 @@ class BoundsTests:
         ({"type": "number"}, "0.123456", "0.1234567"),
         ({"type": "integer"}, str(grammar.NUMBER_LIMIT), str(grammar.NUMBER_LIMIT * 10)),
         ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+        ({"type": "object", "properties": {}}, "{}", '{"a": 1}'),
         ({}, json.dumps({"a": {"b": 1}}), json.dumps({"a": [{"b": 1}]})),
     ])
     def test_unbounded_values_get_a_bound(self, schema, fits, too_long):

@@ -188,8 +188,8 @@ def _bound_object(schema, out):
     properties = schema.get("properties")
     patterns = schema.get("patternProperties")
     additional = schema.get("additionalProperties", True)
-    if "additionalProperties" not in schema and properties and not patterns:
-        out["additionalProperties"] = False
+    if "additionalProperties" not in schema and isinstance(properties, dict) and not patterns:
+        out["additionalProperties"] = False   # `properties: {}` too: a tool without parameters takes `{}`
     elif not properties and not patterns and not schema.get("required") and additional is True:
         out.update({key: value for key, value in _free_object(free_value()).items() if key != "type"})
         out["maxProperties"] = schema.get("maxProperties", max(OBJECT_MAX_PROPERTIES, _count(schema.get("minProperties"))))
