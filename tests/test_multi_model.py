@@ -1,0 +1,249 @@
+"""Several models in one real `twistd krafla --models FILE` (api/models.py, cli/registry.py).
+
+Two chat models (SmolLM2-135M and Qwen2.5-Coder-0.5B, q4_0) and an embedding model (the tiny BERT of
+tests/data/embedders), plus one whose file is damaged. Each model's replies must be the bytes a
+one-model server gives for the same request, whatever the other models do at the same time; an
+idle model is unloaded and loaded again on demand; a memory budget that fits one chat model but
+not both is never passed (the server's VmRSS sampled all along); the damaged model's requests get
+its load error while the others keep serving; an unknown model is a 404 in each API's shape.
+"""
+
+import concurrent.futures
+import re
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from krafla_twisted.cli import registry
+from krafla_twisted.convert.bert import convert_bert
+from tests.support.real_models import real_model
+from tests.support.server import ServerProcess
+
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "embedders"
+COMMON = ["-t", "1", "--ctx", "512", "--max-tokens", "12"]
+CHATS = {"smollm": "smollm2-135m", "coder": "qwen2.5-coder-0.5b"}
+QUESTIONS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+             "Name three colours."]
+SENTENCES = ["The cat sits on the mat.", "A dog runs in the park."]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    out = {name: real_model(known) for name, known in CHATS.items()}
+    mlb, mlt = convert_bert(DATA / "tiny-bert", folder / "tiny-bert.mlb", folder / "tiny-bert.mlt", "f32",
+                            progress=False)
+    broken = folder / "broken.mlb"
+    broken.write_bytes(b"KRAFLAMB" + bytes(range(256)) * 64)   # the magic, then no valid header
+    shutil.copy(out["smollm"].mlt, folder / "broken.mlt")
+    return {"smollm": (out["smollm"].mlb, out["smollm"].mlt), "coder": (out["coder"].mlb, out["coder"].mlt),
+            "embed": (mlb, mlt), "broken": (broken, folder / "broken.mlt"), "folder": folder}
+
+
+def models_file(files, path, names, parallel=2):
+    lines = []
+    for name in names:
+        mlb, mlt = files[name]
+        lines += ["[[models]]", f'name = "{name}"', f'file = "{mlb}"', f'tokenizer = "{mlt}"']
+        if name == "embed":
+            lines.append("embeddings = true")
+        elif name == "smollm":
+            lines += [f"parallel = {parallel}", 'aliases = ["small"]']
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    path = models_file(files, files["folder"] / "models.toml", ["smollm", "coder", "embed", "broken"])
+    process = ServerProcess(["--models", str(path), "--idle-unload", "2", "--metrics", *COMMON]).start()
+    process.baseline = resident(process)   # nothing loaded yet
+    yield process
+    process.stop()
+
+
+def resident(process):
+    """The server's VmRSS in bytes."""
+    with open(f"/proc/{process.process.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def chat(process, model, question, stream=False):
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "stream": stream}
+    response = httpx.post(process.url("/chat/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.text if stream else response.json()["choices"][0]["message"]["content"]
+
+
+def embed(process, model="embed"):
+    response = httpx.post(process.url("/embeddings"), json={"model": model, "input": SENTENCES}, timeout=120)
+    assert response.status_code == 200, response.text
+    return [d["embedding"] for d in response.json()["data"]]
+
+
+def states(process):
+    reply = httpx.get(process.url("/models"), timeout=30).json()
+    return {m["id"]: m["state"] for m in reply["data"]}
+
+
+def wait_for_state(process, model, state, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if states(process)[model] == state:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{model} is still {states(process)[model]} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """What one-model servers answer: the chat replies of each chat model, the embedding model's vectors."""
+    out = {}
+    for name in CHATS:
+        mlb, mlt = files[name]
+        extra = ["--parallel", "2"] if name == "smollm" else []
+        process = ServerProcess([str(mlb), "-z", str(mlt), *COMMON, *extra]).start()
+        try:
+            out[name] = [chat(process, "anything", q) for q in QUESTIONS]
+        finally:
+            process.stop()
+    mlb, mlt = files["embed"]
+    process = ServerProcess(["--embeddings", str(mlb), "-z", str(mlt), "-t", "1"]).start()
+    try:
+        out["embed"] = embed(process, "anything")
+    finally:
+        process.stop()
+    return out
+
+
+def test_concurrent_clients_get_the_one_model_replies(server, reference):
+    """Clients on three models at once: each reply is byte for byte the one-model server's."""
+    jobs = [("smollm", i) for i in range(3)] + [("coder", i) for i in range(3)] + [("embed", 0), ("small", 1)]
+
+    def run(job):
+        model, index = job
+        if model == "embed":
+            return embed(server)
+        return chat(server, model, QUESTIONS[index])
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (model, index), got in zip(jobs, results):
+        if model == "embed":
+            assert got == reference["embed"]
+        else:
+            assert got == reference["smollm" if model == "small" else model][index], (model, index)
+    assert sum("loading model coder" in line for line in server.lines) >= 1
+
+
+def test_two_requests_for_an_unloaded_model_load_it_once(server, reference):
+    wait_for_state(server, "coder", "unloaded")
+    start = len(server.lines)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda q: chat(server, "coder", q), QUESTIONS[:2]))
+    assert replies == reference["coder"][:2]
+    assert sum("loading model coder" in line for line in server.lines[start:]) == 1
+
+
+def test_idle_model_is_unloaded_and_loaded_again(server, reference):
+    assert embed(server) == reference["embed"]
+    wait_for_state(server, "embed", "unloaded")
+    server.wait_for(lambda line: "unloaded model embed (idle for 2 s)" in line)
+    assert embed(server) == reference["embed"]
+    assert states(server)["embed"] == "loaded"
+
+
+def test_a_damaged_file_fails_its_own_model_only(server, reference):
+    response = httpx.post(server.url("/chat/completions"), timeout=60,
+                          json={"model": "broken", "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "model_load_failed" and "broken" in error["message"]
+    listed = {m["id"]: m for m in httpx.get(server.url("/models")).json()["data"]}
+    assert listed["broken"]["state"] == "failed" and listed["broken"]["error"]
+    # Ollama's shape for the same failure, and the other models still answer
+    response = httpx.post(server.root_url("/api/chat"), json={"model": "broken", "stream": False,
+                                                               "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 503 and "could not be loaded" in response.json()["error"]
+    assert chat(server, "smollm", QUESTIONS[0]) == reference["smollm"][0]
+
+
+def test_unknown_model_is_a_404_in_each_apis_shape(server):
+    response = httpx.post(server.url("/chat/completions"), json={"model": "nope", "messages": []})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.url("/models/nope")).json()["error"]["code"] == "model_not_found"
+    response = httpx.post(server.url("/messages"), json={"model": "nope", "max_tokens": 4, "messages": []})
+    assert response.status_code == 404
+    assert response.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                          "message": "The model 'nope' does not exist"}}
+    response = httpx.post(server.root_url("/api/chat"), json={"model": "nope", "messages": []})
+    assert response.status_code == 404 and response.json() == {"error": "The model 'nope' does not exist"}
+    response = httpx.post(server.root_url("/api/embed"), json={"model": "nope", "input": "x"})
+    assert response.status_code == 404 and response.json() == {"error": "The model 'nope' does not exist"}
+
+
+def test_listings_and_metrics_name_every_model(server):
+    chat(server, "smollm", QUESTIONS[0])
+    tags = httpx.get(server.root_url("/api/tags")).json()["models"]
+    assert [m["name"] for m in tags] == ["smollm", "coder", "embed", "broken"]
+    assert "smollm" in [m["name"] for m in httpx.get(server.root_url("/api/ps")).json()["models"]]
+    assert httpx.get(server.url("/models/small")).json()["id"] == "smollm"
+    text = httpx.get(server.root_url("/metrics")).text
+    assert re.search(r'krafla_requests_total\{endpoint="chat/completions",status="200",model="smollm"\} \d+', text)
+    assert re.search(r'krafla_completion_tokens_total\{model="coder"\} \d+', text)
+
+
+def test_memory_budget_is_never_passed(files, server, reference):
+    """A budget that holds SmolLM2 or Qwen but not both: loading Qwen unloads the idle SmolLM2, and the
+    server's resident memory, sampled every few milliseconds, never goes past the budget."""
+    base = {}
+    names = ["smollm", "coder"]
+    path = models_file(files, files["folder"] / "budget.toml", names)
+    estimates = {n: registry.read_models_file(str(path), {"parallel": 1, "ctx": 512})[i].estimate
+                 for i, n in enumerate(names)}
+    base["rss"] = server.baseline
+    budget = base["rss"] + estimates["coder"] + 24 * 2**20 + estimates["smollm"] // 4
+    process = ServerProcess(["--models", str(path), "--max-memory", str(budget), *COMMON]).start()
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], resident(process))
+            except (OSError, AssertionError):
+                return
+            time.sleep(0.003)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert chat(process, "smollm", QUESTIONS[0]) == reference["smollm"][0]
+        assert chat(process, "coder", QUESTIONS[1]) == reference["coder"][1]
+        assert states(process)["smollm"] == "unloaded"
+        process.wait_for(lambda line: "unloaded model smollm (to make room within --max-memory)" in line)
+        assert chat(process, "smollm", QUESTIONS[2]) == reference["smollm"][2]
+    finally:
+        stop.set()
+        sampler.join()
+        process.stop()
+    assert 0 < peak[0] <= budget, f"resident {peak[0] / 2**20:.0f} MiB past the budget {budget / 2**20:.0f} MiB"
+
+
+def test_models_dir_names_each_model_by_its_file(files, tmp_path):
+    for suffix in (".mlb", ".mlt"):
+        shutil.copy(files["embed"][0].with_suffix(suffix), tmp_path / f"encoder{suffix}")
+    specs = registry.read_models_dir(str(tmp_path), {"parallel": 1})
+    assert [s.name for s in specs] == ["encoder"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(registry.ModelsFileError, match="no .mlb"):
+        registry.read_models_dir(str(tmp_path / "empty"), {})
