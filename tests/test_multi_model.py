@@ -19,7 +19,7 @@ import pytest
 
 from krafla_twisted.cli import registry
 from krafla_twisted.convert.bert import convert_bert
-from tests.support.real_models import real_model
+from tests.support.real_models import real_model, source_gguf
 from tests.support.server import ServerProcess
 
 from pathlib import Path
@@ -41,15 +41,19 @@ def files(tmp_path_factory):
     broken = folder / "broken.mlb"
     broken.write_bytes(b"KRAFLAMB" + bytes(range(256)) * 64)   # the magic, then no valid header
     shutil.copy(out["smollm"].mlt, folder / "broken.mlt")
+    native = real_model("smollm2-135m", type=None)   # the GGUF's own types, as --models converts a .gguf
     return {"smollm": (out["smollm"].mlb, out["smollm"].mlt), "coder": (out["coder"].mlb, out["coder"].mlt),
-            "embed": (mlb, mlt), "broken": (broken, folder / "broken.mlt"), "folder": folder}
+            "embed": (mlb, mlt), "broken": (broken, folder / "broken.mlt"), "folder": folder,
+            "native": (native.mlb, native.mlt), "gguf": (source_gguf("smollm2-135m"), None)}
 
 
 def models_file(files, path, names, parallel=2):
     lines = []
     for name in names:
         mlb, mlt = files[name]
-        lines += ["[[models]]", f'name = "{name}"', f'file = "{mlb}"', f'tokenizer = "{mlt}"']
+        lines += ["[[models]]", f'name = "{name}"', f'file = "{mlb}"']
+        if mlt is not None:
+            lines.append(f'tokenizer = "{mlt}"')
         if name == "embed":
             lines.append("embeddings = true")
         elif name == "smollm":
@@ -61,8 +65,10 @@ def models_file(files, path, names, parallel=2):
 
 @pytest.fixture(scope="module")
 def server(files):
-    path = models_file(files, files["folder"] / "models.toml", ["smollm", "coder", "embed", "broken"])
-    process = ServerProcess(["--models", str(path), "--idle-unload", "2", "--metrics", *COMMON]).start()
+    path = models_file(files, files["folder"] / "models.toml", ["smollm", "coder", "embed", "broken", "gguf"])
+    # its own cache: the .gguf is converted on its first load, into $KRAFLA_HOME/converted
+    process = ServerProcess(["--models", str(path), "--idle-unload", "2", "--metrics", *COMMON],
+                            env={"KRAFLA_HOME": str(files["folder"] / "home")}).start()
     process.baseline = resident(process)   # nothing loaded yet
     yield process
     process.stop()
@@ -108,7 +114,7 @@ def wait_for_state(process, model, state, timeout=60):
 def reference(files):
     """What one-model servers answer: the chat replies of each chat model, the embedding model's vectors."""
     out = {}
-    for name in CHATS:
+    for name in (*CHATS, "native"):
         mlb, mlt = files[name]
         extra = ["--parallel", "2"] if name == "smollm" else []
         process = ServerProcess([str(mlb), "-z", str(mlt), *COMMON, *extra]).start()
@@ -177,6 +183,12 @@ def test_a_damaged_file_fails_its_own_model_only(server, reference):
     assert chat(server, "smollm", QUESTIONS[0]) == reference["smollm"][0]
 
 
+def test_a_gguf_is_converted_on_its_first_load(server, reference, files):
+    """The .gguf entry answers as the one-model server on its krafla-pulled conversion (the file's own types)."""
+    assert chat(server, "gguf", QUESTIONS[0]) == reference["native"][0]
+    assert list((files["folder"] / "home" / "converted").glob("*/SmolLM2-135M-Instruct.Q4_1.mlb"))
+
+
 def test_unknown_model_is_a_404_in_each_apis_shape(server):
     response = httpx.post(server.url("/chat/completions"), json={"model": "nope", "messages": []})
     assert response.status_code == 404
@@ -195,7 +207,7 @@ def test_unknown_model_is_a_404_in_each_apis_shape(server):
 def test_listings_and_metrics_name_every_model(server):
     chat(server, "smollm", QUESTIONS[0])
     tags = httpx.get(server.root_url("/api/tags")).json()["models"]
-    assert [m["name"] for m in tags] == ["smollm", "coder", "embed", "broken"]
+    assert [m["name"] for m in tags] == ["smollm", "coder", "embed", "broken", "gguf"]
     assert "smollm" in [m["name"] for m in httpx.get(server.root_url("/api/ps")).json()["models"]]
     assert httpx.get(server.url("/models/small")).json()["id"] == "smollm"
     text = httpx.get(server.root_url("/metrics")).text
@@ -243,7 +255,7 @@ def test_models_dir_names_each_model_by_its_file(files, tmp_path):
     for suffix in (".mlb", ".mlt"):
         shutil.copy(files["embed"][0].with_suffix(suffix), tmp_path / f"encoder{suffix}")
     specs = registry.read_models_dir(str(tmp_path), {"parallel": 1})
-    assert [s.name for s in specs] == ["encoder"]
+    assert [(s.name, s.embeddings) for s in specs] == [("encoder", True)]
     (tmp_path / "empty").mkdir()
     with pytest.raises(registry.ModelsFileError, match="no .mlb"):
         registry.read_models_dir(str(tmp_path / "empty"), {})

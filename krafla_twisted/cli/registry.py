@@ -4,15 +4,17 @@ A models file is TOML (read with tomllib) or, named .yaml/.yml, YAML (when PyYAM
 a list `models` of tables, each
 
     name        the model's id: what a request's `model` field names (required)
-    file        its .mlb (required; relative to the models file's folder)
-    tokenizer   its .mlt (default: the .mlb's name with .mlt)
+    file        its .mlb, or a .gguf (converted once, on its first load, into $KRAFLA_HOME/converted)
+                (required; relative to the models file's folder)
+    tokenizer   its .mlt (default: the .mlb's name with .mlt; a .gguf's own)
     chat        its chat template (default: the one its tokenizer file names)
     ctx, parallel, kv, threads    as the options of that name, for this model (default: the command line's)
     aliases     other names requests may use for it
     embeddings  true for an embedding model (served at /v1/embeddings, /v1/rerank; then `pooling` too)
 
-`--models-dir DIR` serves every .mlb in DIR, each named by its file name without .mlb, with its
-tokenizer beside it and the command line's options. The memory a model needs is estimated as its
+`--models-dir DIR` serves every .mlb and .gguf in DIR, each named by its file name without .mlb, with its
+tokenizer beside it and the command line's options (an encoder's file, BERT-family, is served as an
+embedding model). The memory a model needs is estimated as its
 file's size plus its KV cache (parallel x ctx slots), later from what its last load took.
 """
 
@@ -41,9 +43,14 @@ class ModelSpec:
     estimate: int = 0   # resident bytes its first load is expected to take
 
     def config(self, base):
-        """The option mapping that loads this model: `base` (the server's options) with this model's over them."""
+        """The option mapping that loads this model: `base` (the server's options) with this model's over
+        them. A .gguf is converted first (once: see converted_files). This runs in the loading thread."""
+        mlb, tokenizer = self.path, self.tokenizer
+        if self.path.endswith(".gguf"):
+            mlb, converted_mlt = converted_files(self.path)
+            tokenizer = tokenizer or converted_mlt
         out = dict(base)
-        out.update(model=self.path, tokenizer=self.tokenizer, embeddings=self.embeddings, alias=self.name)
+        out.update(model=mlb, tokenizer=tokenizer, embeddings=self.embeddings, alias=self.name)
         out.update(self.settings)
         return out
 
@@ -88,12 +95,14 @@ def read_models_dir(folder, base):
         raise ModelsFileError(f"--models-dir {folder}: {e.strerror}") from None
     specs = []
     for file_name in names:
-        if not file_name.endswith(".mlb"):
+        if not file_name.endswith((".mlb", ".gguf")):
             continue
         item = {"name": os.path.splitext(file_name)[0], "file": file_name}
+        if is_encoder(os.path.join(folder, file_name)):
+            item["embeddings"] = True
         specs.append(_spec(item, len(specs), os.path.abspath(folder), base, folder))
     if not specs:
-        raise ModelsFileError(f"--models-dir {folder}: no .mlb file there (convert models with `krafla convert`)")
+        raise ModelsFileError(f"--models-dir {folder}: no .mlb or .gguf file there")
     return _checked(specs, folder)
 
 
@@ -113,9 +122,14 @@ def _spec(item, index, folder, base, where):
     path = os.path.join(folder, os.path.expanduser(file_name))
     if not os.path.isfile(path):
         raise ModelsFileError(f"{label}: the file {path} does not exist")
+    if not path.endswith((".mlb", ".gguf")):
+        raise ModelsFileError(f"{label}: `file` must be a .mlb or a .gguf, not {file_name}")
     tokenizer = item.get("tokenizer")
-    tokenizer = os.path.join(folder, tokenizer) if tokenizer else os.path.splitext(path)[0] + ".mlt"
-    if not os.path.isfile(tokenizer):
+    if tokenizer:
+        tokenizer = os.path.join(folder, tokenizer)
+    elif path.endswith(".mlb"):
+        tokenizer = os.path.splitext(path)[0] + ".mlt"
+    if tokenizer is not None and not os.path.isfile(tokenizer):
         raise ModelsFileError(f"{label}: its tokenizer {tokenizer} does not exist; give `tokenizer`")
     aliases = item.get("aliases", [])
     if isinstance(aliases, str):
@@ -143,6 +157,39 @@ def _spec(item, index, folder, base, where):
                      settings=settings, estimate=estimate)
 
 
+def converted_files(gguf_path):
+    """The (.mlb, .mlt) a .gguf of --models is served from: converted with its own types on its first
+    load into $KRAFLA_HOME/converted/NAME-ID/ (ID: a hash of the file's path, size and modification
+    time, so a changed file is converted again), and reused from there on."""
+    import hashlib
+
+    from krafla_twisted.cli.models import krafla_home
+    from krafla_twisted.convert.gguf import convert_gguf
+
+    stat = os.stat(gguf_path)
+    identity = f"{os.path.abspath(gguf_path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode("utf-8", "replace")
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    folder = krafla_home() / "converted" / f"{stem}-{hashlib.sha256(identity).hexdigest()[:16]}"
+    mlb, mlt = folder / f"{stem}.mlb", folder / f"{stem}.mlt"
+    if not (mlb.is_file() and mlt.is_file()):
+        folder.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gguf_path, mlb, mlt, None, progress=False)  # each written atomically
+    return str(mlb), str(mlt)
+
+
+def is_encoder(path):
+    """Whether the .mlb is an embedding model (a BERT-family encoder, which `krafla convert` writes
+    with its pooling); False for a file whose header cannot be read."""
+    from krafla_twisted.engine.container import ContainerFile
+
+    try:
+        with ContainerFile(path) as container:
+            meta = container.metadata
+    except Exception:  # noqa: BLE001 - a damaged file is refused when it loads, with the loader's error
+        return False
+    return "pooling" in meta or str(meta.get("arch", "")).endswith("bert")
+
+
 def memory_estimate(path, parallel, ctx, kv):
     """The resident bytes loading the model at `path` may take at its peak: twice its file (repacking
     copies the weights out of the mapped file before the mapping goes), its KV cache of `parallel`
@@ -155,6 +202,8 @@ def memory_estimate(path, parallel, ctx, kv):
 
     size = os.path.getsize(path)
     kv_bytes = 0
+    if path.endswith(".gguf"):  # its KV cache is known once converted; until then, the file and a margin
+        return 2 * size + LOAD_OVERHEAD_BYTES
     if parallel:
         try:
             with ContainerFile(path) as container:
