@@ -19,7 +19,9 @@ import pytest
 
 from krafla_twisted.cli import registry
 from krafla_twisted.convert.bert import convert_bert
-from tests.support.real_models import real_model, source_gguf
+from krafla_twisted.convert.gguf import convert_gguf
+from tests.support.real_models import real_model
+from tests.test_convert import write_gguf
 from tests.support.server import ServerProcess
 
 from pathlib import Path
@@ -41,10 +43,10 @@ def files(tmp_path_factory):
     broken = folder / "broken.mlb"
     broken.write_bytes(b"KRAFLAMB" + bytes(range(256)) * 64)   # the magic, then no valid header
     shutil.copy(out["smollm"].mlt, folder / "broken.mlt")
-    native = real_model("smollm2-135m", type=None)   # the GGUF's own types, as --models converts a .gguf
+    write_gguf(folder / "tiny-llama.gguf")   # a tiny random llama, converted by the server on its first load
     return {"smollm": (out["smollm"].mlb, out["smollm"].mlt), "coder": (out["coder"].mlb, out["coder"].mlt),
             "embed": (mlb, mlt), "broken": (broken, folder / "broken.mlt"), "folder": folder,
-            "native": (native.mlb, native.mlt), "gguf": (source_gguf("smollm2-135m"), None)}
+            "gguf": (folder / "tiny-llama.gguf", None)}
 
 
 def models_file(files, path, names, parallel=2):
@@ -114,7 +116,7 @@ def wait_for_state(process, model, state, timeout=60):
 def reference(files):
     """What one-model servers answer: the chat replies of each chat model, the embedding model's vectors."""
     out = {}
-    for name in (*CHATS, "native"):
+    for name in CHATS:
         mlb, mlt = files[name]
         extra = ["--parallel", "2"] if name == "smollm" else []
         process = ServerProcess([str(mlb), "-z", str(mlt), *COMMON, *extra]).start()
@@ -183,10 +185,17 @@ def test_a_damaged_file_fails_its_own_model_only(server, reference):
     assert chat(server, "smollm", QUESTIONS[0]) == reference["smollm"][0]
 
 
-def test_a_gguf_is_converted_on_its_first_load(server, reference, files):
-    """The .gguf entry answers as the one-model server on its krafla-pulled conversion (the file's own types)."""
-    assert chat(server, "gguf", QUESTIONS[0]) == reference["native"][0]
-    assert list((files["folder"] / "home" / "converted").glob("*/SmolLM2-135M-Instruct.Q4_1.mlb"))
+def test_a_gguf_is_converted_on_its_first_load(server, files, tmp_path):
+    """The .gguf entry is converted once into $KRAFLA_HOME/converted, the same bytes `krafla convert`
+    writes, and served from there."""
+    response = httpx.post(server.url("/completions"), json={"model": "gguf", "prompt": "a b", "max_tokens": 4},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+    (converted,) = (files["folder"] / "home" / "converted").glob("*/tiny-llama.mlb")
+    mlb, mlt = convert_gguf(files["gguf"][0], tmp_path / "tiny-llama.mlb", tmp_path / "tiny-llama.mlt", progress=False)
+    assert converted.read_bytes() == mlb.read_bytes()
+    assert converted.with_suffix(".mlt").read_bytes() == mlt.read_bytes()
 
 
 def test_unknown_model_is_a_404_in_each_apis_shape(server):
@@ -259,3 +268,27 @@ def test_models_dir_names_each_model_by_its_file(files, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(registry.ModelsFileError, match="no .mlb"):
         registry.read_models_dir(str(tmp_path / "empty"), {})
+
+
+def test_the_documented_models_file_reads(tmp_path):
+    """docs/server.md's models file: every key valid, each entry as the prose says; as YAML the same."""
+    text = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    section = text[text.index("## Several models"):]
+    example = re.search(r"```toml\n(.*?)```", section, re.DOTALL).group(1)
+    for name in re.findall(r'^(?:file|tokenizer) = "([^"]+)"', example, re.MULTILINE):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "SmolLM2-135M-Instruct-Q4_0.mlt").write_bytes(b"")
+    (tmp_path / "models.toml").write_text(example)
+    specs = registry.read_models_file(str(tmp_path / "models.toml"), {"parallel": 4})
+    assert [(s.name, s.aliases, s.embeddings) for s in specs] == [
+        ("smollm", ("small", "gpt-4o-mini"), False), ("coder", (), False), ("minilm", (), True)]
+    assert specs[0].tokenizer == str(tmp_path / "SmolLM2-135M-Instruct-Q4_0.mlt")
+    assert specs[1].settings == {"chat": "qwen", "kv": "q8_0", "threads": 2} and specs[1].tokenizer is None
+    import tomllib
+    import yaml
+
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(tomllib.loads(example)))
+    assert registry.read_models_file(str(tmp_path / "models.yaml"), {"parallel": 4}) == specs
+    (tmp_path / "bad.toml").write_text(example.replace("ctx = 2048", "context = 2048"))
+    with pytest.raises(registry.ModelsFileError, match="unknown key 'context'"):
+        registry.read_models_file(str(tmp_path / "bad.toml"), {"parallel": 4})
