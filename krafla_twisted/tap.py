@@ -39,7 +39,8 @@ class Options(usage.Options):
     longdesc = (
         "Serve one model with the endpoints of the OpenAI API: /v1/chat/completions, /v1/completions, "
         "/v1/models and /health; also /tokenize, /detokenize and, with --metrics, /metrics. "
-        "Without MODEL, the default model is pulled and served."
+        "Without MODEL, the default model is pulled and served; with --models or --models-dir, several "
+        "models, each loaded on its first request."
     )
     optParameters = [
         ["host", None, DEFAULT_HOST, "IP address to listen on (0.0.0.0 for every IPv4 interface), or localhost."],

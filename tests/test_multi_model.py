@@ -292,3 +292,139 @@ def test_the_documented_models_file_reads(tmp_path):
     (tmp_path / "bad.toml").write_text(example.replace("ctx = 2048", "context = 2048"))
     with pytest.raises(registry.ModelsFileError, match="unknown key 'context'"):
         registry.read_models_file(str(tmp_path / "bad.toml"), {"parallel": 4})
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's rules, on a clock: loads that cost known bytes, a loading "thread" that runs at once.
+
+class _Reactor:
+    """A task.Clock whose callFromThread runs at once (the fake pool below runs its work in place)."""
+
+    def __init__(self):
+        from twisted.internet.task import Clock
+
+        self.clock = Clock()
+        self.seconds, self.callLater = self.clock.seconds, self.clock.callLater
+
+    def callFromThread(self, function, *args, **kwargs):
+        function(*args, **kwargs)
+
+
+class _InPlacePool:
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def callInThreadWithCallback(self, on_result, function, *args, **kwargs):
+        from twisted.python.failure import Failure
+
+        try:
+            result = function(*args, **kwargs)
+        except Exception:
+            on_result(False, Failure())
+        else:
+            on_result(True, result)
+
+
+class _Memory:
+    """The fake process's resident bytes: what the loaded fakes hold."""
+
+    def __init__(self):
+        self.held = {}
+
+    def __call__(self):
+        return sum(self.held.values())
+
+
+def _registry(sizes, budget, idle=None, broken=()):
+    from krafla_twisted.api import models
+
+    memory, loads = _Memory(), []
+
+    class Runtime:
+        def __init__(self, spec):
+            self.spec = spec
+            memory.held[spec.name] = spec.estimate
+
+        def close(self):
+            del memory.held[self.spec.name]
+
+    class Served:
+        def __init__(self, spec, runtime, backend):
+            self.runtime = runtime
+
+        def close(self):
+            self.runtime.close()
+
+    class Backend:
+        def banner(self):
+            return "fake"
+
+    def load(spec):
+        loads.append(spec.name)
+        if spec.name in broken:
+            raise ValueError(f"{spec.name}: not a model file")
+        return Runtime(spec), Backend()
+
+    specs = [registry.ModelSpec(name=name, path=f"/{name}.mlb", tokenizer=None, estimate=size)
+             for name, size in sizes.items()]
+    reactor = _Reactor()
+    reg = models.Registry(specs, load, Served, reactor, idle_unload=idle, max_memory=budget, resident=memory,
+                          pool=_InPlacePool())
+    reg.start()
+    return reg, reactor, memory, loads
+
+
+def _state(reg):
+    return {e.name: e.state for e in reg.entries}
+
+
+def _use(reg, name):
+    """Acquire the model and release it at once; the outcome of the acquisition."""
+    entry = reg.lookup(name)
+    outcome = []
+    reg.acquire(entry).addBoth(outcome.append)
+    reg.release(entry)
+    return outcome[0]
+
+
+def test_registry_unloads_the_least_recently_used_idle_model():
+    reg, reactor, memory, _ = _registry({"a": 100, "b": 100, "c": 100}, budget=250)
+    _use(reg, "a")
+    reactor.clock.advance(1)
+    _use(reg, "b")
+    reactor.clock.advance(1)
+    _use(reg, "a")   # a is now the more recently used
+    reactor.clock.advance(1)
+    _use(reg, "c")
+    assert _state(reg) == {"a": "loaded", "b": "unloaded", "c": "loaded"} and memory() <= 250
+
+
+def test_registry_never_unloads_a_busy_model_and_loads_once():
+    reg, reactor, memory, loads = _registry({"a": 100, "b": 100}, budget=150)
+    a, b = reg.lookup("a"), reg.lookup("b")
+    reg.acquire(a)                         # a request runs on a
+    first, second = reg.acquire(b), reg.acquire(b)
+    assert _state(reg) == {"a": "loaded", "b": "loading"} and not first.called
+    reg.release(a)                         # a's request is over: a goes, b loads, once for both requests
+    assert first.called and second.called and loads == ["a", "b"]
+    assert _state(reg) == {"a": "unloaded", "b": "loaded"} and memory() <= 150
+
+
+def test_registry_unloads_idle_models_and_fails_what_cannot_load():
+    from krafla_twisted.api.models import ModelLoadFailed
+
+    reg, reactor, memory, loads = _registry({"a": 100, "huge": 500, "bad": 10}, budget=300, idle=60, broken={"bad"})
+    _use(reg, "a")
+    reactor.clock.advance(59)
+    assert _state(reg)["a"] == "loaded"
+    reactor.clock.advance(1)
+    assert _state(reg)["a"] == "unloaded" and memory() == 0
+    failure = _use(reg, "huge")
+    assert failure.check(ModelLoadFailed) and "past --max-memory" in failure.value.message
+    failure = _use(reg, "bad")
+    assert failure.check(ModelLoadFailed) and "not a model file" in failure.value.message
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads.count("bad") == 1   # failed stays failed
+    assert _state(reg) == {"a": "unloaded", "huge": "failed", "bad": "failed"}

@@ -3,7 +3,8 @@
 Every finished request is counted by endpoint and status; completions add their token counts and
 the seconds spent on the prompt and on the reply, so tokens/s over any window is a `rate()` of two
 counters. The gauges give the average speeds since start, the requests waiting for the engine, and
-the KV-cache reuse. Everything here runs in the I/O thread. The APISite given a Metrics counts
+the KV-cache reuse. A server of several models (--models) labels each sample with its model.
+Everything here runs in the I/O thread. The APISite given a Metrics counts
 each request when its log line is written; krafla_twisted/api/routes.py serves MetricsResource.
 """
 
@@ -16,7 +17,9 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 # Paths are folded onto these names so a client cannot grow the label set; anything else is "other".
 ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize",
              "responses", "messages", "messages/count_tokens",  # the Responses and Anthropic Messages APIs
-             "api/chat", "api/generate", "api/tags", "api/show", "api/ps", "api/version")  # Ollama's
+             "embeddings", "rerank", "reranking",  # an embedding model's
+             "api/chat", "api/generate", "api/tags", "api/show", "api/ps", "api/version", "api/embed",
+             "api/embeddings")  # Ollama's
 
 
 def endpoint_label(path):
