@@ -257,6 +257,8 @@ def test_memory_budget_is_never_passed(files, server, reference):
         stop.set()
         sampler.join()
         process.stop()
+    print(f"memory budget {budget / 2**20:.0f} MiB (estimates: coder {estimates['coder'] / 2**20:.0f} MiB, smollm "
+          f"{estimates['smollm'] / 2**20:.0f} MiB), resident at most {peak[0] / 2**20:.0f} MiB")
     assert 0 < peak[0] <= budget, f"resident {peak[0] / 2**20:.0f} MiB past the budget {budget / 2**20:.0f} MiB"
 
 
