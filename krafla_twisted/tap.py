@@ -129,12 +129,12 @@ class Options(usage.Options):
             raise usage.UsageError(f"--pooling must be mean, cls or last, not {self['pooling']!r}")
         if self["embeddings"] and self["model"] is None:
             raise usage.UsageError("--embeddings needs a model file: twistd krafla --embeddings MODEL.mlb -z TOKENIZER.mlt")
-        self._check_models()
         clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
+        self._check_models()
         if self["specs"] is not None:
             return  # each model's files were checked with its entry
         model = self["model"]
