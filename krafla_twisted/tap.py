@@ -307,7 +307,6 @@ class KraflaService(service.Service):
 
     def startService(self):
         from krafla_twisted.api import metrics
-        from krafla_twisted.api.access import Access
         from krafla_twisted.api.backend import Backend
         from krafla_twisted.api.resources import API
         from krafla_twisted.api.routes import build_root
@@ -317,15 +316,13 @@ class KraflaService(service.Service):
         from krafla_twisted.engine import pack
 
         super().startService()
-        config = self.config
-        hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
-        access = Access(config["api-key"], config["cors"], allowed_hosts=hosts)
-        if config.get("specs"):
-            root, counters = self._start_models(config, access)
-            site = APISite(root, self.reactor, metrics=counters)
-            self.site = site
-            self._listen(config, site)
+        if self.config.get("specs"):  # --models / --models-dir: nothing is loaded before a request
+            access = self._access()
+            root, counters = self._start_models(self.config, access)
+            self.site = APISite(root, self.reactor, metrics=counters)
+            self._listen(self.config, self.site)
             return
+        config = self.config
         if config.get("model") is None:
             from krafla_twisted.cli import models
 
@@ -345,6 +342,7 @@ class KraflaService(service.Service):
         pack_warning = pack.warning(runtime.model)  # a --pack-cache that could not be written says why
         if pack_warning:
             log.warn("{warning}", warning=pack_warning)
+        access = self._access()
         api = API(backend, self.worker, access, self.reactor, max_queue=config["max-queue"])
         self.api = api
         counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0,
@@ -352,6 +350,13 @@ class KraflaService(service.Service):
         site = APISite(build_root(api, counters), self.reactor, metrics=counters)
         self.site = site
         self._listen(config, site)
+
+    def _access(self):
+        from krafla_twisted.api.access import Access
+
+        config = self.config
+        hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
+        return Access(config["api-key"], config["cors"], allowed_hosts=hosts)
 
     def _start_models(self, config, access):
         """--models / --models-dir: the registry (nothing loaded yet) and the front tree routing to it."""
