@@ -154,6 +154,7 @@ def test_concurrent_clients_get_the_one_model_replies(server, reference):
 
 
 def test_two_requests_for_an_unloaded_model_load_it_once(server, reference):
+    """Two requests at once for an unloaded model: one load (one log line), both replies as the one-model server's."""
     wait_for_state(server, "coder", "unloaded")
     start = len(server.lines)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -163,6 +164,7 @@ def test_two_requests_for_an_unloaded_model_load_it_once(server, reference):
 
 
 def test_idle_model_is_unloaded_and_loaded_again(server, reference):
+    """--idle-unload 2: an idle model goes (seen in /v1/models) and its next request loads it again, same vectors."""
     assert embed(server) == reference["embed"]
     wait_for_state(server, "embed", "unloaded")
     server.wait_for(lambda line: "unloaded model embed (idle for 2 s)" in line)
@@ -171,6 +173,8 @@ def test_idle_model_is_unloaded_and_loaded_again(server, reference):
 
 
 def test_a_damaged_file_fails_its_own_model_only(server, reference):
+    """A damaged file: 503 model_load_failed with the loader's message (OpenAI's and Ollama's shapes), state
+    failed with its error, and the other models keep answering."""
     response = httpx.post(server.url("/chat/completions"), timeout=60,
                           json={"model": "broken", "messages": [{"role": "user", "content": "Hi"}]})
     assert response.status_code == 503
@@ -199,6 +203,7 @@ def test_a_gguf_is_converted_on_its_first_load(server, files, tmp_path):
 
 
 def test_unknown_model_is_a_404_in_each_apis_shape(server):
+    """An unknown model: 404 model_not_found (OpenAI), not_found_error (Anthropic), {"error"} (Ollama)."""
     response = httpx.post(server.url("/chat/completions"), json={"model": "nope", "messages": []})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
@@ -214,6 +219,7 @@ def test_unknown_model_is_a_404_in_each_apis_shape(server):
 
 
 def test_listings_and_metrics_name_every_model(server):
+    """/api/tags lists every model, /api/ps the loaded ones, /v1/models/ALIAS its model; /metrics has model labels."""
     chat(server, "smollm", QUESTIONS[0])
     tags = httpx.get(server.root_url("/api/tags")).json()["models"]
     assert [m["name"] for m in tags] == ["smollm", "coder", "embed", "broken", "gguf"]
@@ -263,6 +269,7 @@ def test_memory_budget_is_never_passed(files, server, reference):
 
 
 def test_models_dir_names_each_model_by_its_file(files, tmp_path):
+    """--models-dir: each .mlb named by its file stem, an encoder served as an embedding model; an empty folder refused."""
     for suffix in (".mlb", ".mlt"):
         shutil.copy(files["embed"][0].with_suffix(suffix), tmp_path / f"encoder{suffix}")
     specs = registry.read_models_dir(str(tmp_path), {"parallel": 1})
@@ -393,6 +400,7 @@ def _use(reg, name):
 
 
 def test_registry_unloads_the_least_recently_used_idle_model():
+    """Past the budget, the idle model used longest ago is unloaded first."""
     reg, reactor, memory, _ = _registry({"a": 100, "b": 100, "c": 100}, budget=250)
     _use(reg, "a")
     reactor.clock.advance(1)
@@ -405,6 +413,7 @@ def test_registry_unloads_the_least_recently_used_idle_model():
 
 
 def test_registry_never_unloads_a_busy_model_and_loads_once():
+    """A load that does not fit waits while the other model has a request running; two waiters, one load."""
     reg, reactor, memory, loads = _registry({"a": 100, "b": 100}, budget=150)
     a, b = reg.lookup("a"), reg.lookup("b")
     reg.acquire(a)                         # a request runs on a
@@ -416,6 +425,7 @@ def test_registry_never_unloads_a_busy_model_and_loads_once():
 
 
 def test_registry_unloads_idle_models_and_fails_what_cannot_load():
+    """Idle unload on time; a model larger than the budget, or whose load raises, fails once and stays failed."""
     from krafla_twisted.api.models import ModelLoadFailed
 
     reg, reactor, memory, loads = _registry({"a": 100, "huge": 500, "bad": 10}, budget=300, idle=60, broken={"bad"})

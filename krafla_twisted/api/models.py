@@ -21,12 +21,15 @@ Everything here runs in the I/O thread except `load`, which runs in the loading 
 """
 
 import collections
+import hashlib
 import json
+import os
+from urllib.parse import unquote
 
+from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
-from twisted.internet import defer, threads
 from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 
@@ -35,13 +38,14 @@ from krafla_twisted.api.errors import APIError, NotFound
 from krafla_twisted.api.ollama import NEVER, OllamaErrors, model_facts, rfc3339
 from krafla_twisted.api.resources import API, APIResource, Endpoint, error_response, json_response
 from krafla_twisted.api.routes import build_root
+from krafla_twisted.api.site import REQUEST_DEADLINE_SECONDS
 from krafla_twisted.api.worker import EngineWorker
 
 log = Logger(namespace="krafla.models")
 
 UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
 DEFAULT_IDLE_UNLOAD = 300.0   # --idle-unload's default, seconds
-LOAD_WAIT_SECONDS = 120       # how long a request waits for its model's load (site.REQUEST_DEADLINE_SECONDS)
+LOAD_WAIT_SECONDS = REQUEST_DEADLINE_SECONDS   # how long a request waits for its model's load
 
 # The endpoints whose body names a model, under / and /v1; Ollama's under /api.
 MODEL_PATHS = ((b"chat", b"completions"), (b"completions",), (b"messages",), (b"responses",), (b"embeddings",),
@@ -435,8 +439,6 @@ class AllModels(APIResource):
     def getChild(self, path, request):
         if path == b"" and self.model_id is None:
             return self
-        from urllib.parse import unquote
-
         name = "/".join(unquote(part.decode("utf-8", "replace")) for part in [path, *request.postpath])
         request.postpath = []
         return AllModels(self.api, self.registry, name)
@@ -446,9 +448,6 @@ def _facts(entry):
     """Ollama's facts of a model: what model_facts says of a loaded one, its file's of another."""
     if entry.served is not None:
         return model_facts(entry.served.api)
-    import hashlib
-    import os
-
     try:
         stat = os.stat(entry.spec.path)
         size, mtime, stamp = stat.st_size, stat.st_mtime, stat.st_mtime_ns
