@@ -39,7 +39,8 @@ class Options(usage.Options):
     longdesc = (
         "Serve one model with the endpoints of the OpenAI API: /v1/chat/completions, /v1/completions, "
         "/v1/models and /health; also /tokenize, /detokenize and, with --metrics, /metrics. "
-        "Without MODEL, the default model is pulled and served."
+        "Without MODEL, the default model is pulled and served; with --models or --models-dir, several "
+        "models, each loaded on its first request."
     )
     optParameters = [
         ["host", None, DEFAULT_HOST, "IP address to listen on (0.0.0.0 for every IPv4 interface), or localhost."],
@@ -54,6 +55,14 @@ class Options(usage.Options):
          "--parallel slot); more get 503 with Retry-After.", int],
         ["pooling", None, None, "With --embeddings: pool the tokens' hidden states by mean, cls or last "
          "(default: what the model file says, as its sentence-transformers config did)."],
+        ["models", None, None, "Serve several models, each loaded on its first request: a TOML (or YAML) file "
+         "listing them (name, file, tokenizer, chat, ctx, parallel, kv, threads, aliases, embeddings; docs/server.md)."],
+        ["models-dir", None, None, "Serve every .mlb in this folder (each with its .mlt beside it), named by its "
+         "file name without .mlb, each loaded on its first request."],
+        ["idle-unload", None, 300.0, "With --models/--models-dir: unload a model idle for this many seconds "
+         "(0: never).", float],
+        ["max-memory", None, None, "With --models/--models-dir: resident memory the server may use, as bytes, "
+         "NK/NM/NG or N% of RAM (default 75%); the least recently used idle models are unloaded to stay within it."],
         ["parallel", None, DEFAULT_PARALLEL, "Replies generated side by side, batched in the same forward steps; each "
          "is a slot with its own KV cache of --ctx tokens (memory: N x the KV cache). 1 answers one at a time.", int],
     ] + _ENGINE_PARAMETERS
@@ -124,6 +133,9 @@ class Options(usage.Options):
             options.validate(options.values(self))
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
+        self._check_models()
+        if self["specs"] is not None:
+            return  # each model's files were checked with its entry
         model = self["model"]
         if model is not None and not os.path.isfile(model):
             raise usage.UsageError(f"model file not found: {model}")
@@ -132,6 +144,68 @@ class Options(usage.Options):
             raise usage.UsageError("-z TOKENIZER.mlt is required with a model file")
         if tokenizer is not None and not os.path.isfile(tokenizer):
             raise usage.UsageError(f"tokenizer file not found: {tokenizer}")
+
+
+    def _check_models(self):
+        """--models / --models-dir: read the list now, so a bad file stops the start with its error."""
+        from krafla_twisted.cli import registry
+
+        self["specs"] = None
+        if self["idle-unload"] < 0:
+            raise usage.UsageError(f"--idle-unload must be at least 0, not {self['idle-unload']}")
+        several = [name for name in ("models", "models-dir") if self[name] is not None]
+        if not several:
+            for name in ("max-memory",):
+                if self[name] is not None:
+                    raise usage.UsageError(f"--{name} goes with --models or --models-dir")
+            return
+        if len(several) == 2:
+            raise usage.UsageError("give --models or --models-dir, not both")
+        for clash in ("model", "embeddings", "alias", "draft"):
+            if self.get(clash):
+                what = "a model file" if clash == "model" else f"--{clash}"
+                raise usage.UsageError(f"--{several[0]} names the models: {what} goes in its entries, not on the "
+                                       "command line")
+        self["max-memory"] = parse_memory(self["max-memory"])
+        try:
+            if self["models"] is not None:
+                self["specs"] = registry.read_models_file(self["models"], self)
+            else:
+                self["specs"] = registry.read_models_dir(self["models-dir"], self)
+        except registry.ModelsFileError as e:
+            raise usage.UsageError(str(e)) from None
+
+
+def total_memory():
+    """MemTotal of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def parse_memory(text):
+    """--max-memory in bytes: N, NK, NM, NG (powers of 1024) or N% of RAM; None (no budget) where RAM is unknown."""
+    text = "75%" if text is None else text.strip()
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if not 0 < share <= 100:
+                raise ValueError
+            total = total_memory()
+            return int(total * share / 100) if total else None
+        scale = units.get(text[-1:].lower(), 1)
+        number = float(text[:-1] if scale != 1 else text)
+        if number <= 0:
+            raise ValueError
+        return int(number * scale)
+    except ValueError:
+        raise usage.UsageError(f"--max-memory takes bytes, NK, NM, NG or N% of RAM, not {text!r}") from None
 
 
 def clear_unusable_pidfile(twistd_options):
@@ -226,14 +300,12 @@ class KraflaService(service.Service):
         self.runtime = None
         self.worker = None
         self.ports = []
+        self.registry = None  # --models: the models' registry (api/models.py)
         self.api = None  # hardening: the API and Site, for a graceful stop
         self.site = None
 
     def startService(self):
-        from twisted.internet import endpoints
-
-        from krafla_twisted.api import listen, metrics
-        from krafla_twisted.api.access import Access
+        from krafla_twisted.api import metrics
         from krafla_twisted.api.backend import Backend
         from krafla_twisted.api.resources import API
         from krafla_twisted.api.routes import build_root
@@ -243,6 +315,12 @@ class KraflaService(service.Service):
         from krafla_twisted.engine import pack
 
         super().startService()
+        if self.config.get("specs"):  # --models / --models-dir: nothing is loaded before a request
+            access = self._access()
+            root, counters = self._start_models(self.config, access)
+            self.site = APISite(root, self.reactor, metrics=counters)
+            self._listen(self.config, self.site)
+            return
         config = self.config
         if config.get("model") is None and not config.get("embeddings"):
             from krafla_twisted.cli import models
@@ -263,14 +341,56 @@ class KraflaService(service.Service):
         pack_warning = pack.warning(runtime.model)  # a --pack-cache that could not be written says why
         if pack_warning:
             log.warn("{warning}", warning=pack_warning)
-        hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
-        access = Access(config["api-key"], config["cors"], allowed_hosts=hosts)
+        access = self._access()
         api = API(backend, self.worker, access, self.reactor, max_queue=config["max-queue"])
         self.api = api
         counters = metrics.Metrics(pending=lambda: self.worker.pending() if self.worker else 0,
                                    scheduler=backend.scheduler) if config.get("metrics") else None
         site = APISite(build_root(api, counters), self.reactor, metrics=counters)
         self.site = site
+        self._listen(config, site)
+
+    def _access(self):
+        from krafla_twisted.api.access import Access
+
+        config = self.config
+        hosts = tuple(name.strip() for name in config["allow-host"].split(",") if name.strip()) if config["allow-host"] else ()
+        return Access(config["api-key"], config["cors"], allowed_hosts=hosts)
+
+    def _start_models(self, config, access):
+        """--models / --models-dir: the registry (nothing loaded yet) and the front tree routing to it."""
+        from krafla_twisted.api import metrics, models
+        from krafla_twisted.api.resources import API
+        from krafla_twisted.api.responses import ResponseStore
+        from krafla_twisted.api.routes import build_root
+
+        specs = config["specs"]
+        stored_responses = ResponseStore()  # shared: a response's id is found whichever model wrote it
+
+        def serve(spec, runtime, backend):
+            return models.Served(runtime, backend, access, self.reactor, max_queue=config["max-queue"],
+                                 stored_responses=stored_responses, log_queue=bool(config.get("log-queue")))
+
+        idle = config["idle-unload"] or None
+        self.registry = models.Registry(specs, lambda spec: load_model(spec, config), serve, self.reactor,
+                                        idle_unload=idle, max_memory=config["max-memory"])
+        self.registry.start()
+        front = API(None, None, access, self.reactor, max_queue=config["max-queue"])
+        self.api = front
+        counters = metrics.Metrics(engines=self.registry.engines) if config.get("metrics") else None
+        root = models.install(build_root(front, counters, stored_responses=stored_responses), self.registry)
+        budget = config["max-memory"]
+        log.info("# krafla: {n} models ({names}), loaded on first request; idle unload {idle}, memory budget {budget}",
+                 n=len(specs), names=", ".join(spec.name for spec in specs),
+                 idle=f"{idle:g} s" if idle else "never",
+                 budget=f"{budget / 2**20:.0f} MiB" if budget else "none")
+        return root, counters
+
+    def _listen(self, config, site):
+        from twisted.internet import endpoints
+
+        from krafla_twisted.api import listen
+
         host = config["host"]
         if config.get("listen"):
             wanted = [(listen.make_endpoint(self.reactor, text), text) for text in config["listen"]]
@@ -313,6 +433,9 @@ class KraflaService(service.Service):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if self.registry is not None:
+            self.registry.stop()  # every loaded model's replies end, its thread stops, its memory is freed
+            self.registry = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
@@ -320,6 +443,18 @@ class KraflaService(service.Service):
             # Let the ended replies reach their clients before the reactor stops.
             site, self.site = self.site, None
             return site.close_connections(SHUTDOWN_GRACE_SECONDS)
+
+
+def load_model(spec, config):
+    """One model of --models (cli/registry.ModelSpec) as (runtime, backend); runs in the loading thread."""
+    from krafla_twisted.api.backend import Backend
+    from krafla_twisted.cli import startup
+
+    settings = spec.config(config)
+    if spec.embeddings:
+        return load_embeddings(settings)
+    runtime = startup.load_runtime(settings, parallel=settings["parallel"])
+    return runtime, Backend.serving(runtime, alias=spec.name)
 
 
 def load_embeddings(config):

@@ -20,9 +20,11 @@ from krafla_twisted.api.responses import Responses, ResponseStore
 from krafla_twisted.api.tokenize import Detokenize, Tokenize
 
 
-def build_root(api, metrics=None):
-    """The Resource tree for `api`; /metrics is served when `metrics` (a metrics.Metrics) is given."""
-    stored_responses = ResponseStore()  # one store for /responses and /v1/responses
+def build_root(api, metrics=None, stored_responses=None):
+    """The Resource tree for `api`; /metrics is served when `metrics` (a metrics.Metrics) is given.
+    `stored_responses`: the Responses API's store, when several trees share one (api/models.py)."""
+    if stored_responses is None:
+        stored_responses = ResponseStore()  # one store for /responses and /v1/responses
     routes = {
         (b"chat", b"completions"): lambda: Completions(api, "chat"),
         (b"completions",): lambda: Completions(api, "text"),

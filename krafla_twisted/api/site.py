@@ -93,7 +93,8 @@ class APIRequest(server.Request):
     def _count(self, gone):
         metrics = getattr(getattr(self, "site", None), "metrics", None)
         if metrics is not None:
-            metrics.observe(self.path, None if gone else self.code, self.completion_stats, gone=gone)
+            metrics.observe(self.path, None if gone else self.code, self.completion_stats, gone=gone,
+                            model=getattr(self, "model_label", None))
 
     def _log_finished(self, _):
         self._count(gone=False)
