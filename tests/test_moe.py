@@ -220,3 +220,36 @@ class RefusalTests:
         path = self._write(tmp_path / "bad.mlb", **changes)
         with pytest.raises(EngineError, match=message):
             Model(path)
+
+
+class MemoryTests:
+    """A model larger than the machine's RAM is refused at start; --mlock locks what is loaded."""
+
+    def test_model_larger_than_ram_is_refused(self, tmp_path):
+        """`krafla run` on a (sparse) model file of twice the machine's RAM exits with a message
+        naming the file's size and the RAM's, before it maps anything."""
+        from krafla_twisted.cli.startup import total_memory
+
+        total = total_memory()
+        assert total, "/proc/meminfo has no MemTotal"
+        huge = tmp_path / "huge.mlb"
+        with open(huge, "wb") as f:
+            f.truncate(2 * total)
+        result = subprocess.run([sys.executable, "-m", "krafla_twisted.cli.main", "run", str(huge), "-z",
+                                 str(tmp_path / "any.mlt"), "-p", "hi"], capture_output=True, text=True, cwd=REPO,
+                                timeout=120)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, output
+        assert f"is {2 * total / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of RAM" in output
+        assert "Traceback" not in output, output
+
+    def test_mlock_locks_the_loaded_model(self):
+        """lock_memory (--mlock) after a model is open leaves its pages locked (VmLck covers the
+        file's size), in a process of its own."""
+        code = ("import sys; from krafla_twisted.engine.model import Model; "
+                "from krafla_twisted.cli.startup import lock_memory; m = Model(sys.argv[1]); lock_memory(); "
+                "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmLck')][0])")
+        result = subprocess.run([sys.executable, "-c", code, str(tiny_file("qwen3moe"))], capture_output=True,
+                                text=True, cwd=REPO, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout) * 1024 >= tiny_file("qwen3moe").stat().st_size

@@ -115,6 +115,8 @@ ENGINE_OPTIONS = (
     Option("no_pack", "no-pack", None, False, "Run on the file's weight layout (no repacking).", flag=True),
     Option("pack_cache", "pack-cache", None, False,
            "Keep repacked weights in a file beside the model so the next start is fast.", flag=True),
+    Option("mlock", "mlock", None, False,
+           "Lock the loaded model in RAM (mlockall) so its weights are never paged out.", flag=True),
     Option("eos", "eos", None, None, "Token id that ends a reply, instead of the tokenizer's.", int, "ID", low=0),
     Option("temperature", "temperature", "T", 0.0, "Sampling temperature; 0 is greedy.", float, "X", low=0.0),
     Option("top_p", "top-p", "p", 0.9, "Top-p (nucleus) sampling; 1 is off.", float, "X", low=0.0, high=1.0,

@@ -10,6 +10,8 @@ a model given without --chat gets the template its tokenizer file names (templat
 and --no-pack / --pack-cache become the Model's arguments. generate.py knows none of this.
 """
 
+import ctypes
+import ctypes.util
 import inspect
 import os
 
@@ -43,8 +45,11 @@ def load_runtime(opts, *, progress=False, parallel=1):
     if chat_name == "none":  # --chat none: plain-text prompts whatever the file says
         chat_name = None
     template = templates.get_template(chat_name) if chat_name else None
+    check_model_memory(model_path)
     model = Model(model_path, threads=threads, **packing)
     try:
+        if config["mlock"]:
+            lock_memory()
         eos = config["eos"]
         if eos is not None and not 0 <= eos < model.n_vocab:
             raise options.OptionError(f"--eos {eos} is not a token id of this model (0..{model.n_vocab - 1})")
@@ -99,12 +104,55 @@ def load_speculation(config, runtime, threads, packing):
     return speculate.Speculation("draft", draft)
 
 
+# RAM a model must leave free: a tenth of it, at least 1 GiB (the KV cache, the server, the OS).
+MEMORY_MARGIN_FRACTION = 0.1
+MEMORY_MARGIN_MIN = 1 << 30
+
+
+def total_memory():
+    """MemTotal of /proc/meminfo in bytes, or None where there is none."""
+    return _meminfo("MemTotal:")
+
+
+def check_model_memory(model_path, total=None):
+    """Refuse, giving both sizes, a model file larger than the machine's RAM less a margin: its
+    weights would be paged in and out of the file at every step (a mixture of experts only reads
+    some of them per token, but every expert is read sooner or later)."""
+    total = total_memory() if total is None else total
+    try:
+        size = os.path.getsize(model_path)
+    except OSError:
+        return  # the Model reports a missing or unreadable file itself
+    if total is None:
+        return
+    margin = max(MEMORY_MARGIN_MIN, int(total * MEMORY_MARGIN_FRACTION))
+    if size > total - margin:
+        raise options.OptionError(
+            f"{model_path} is {size / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of RAM less "
+            f"a {margin / 2**30:.1f} GiB margin: use a smaller quantization of the model")
+
+
+def lock_memory():
+    """--mlock: lock every page the process has mapped now (the model's weights; not the KV caches
+    allocated after) into RAM, so they are never paged out."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    mcl_current = 1
+    if libc.mlockall(mcl_current) != 0:
+        code = ctypes.get_errno()
+        raise options.OptionError(f"--mlock: cannot lock the model in memory ({os.strerror(code)}); raise the "
+                                  "locked-memory limit (ulimit -l, LimitMEMLOCK=) or leave --mlock out")
+
+
 def available_memory():
     """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
+    return _meminfo("MemAvailable:")
+
+
+def _meminfo(key):
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

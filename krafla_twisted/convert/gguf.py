@@ -75,6 +75,11 @@ ARCHITECTURES = {
     "smollm3": Architecture("norm", "silu", _LLAMA_LAYER),
     "phi3": Architecture("neox", "silu", ("attn_norm.weight", "attn_qkv.weight", "attn_output.weight",
                                           "ffn_norm.weight", "ffn_up.weight", "ffn_down.weight"), fused=True),
+    # the mixtures of experts (convert/moe.py adds the router, experts and q/k norms); llama.cpp's
+    # Mixtral is a llama GGUF with experts
+    "qwen3moe": Architecture("neox", "silu", _LLAMA_LAYER[:6]),
+    "olmoe": Architecture("neox", "silu", _LLAMA_LAYER[:6]),
+    "mixtral": Architecture("norm", "silu", _LLAMA_LAYER[:6]),
 }
 # SmolLM3 leaves q and k unrotated in every fourth layer; llama.cpp's GGUF does not store the
 # pattern (its loader hard-codes the period), transformers' config calls it no_rope_layer_interval.
@@ -173,7 +178,10 @@ def hyperparameters(reader, path="<gguf>"):
     arch_name = fields.get("general.architecture")
     if arch_name is None:
         raise ConvertError(f"{path}: metadata general.architecture is missing; is this a model GGUF?")
-    if arch_name not in ARCHITECTURES:
+    from krafla_twisted.convert import moe
+
+    moe_arch = moe.gguf_arch(arch_name, fields, f"{arch_name}.")
+    if arch_name not in ARCHITECTURES or arch_name == "mixtral":
         raise ConvertError(f"{path}: architecture {arch_name!r} is not supported; krafla converts "
                            f"{', '.join(ARCHITECTURES)} (no tensor mapping or hyperparameters for {arch_name!r})")
     arch = ARCHITECTURES[arch_name]
@@ -243,6 +251,8 @@ def hyperparameters(reader, path="<gguf>"):
             metadata["layer_types"] = [1] * n_layers
     if arch_name == "smollm3":
         metadata["layer_rope"] = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(n_layers)]
+    if moe_arch:
+        metadata.update(moe.gguf_metadata(moe_arch, fields, p, path))
     return metadata
 
 
@@ -285,9 +295,13 @@ def _expected_shapes(metadata, arch):
         per_layer["attn_qkv.weight"] = (q_rows + 2 * kv_rows, dim)
         per_layer["ffn_up.weight"] = (2 * ffn, dim)
     shapes = {"token_embd.weight": (metadata["n_vocab"], dim), "output_norm.weight": (dim,)}
+    from krafla_twisted.convert import moe
+
     for layer in range(metadata["n_layers"]):
         for name in arch.layer_tensors:
             shapes[f"blk.{layer}.{name}"] = per_layer[name]
+        if moe.is_moe(metadata["arch"]):
+            shapes.update({f"blk.{layer}.{name}": shape for name, shape in moe.layer_shapes(metadata).items()})
     return shapes
 
 
@@ -334,7 +348,7 @@ def _check_readable(tensor, name, shape, path, type_name):
     """ConvertError naming the tensor, its type and what to do, unless this conversion handles it:
     kept matrices must be a type the engine computes on, every other tensor one we can read."""
     gguf_type = tensor.tensor_type.name
-    if type_name is None and len(shape) == 2:
+    if type_name is None and len(shape) >= 2:  # matrices, and the stacked matrices of experts
         if gguf_type in KEPT_TYPES:
             return
         if quantize.readable(gguf_type):
@@ -457,6 +471,8 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
     for path in (out_mlb, out_mlt):
         if not path.parent.is_dir():
             raise ConvertError(f"{path}: directory {path.parent} does not exist")
+    from krafla_twisted.convert import moe
+
     reader = _open(src, progress)
     metadata = hyperparameters(reader, src)
     arch = ARCHITECTURES[metadata["arch"]]
@@ -522,10 +538,11 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
         for tensor_name in sorted(outputs, key=_tensor_order):
             source_name, first_row, shape = outputs[tensor_name]
             tensor, source_shape = sources[source_name]
-            if type_name is None and len(shape) == 2:  # kept: the blocks as they are
+            if type_name is None and len(shape) >= 2:  # kept: the blocks as they are (experts too)
                 tensor_type, encode_as = KEPT_TYPES[tensor.tensor_type.name], None
             else:
-                tensor_type = encode_as = _output_type(tensor_name, shape, type_name or "f32", tied)
+                tensor_type = encode_as = (moe.output_type(tensor_name)
+                                           or _output_type(tensor_name, shape, type_name or "f32", tied))
             model.add(tensor_name, tensor_type, shape,
                       _tensor_data(tensor, tensor_name, shape, src, bar, encode_as, source_shape, first_row))
     finally:

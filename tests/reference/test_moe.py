@@ -1,0 +1,136 @@
+"""Issue 28: the mixture-of-experts architectures against transformers, live.
+
+Tiny random Qwen3MoeForCausalLM, MixtralForCausalLM and OlmoeForCausalLM models
+(tests/reference/tiny_moe.py; several shapes: experts chosen 1, 2 or 3 of up to 8, renormalised
+or not) are converted two ways:
+- from the Hugging Face folder by `krafla_twisted.convert.hf` (vocabulary of 97), also from the
+  fused expert tensors transformers 5 keeps in memory (`mlp.experts.gate_up_proj`, `down_proj`),
+  written to a folder with safetensors;
+- from the f32 GGUF that llama.cpp's own `convert_hf_to_gguf.py` wrote (its merged
+  ffn_gate_exps/ffn_up_exps/ffn_down_exps and ffn_gate_inp; a Mixtral becomes a llama GGUF with
+  experts), with GPT-2's real tokenizer in the folder (vocabulary of 50257).
+The engine's last-position logits at f32 must have transformers' argmax and a centred cosine
+>= 0.9999, for prompts of 1 to 300 tokens. The main suite (tests/test_moe.py) checks the stored
+tiny files the same way without torch, and their bits across batches, threads and builds.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from krafla_twisted.convert.gguf import convert_gguf
+from krafla_twisted.convert.hf import convert_hf
+from krafla_twisted.engine import formats
+from krafla_twisted.engine.model import Model
+from tests.reference.tiny_moe import prompt, write_tiny_moe
+from tests.support.hf_tokenizer_json import write_hf_tokenizer
+from tests.support.llama_cpp_convert import convert_hf_to_gguf
+from tests.support.testdata import vocab_gguf
+
+LENGTHS = (1, 17, 64, 300)
+CASES = {
+    "qwen3moe-top2-of-6": ("qwen3moe", dict()),
+    "qwen3moe-top1-of-8-tied": ("qwen3moe", dict(num_experts=8, num_experts_per_tok=1, tie_word_embeddings=True,
+                                                 num_key_value_heads=1)),
+    "qwen3moe-top3-unnormalised": ("qwen3moe", dict(num_experts_per_tok=3, norm_topk_prob=False)),
+    "mixtral-top2-of-5": ("mixtral", dict()),
+    "mixtral-top2-of-4-mha": ("mixtral", dict(num_local_experts=4, num_key_value_heads=4)),
+    "olmoe-top3-of-6": ("olmoe", dict()),
+    "olmoe-top2-normalised": ("olmoe", dict(num_experts_per_tok=2, norm_topk_prob=True)),
+}
+# One case per architecture (a GGUF with GPT-2's vocabulary is slow to write and read). llama.cpp
+# renormalises qwen3moe's weights whatever norm_topk_prob says, as Qwen3-30B-A3B sets it.
+GGUF_CASES = ["qwen3moe-top1-of-8-tied", "mixtral-top2-of-5", "olmoe-top3-of-6"]
+
+
+def centred_cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = a - a.mean(), b - b.mean()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def assert_matches(mlb, model, lengths=LENGTHS, batch=16):
+    with Model(mlb, threads=2) as engine:
+        for length in lengths:
+            ids = prompt(model.config.vocab_size, length)
+            with torch.no_grad():
+                want = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+            got = engine.session(batch=batch).eval(ids)
+            assert int(np.argmax(got)) == int(np.argmax(want)), length
+            assert centred_cosine(got, want) >= 0.9999, length
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def from_folder(request, tmp_path_factory):
+    arch, config = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    model = write_tiny_moe(folder / "hf", arch, seed=41, **config)
+    mlb, _ = convert_hf(folder / "hf", folder / "model.mlb", None, "f32", progress=False)
+    return request.param, model, mlb, folder
+
+
+@pytest.fixture(scope="module", params=GGUF_CASES)
+def from_gguf(request, tmp_path_factory):
+    arch, config = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param + "-gguf")
+    model = write_tiny_moe(folder / "hf", arch, seed=43, **dict(config, vocab_size=50257))
+    write_hf_tokenizer(vocab_gguf("gpt-2"), folder / "hf", "gpt-2")
+    config_path = folder / "hf" / "tokenizer_config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), tokenizer_class="GPT2Tokenizer")))
+    gguf_path = convert_hf_to_gguf(folder / "hf", folder / "model-f32.gguf")
+    mlb, _ = convert_gguf(gguf_path, folder / "model.mlb", folder / "model.mlt", None, progress=False)
+    return request.param, model, mlb
+
+
+class HuggingFaceFolderTests:
+    def test_engine_matches_transformers(self, from_folder):
+        """The .mlb converted from the folder gives transformers' argmax and a centred cosine
+        >= 0.9999 at the last position, prompts of 1 to 300 tokens."""
+        _, model, mlb, _ = from_folder
+        assert_matches(mlb, model)
+
+    def test_metadata(self, from_folder):
+        """The router's shape and the expert keys come from the config."""
+        _, model, mlb, _ = from_folder
+        c = model.config
+        meta = formats.read(mlb).metadata
+        n_experts = getattr(c, "num_experts", None) or c.num_local_experts
+        assert (meta["n_experts"], meta["n_experts_used"]) == (n_experts, c.num_experts_per_tok)
+        assert meta["expert_weights_norm"] == int(getattr(c, "norm_topk_prob", True))
+
+    def test_fused_expert_tensors(self, from_folder, tmp_path):
+        """A checkpoint holding transformers 5's fused experts (gate_up_proj (experts, 2 ffn, dim),
+        down_proj) converts to the same bytes as the per-expert one."""
+        case, model, mlb, folder = from_folder
+        state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()
+                 if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+        if case.startswith("mixtral"):
+            state = {name.replace(".mlp.", ".block_sparse_moe."): t for name, t in state.items()}
+        assert any(name.endswith("experts.gate_up_proj") for name in state)
+        fused = tmp_path / "fused"
+        fused.mkdir()
+        (fused / "config.json").write_text((folder / "hf" / "config.json").read_text())
+        save_file(state, fused / "model.safetensors")
+        again, _ = convert_hf(fused, tmp_path / "fused.mlb", None, "f32", progress=False)
+        want, got = formats.read(mlb), formats.read(again)
+        assert sorted(want.tensors) == sorted(got.tensors)
+        for name in want.tensors:
+            assert np.array_equal(want.tensors[name].data, got.tensors[name].data), name
+
+
+class LlamaCppGgufTests:
+    def test_engine_matches_transformers(self, from_gguf):
+        """The .mlb converted from llama.cpp's GGUF (its blocks kept) gives transformers' argmax
+        and a centred cosine >= 0.9999, prompts of 1 to 300 tokens."""
+        _, model, mlb = from_gguf
+        assert_matches(mlb, model)
+
+    def test_architecture(self, from_gguf):
+        """llama.cpp's llama-with-experts is mixtral; its q/k rows come permuted (rope_style norm)."""
+        case, _, mlb = from_gguf
+        meta = formats.read(mlb).metadata
+        assert meta["arch"] == case.split("-")[0]
+        assert meta["rope_style"] == ("norm" if meta["arch"] == "mixtral" else "neox")
