@@ -158,7 +158,8 @@ class EndpointTests:
         assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
 
     def test_errors(self, server):
-        """400 invalid field, 400 context_length_exceeded (stream or not, as plain JSON), 404, 405."""
+        """400 invalid field, 400 context_length_exceeded (stream or not, as plain JSON), 400 for
+        embeddings from a chat model (not started with --embeddings), 404, 405."""
         status, _, body = post(server, "/chat/completions", {"messages": "hi"})
         assert (status, body["error"]["param"]) == (400, "messages")
         huge = "hello " * 5000
@@ -167,7 +168,9 @@ class EndpointTests:
             assert status == 400
             assert headers.getRawHeaders("content-type") == ["application/json"]
             assert body["error"]["code"] == "context_length_exceeded"
-        assert post(server, "/embeddings", {"input": "x"})[0] == 404
+        status, _, body = post(server, "/embeddings", {"input": "x"})
+        assert (status, body["error"]["code"]) == (400, "model_not_embedding")
+        assert post(server, "/embeddings/extra", {"input": "x"})[0] == 404
         assert call("GET", server.url("/chat/completions"))[0] == 405
 
     def test_refusals(self, server):
