@@ -17,43 +17,9 @@ import pytest
 from krafla_twisted.engine.model import Model
 from krafla_twisted.generation.generate import Generation, Generator, Runtime, SamplingParams, run_alone
 from krafla_twisted.generation.scheduler import Scheduler
+from tests.support.letters import LetterTokenizer, RecordingConstraint
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
-
-
-class LetterTokenizer:
-    """Token i is the letter ("a" + i % 26) as one byte; no stop tokens, so replies run to their limit."""
-
-    def __init__(self, n_vocab):
-        self.n_vocab = n_vocab
-        self.eot_ids = frozenset()
-        self.eos_id = None
-
-    def streaming_decoder(self):
-        return _LetterDecoder()
-
-
-class _LetterDecoder:
-    def push(self, token):
-        return chr(ord("a") + token % 26)
-
-    def flush(self):
-        return ""
-
-
-class RecordingConstraint:
-    """A constraint that masks nothing and keeps a copy of every step's logits."""
-
-    def __init__(self):
-        self.logits = []
-        self.done = False
-
-    def mask(self, logits):
-        self.logits.append(np.array(logits, dtype=np.float32))  # a copy: the row is the step's
-        return logits
-
-    def accept(self, token):
-        pass
 
 
 def request(rng, n_vocab, shared):

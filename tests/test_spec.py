@@ -25,45 +25,11 @@ from krafla_twisted.generation.generate import Generation, Generator, Runtime, S
 from krafla_twisted.generation.scheduler import Scheduler
 from krafla_twisted.generation.speculate import (DraftError, DraftLength, DraftModel, LookupProposer, Speculation,
                                                  check_same_vocabulary)
+from tests.support.letters import LetterTokenizer, RecordingConstraint
 from tests.support.tiny_models import ARCHS, write_tiny_model
 from tests.support.tiny_qwen35 import write_tiny_qwen35
 
 KV_TYPES = ("f32", "f16", "q8_0")
-
-
-class LetterTokenizer:
-    """Token i is the letter ("a" + i % 26); no stop tokens, so replies run to their limit."""
-
-    def __init__(self, n_vocab):
-        self.n_vocab = n_vocab
-        self.eot_ids = frozenset()
-        self.eos_id = None
-
-    def streaming_decoder(self):
-        return LetterDecoder()
-
-
-class LetterDecoder:
-    def push(self, token):
-        return chr(ord("a") + token % 26)
-
-    def flush(self):
-        return ""
-
-
-class RecordingConstraint:
-    """Masks nothing and keeps a copy of the logits of every token the generation samples."""
-
-    def __init__(self):
-        self.logits = []
-        self.done = False
-
-    def mask(self, logits):
-        self.logits.append(np.array(logits, dtype=np.float32))
-        return logits
-
-    def accept(self, token):
-        pass
 
 
 def tiny(path, arch, seed=3):
