@@ -4,15 +4,13 @@ Two chat models (SmolLM2-135M and Qwen2.5-Coder-0.5B, q4_0) and an embedding mod
 tests/data/embedders), plus one whose file is damaged. Each model's replies must be the bytes a
 one-model server gives for the same request, whatever the other models do at the same time; an
 idle model is unloaded and loaded again on demand; a memory budget that fits one chat model but
-not both is never passed (the server's VmRSS sampled all along); the damaged model's requests get
+not both is never passed (the server's peak resident memory, VmHWM); the damaged model's requests get
 its load error while the others keep serving; an unknown model is a 404 in each API's shape.
 """
 
 import concurrent.futures
 import re
 import shutil
-import threading
-import time
 
 import httpx
 import pytest
@@ -71,18 +69,20 @@ def server(files):
     # its own cache: the .gguf is converted on its first load, into $KRAFLA_HOME/converted
     process = ServerProcess(["--models", str(path), "--idle-unload", "2", "--metrics", *COMMON],
                             env={"KRAFLA_HOME": str(files["folder"] / "home")}).start()
-    process.baseline = resident(process)   # nothing loaded yet
+    process.baseline = memory_status(process, "VmRSS")   # nothing loaded yet
     yield process
     process.stop()
 
 
-def resident(process):
-    """The server's VmRSS in bytes."""
+def memory_status(process, key):
+    """A byte count of the server's /proc/PID/status: VmRSS (resident now) or VmHWM (the most it has
+    been resident at any moment: the kernel's own high-water mark, so nothing between two reads is
+    missed)."""
     with open(f"/proc/{process.process.pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {key}")
 
 
 def chat(process, model, question, stream=False):
@@ -103,13 +103,13 @@ def states(process):
     return {m["id"]: m["state"] for m in reply["data"]}
 
 
-def wait_for_state(process, model, state, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if states(process)[model] == state:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{model} is still {states(process)[model]} after {timeout} s")
+def wait_until_unloaded(process, model, timeout=60):
+    """Until the server logs that `model` was unloaded after its last load (at once if it was never
+    loaded); the line is logged once the model is unloaded, so /v1/models says so too."""
+    loads = [i for i, line in enumerate(process.lines) if f"loading model {model} from" in line]
+    if loads:
+        process.wait_for(lambda line: f"unloaded model {model} (" in line, timeout=timeout, start=loads[-1])
+    assert states(process)[model] == "unloaded"
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_concurrent_clients_get_the_one_model_replies(server, reference):
 
 def test_two_requests_for_an_unloaded_model_load_it_once(server, reference):
     """Two requests at once for an unloaded model: one load (one log line), both replies as the one-model server's."""
-    wait_for_state(server, "coder", "unloaded")
+    wait_until_unloaded(server, "coder")
     start = len(server.lines)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda q: chat(server, "coder", q), QUESTIONS[:2]))
@@ -166,7 +166,7 @@ def test_two_requests_for_an_unloaded_model_load_it_once(server, reference):
 def test_idle_model_is_unloaded_and_loaded_again(server, reference):
     """--idle-unload 2: an idle model goes (seen in /v1/models) and its next request loads it again, same vectors."""
     assert embed(server) == reference["embed"]
-    wait_for_state(server, "embed", "unloaded")
+    wait_until_unloaded(server, "embed")
     server.wait_for(lambda line: "unloaded model embed (idle for 2 s)" in line)
     assert embed(server) == reference["embed"]
     assert states(server)["embed"] == "loaded"
@@ -232,7 +232,7 @@ def test_listings_and_metrics_name_every_model(server):
 
 def test_memory_budget_is_never_passed(files, server, reference):
     """A budget that holds SmolLM2 or Qwen but not both: loading Qwen unloads the idle SmolLM2, and the
-    server's resident memory, sampled every few milliseconds, never goes past the budget."""
+    server's peak resident memory (VmHWM) never goes past the budget."""
     base = {}
     names = ["smollm", "coder"]
     path = models_file(files, files["folder"] / "budget.toml", names)
@@ -241,27 +241,15 @@ def test_memory_budget_is_never_passed(files, server, reference):
     base["rss"] = server.baseline
     budget = base["rss"] + estimates["coder"] + 24 * 2**20 + estimates["smollm"] // 4
     process = ServerProcess(["--models", str(path), "--max-memory", str(budget), *COMMON]).start()
-    peak, stop = [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            try:
-                peak[0] = max(peak[0], resident(process))
-            except (OSError, AssertionError):
-                return
-            time.sleep(0.003)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    peak = [0]
     try:
         assert chat(process, "smollm", QUESTIONS[0]) == reference["smollm"][0]
         assert chat(process, "coder", QUESTIONS[1]) == reference["coder"][1]
         assert states(process)["smollm"] == "unloaded"
         process.wait_for(lambda line: "unloaded model smollm (to make room within --max-memory)" in line)
         assert chat(process, "smollm", QUESTIONS[2]) == reference["smollm"][2]
+        peak[0] = memory_status(process, "VmHWM")
     finally:
-        stop.set()
-        sampler.join()
         process.stop()
     print(f"memory budget {budget / 2**20:.0f} MiB (estimates: coder {estimates['coder'] / 2**20:.0f} MiB, smollm "
           f"{estimates['smollm'] / 2**20:.0f} MiB), resident at most {peak[0] / 2**20:.0f} MiB")
