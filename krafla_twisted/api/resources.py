@@ -72,7 +72,9 @@ class API:
 def json_response(request, payload, status=200):
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    # A lone surrogate (a \ud800 escape in the request, echoed in an error message) is written as the
+    # same JSON escape: backslashreplace spells it \ud800, valid JSON, where plain utf-8 would raise.
+    return json.dumps(payload, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 def error_response(request, error, body=None):
