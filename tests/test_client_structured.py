@@ -2,11 +2,11 @@
 way against a real `twistd krafla` (docs/clients.md has the table): instructor's JSON, JSON_SCHEMA
 and TOOLS modes; pydantic-ai's tool, native and prompted output and a function tool; the OpenAI
 Agents SDK with a tool; LangChain's bind_tools; smolagents' ToolCallingAgent and CodeAgent; the
-Vercel AI SDK (tests/node/structured.mjs). The served models are the default one, SmolLM2-135M with
-its own `smollm` template (which has no tool format: the generic one serves it), and
-Qwen2.5-Coder-0.5B with its `qwen` template. What the libraries return is checked by their own
+Vercel AI SDK (tests/node/structured.mjs). The served models are the default one,
+Qwen2.5-Coder-0.5B with its `qwen` template, and SmolLM2-135M with its own `smollm` template (which
+has no tool format: the generic one serves it). What the libraries return is checked by their own
 pydantic models; then the grammar's bounds, the search for a schema in a json_object prompt, and 50
-json_object replies of the default model that must all close and parse.
+json_object replies of each model that must all close and parse.
 """
 
 import json
@@ -278,7 +278,7 @@ class VercelAISDKTests:
 
 
 # ---------------------------------------------------------------------------------------------
-# json_object on the default model: 50 prompts, every reply closes before max_tokens and parses
+# json_object on each model: 50 prompts, every reply closes before max_tokens and parses
 
 SUBJECTS = ("Paris", "a cat", "the moon", "a bicycle", "Python", "the ocean", "a pizza", "Mozart", "a volcano",
             "the internet")
@@ -288,20 +288,22 @@ ASKS = ("Describe {} as a JSON object.", "Give three facts about {} in JSON.",
 CORPUS = tuple(ask.format(subject) for ask in ASKS for subject in SUBJECTS)
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    model = real_model("smollm2-135m")
+@pytest.fixture(scope="module", params=MODELS)
+def corpus_server(request):
+    """A server of the default model (Qwen2.5-Coder-0.5B) or of SmolLM2-135M, four slots."""
+    model = real_model(request.param)
     process = ServerProcess([str(model.mlb), "-z", str(model.mlt), "-t", "2", "--parallel", "4"]).start()
     yield process
     process.stop()
 
 
 class JsonObjectCorpusTests:
-    def test_fifty_prompts_close_and_parse(self, smollm):
-        """json_object with SmolLM2-135M on 50 prompts at temperature 0 and max_tokens 40: every reply
-        ends by itself (finish_reason stop, within max_tokens) and is one JSON object. Without the
-        bounds and the closing tokens, 14 of these ran to max_tokens 256 inside the value."""
-        client = openai_client(smollm)
+    def test_fifty_prompts_close_and_parse(self, corpus_server):
+        """json_object on 50 prompts at temperature 0 and max_tokens 40, with the default model and with
+        SmolLM2-135M: every reply ends by itself (finish_reason stop, within max_tokens) and is one JSON
+        object. Without the bounds and the closing tokens, 14 of these ran to max_tokens 256 inside the
+        value on SmolLM2."""
+        client = openai_client(corpus_server)
 
         def ask(prompt):
             reply = client.chat.completions.create(model="local", messages=[{"role": "user", "content": prompt}],
