@@ -148,7 +148,10 @@ def smolagents_check(base_url, kind):
 
 
 def vercel(base_url):
+    """tests/node/structured.mjs, with the npm packages of tests/node installed there first if missing."""
     node_dir = os.path.join(REPO, "tests", "node")
+    if not os.path.isdir(os.path.join(node_dir, "node_modules", "@ai-sdk", "openai-compatible")):
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=node_dir, check=True, timeout=600)
     result = subprocess.run(["node", "structured.mjs", base_url], cwd=node_dir, capture_output=True, text=True,
                             timeout=900)
     if result.returncode:
