@@ -251,7 +251,8 @@ class VercelAISDKTests:
     def test_generate_object_and_tools(self, served):
         """tests/node/structured.mjs: generateObject with supportsStructuredOutputs (json_schema)
         returns the object; without it the provider sends json_object and leaves the schema out
-        (it warns so), so the reply is a JSON object with no schema to match; generateText with
+        (it warns so): the default model (Qwen2.5-Coder) still writes the object the SDK's schema
+        wants, SmolLM2 a JSON object that need not match it; generateText with
         toolChoice required runs the tool with a city; with auto Qwen2.5-Coder calls it by itself."""
         name, server = served
         node_dir = os.path.join(REPO, "tests", "node")
@@ -265,8 +266,13 @@ class VercelAISDKTests:
         assert out["object_json_schema"]["ok"], out
         check_capital(Capital(**out["object_json_schema"]["value"]))
         without = out["object_json_object"]
-        text = json.dumps(without["value"]) if without["ok"] else without["text"]
-        assert isinstance(json.loads(text), dict)
+        if name.startswith("qwen"):
+            # the default model writes the object indented, as llama-server's reply on the same file is
+            assert without["ok"], without
+            check_capital(Capital(**without["value"]))
+        else:
+            text = json.dumps(without["value"]) if without["ok"] else without["text"]
+            assert isinstance(json.loads(text), dict)
         required = out["tools_required"]
         assert required["ok"], required
         (call,) = required["value"]["calls"]

@@ -30,6 +30,12 @@ from krafla_twisted.engine import sampler
 # flexible whitespace lets a small model pad a value with newlines until max_tokens, and this is
 # the spelling chat templates use for tool arguments (so a call renders back as it was written).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A response_format reply may also be laid out as models learnt to write JSON (json.dumps(indent=2)):
+# between two tokens of the value at most one newline and eight spaces, so it is still bounded and
+# cannot be padded. Qwen2.5-Coder asked for a json_object with the compact form alone writes `{}`
+# (its next token after `{` would be a newline); with this it writes the object llama-server gets.
+RESPONSE_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"\n? {0,8}", "item_separator": ",",
+                         "key_separator": ":"}
 
 
 # Bounds a value gets where its schema sets none of its own (docs/api.md, "Structured output").
@@ -82,7 +88,7 @@ def json_schema_grammar(schema):
     within the bounds `bounded` adds."""
     llguidance = _llguidance()
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)), overrides=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)), overrides=RESPONSE_JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the JSON schema cannot be used: {e}") from None
 
