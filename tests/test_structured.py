@@ -159,6 +159,23 @@ class ToolCallTests:
         assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
+    def test_call_ids_follow_the_conversation(self, client):
+        """A call's id is a hash of the request and the call: the same request gets the same id,
+        streamed or not; the next turn (its messages differ) a different one."""
+        ask = dict(model="local", messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
+                   temperature=0)
+        first = client.chat.completions.create(**ask).choices[0].message
+        again = client.chat.completions.create(**ask).choices[0].message
+        assert [c.id for c in again.tool_calls] == [c.id for c in first.tool_calls]
+        streamed = [d for chunk in client.chat.completions.create(stream=True, **ask) if chunk.choices
+                    for d in chunk.choices[0].delta.tool_calls or ()]
+        assert [d.id for d in streamed if d.id] == [c.id for c in first.tool_calls]
+        call = first.tool_calls[0]
+        later = dict(ask, messages=ASK_WEATHER + [first.model_dump(exclude_none=True),
+                                                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}])
+        following = client.chat.completions.create(**later).choices[0].message
+        assert following.tool_calls[0].id != call.id and following.tool_calls[0].id.startswith("call_")
+
     def test_named_function(self, client):
         """A named tool_choice calls exactly that function."""
         reply = client.chat.completions.create(model="local", messages=ASK_WEATHER, tools=[WEATHER, TIME],

@@ -26,7 +26,8 @@ import uuid
 from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.api.errors import InvalidRequest, Unsupported
-from krafla_twisted.api.resources import Endpoint, NotFoundResource, QueuedReply, Reply, json_response, require_chat
+from krafla_twisted.api.resources import (Endpoint, NotFoundResource, QueuedReply, Reply, call_ids, json_response,
+                                         require_chat)
 from krafla_twisted.api.schema import MAX_STOP_STRINGS, json_type, parse_chat_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 from krafla_twisted.api.worker import Job
@@ -385,8 +386,9 @@ class MessagesReply(AnthropicErrors, Reply):
         self._event("content_block_start", index=index, content_block=block)
         return index
 
-    def _tool_use(self, call):
-        return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.name, "input": call.arguments}
+    def _tool_uses(self, calls):
+        return [{"type": "tool_use", "id": call_id, "name": call.name, "input": call.arguments}
+                for call_id, call in zip(call_ids(self.completion, calls, "toolu_"), calls)]
 
     def _conclude(self, result, content, calls, reasoning=None):
         # the request's stop sequence the reply was cut at (not a template's own stop string)
@@ -402,7 +404,7 @@ class MessagesReply(AnthropicErrors, Reply):
         if self.stream is None:
             blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
             blocks += [{"type": "text", "text": content}] if content else []
-            blocks += [self._tool_use(call) for call in calls]
+            blocks += self._tool_uses(calls)
             self._write_whole(json_response(self.request, self._message(blocks, stop_reason, stop_sequence, usage)))
             return
         self._ensure_stream_started()
@@ -413,8 +415,7 @@ class MessagesReply(AnthropicErrors, Reply):
         self._end_thinking()
         if self.text_block is not None:
             self._event("content_block_stop", index=self.text_block)
-        for call in calls:
-            block = self._tool_use(call)
+        for block in self._tool_uses(calls):
             index = self._start_block(dict(block, input={}))
             self._event("content_block_delta", index=index,
                         delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})

@@ -6,6 +6,7 @@ one tree.
 Every resource here runs in the I/O thread. The engine is reached only through the EngineWorker.
 """
 
+import hashlib
 import json
 import uuid
 from urllib.parse import unquote
@@ -303,6 +304,21 @@ class QueuedReply:
         self.request.finish()
 
 
+def call_ids(completion, calls, prefix):
+    """The ids of a reply's tool calls: `prefix` and 24 hex digits of a hash of the request's
+    messages and tools and of the call itself with its place in the reply. An id is unique within a
+    conversation (each turn's messages differ) and the same request gets the same ids, so a client
+    that writes earlier calls' ids back into the prompt as text (smolagents' ToolCallingAgent does)
+    sees a reply that a re-run reproduces bit for bit, as the rest of krafla's replies are."""
+    conversation = json.dumps([completion.messages, completion.tools], sort_keys=True, default=repr)
+    ids = []
+    for index, call in enumerate(calls):
+        digest = hashlib.sha256(json.dumps([conversation, index, call.name, call.arguments], sort_keys=True,
+                                           default=repr).encode("utf-8"))
+        ids.append(prefix + digest.hexdigest()[:24])
+    return ids
+
+
 class Reply(QueuedReply):
     """One completion request in flight, from queueing to the last byte. I/O thread, except where noted."""
 
@@ -413,8 +429,8 @@ class Reply(QueuedReply):
         return out
 
     def _tool_calls(self, calls):
-        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                 "function": {"name": call.name, "arguments": tool_json(call.arguments)}} for call in calls]
+        return [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": tool_json(call.arguments)}}
+                for call_id, call in zip(call_ids(self.completion, calls, "call_"), calls)]
 
     def _ensure_stream_started(self):
         if not self.stream.started and self.chat:

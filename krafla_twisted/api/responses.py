@@ -23,7 +23,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.chat.templates import tool_json
 from krafla_twisted.api.errors import APIError, InvalidRequest, NotFound, Unsupported
-from krafla_twisted.api.resources import APIResource, Endpoint, Reply, json_response, require_chat
+from krafla_twisted.api.resources import APIResource, Endpoint, Reply, call_ids, json_response, require_chat
 from krafla_twisted.api.schema import check_text, json_type, parse_chat_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
@@ -488,10 +488,10 @@ class ResponseReply(Reply):
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
-    @staticmethod
-    def _call_items(calls):
-        return [{"type": "function_call", "id": _new_id("fc_"), "call_id": "call_" + uuid.uuid4().hex[:24],
-                 "name": call.name, "arguments": tool_json(call.arguments), "status": "completed"} for call in calls]
+    def _call_items(self, calls):
+        return [{"type": "function_call", "id": _new_id("fc_"), "call_id": call_id, "name": call.name,
+                 "arguments": tool_json(call.arguments), "status": "completed"}
+                for call_id, call in zip(call_ids(self.completion, calls, "call_"), calls)]
 
     def _usage(self, result):
         return {
