@@ -42,7 +42,8 @@ def vocabulary():
     return tokens, types
 
 
-def main():
+def write(path, skip=(), causal=False):
+    """The tiny model into `path` (tests: without the tensors named in `skip`, or marked causal)."""
     rng = np.random.default_rng(27)
     tokens, types = vocabulary()
     ids = {t: i for i, t in enumerate(tokens)}
@@ -53,7 +54,8 @@ def main():
     def norm(scale=0.1):
         return (1 + scale * rng.standard_normal(DIM)).astype(np.float32)
 
-    writer = gguf.GGUFWriter(OUT, ARCH)
+    tensors = {}
+    writer = gguf.GGUFWriter(path, ARCH)
     writer.add_name("tiny-nomic-bert")
     writer.add_block_count(N_LAYERS)
     writer.add_context_length(CONTEXT)
@@ -61,7 +63,7 @@ def main():
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(N_HEADS)
     writer.add_layer_norm_eps(EPS)
-    writer.add_causal_attention(False)
+    writer.add_causal_attention(causal)
     writer.add_pooling_type(gguf.PoolingType.MEAN)
     writer.add_rope_freq_base(ROPE_BASE)
     writer.add_tokenizer_model("bert")
@@ -73,24 +75,31 @@ def main():
     writer.add_unk_token_id(ids["[UNK]"])
     writer.add_pad_token_id(ids["[PAD]"])
     # numpy shapes (rows, cols); GGUF lists the dimensions the other way round
-    writer.add_tensor("token_embd.weight", rng.standard_normal((len(tokens), DIM)).astype(np.float16))
-    writer.add_tensor("token_types.weight", (0.5 * rng.standard_normal((2, DIM))).astype(np.float32))
-    writer.add_tensor("token_embd_norm.weight", norm())
-    writer.add_tensor("token_embd_norm.bias", norm() - 1)
+    tensors["token_embd.weight"] = rng.standard_normal((len(tokens), DIM)).astype(np.float16)
+    tensors["token_types.weight"] = (0.5 * rng.standard_normal((2, DIM))).astype(np.float32)
+    tensors["token_embd_norm.weight"] = norm()
+    tensors["token_embd_norm.bias"] = norm() - 1
     for i in range(N_LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_qkv.weight", matrix(3 * DIM, DIM))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(DIM, DIM))
-        writer.add_tensor(f"blk.{i}.attn_output_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.attn_output_norm.bias", norm() - 1)
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(FFN, DIM))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(FFN, DIM))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(DIM, FFN))
-        writer.add_tensor(f"blk.{i}.layer_output_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.layer_output_norm.bias", norm() - 1)
+        tensors[f"blk.{i}.attn_qkv.weight"] = matrix(3 * DIM, DIM)
+        tensors[f"blk.{i}.attn_output.weight"] = matrix(DIM, DIM)
+        tensors[f"blk.{i}.attn_output_norm.weight"] = norm()
+        tensors[f"blk.{i}.attn_output_norm.bias"] = norm() - 1
+        tensors[f"blk.{i}.ffn_up.weight"] = matrix(FFN, DIM)
+        tensors[f"blk.{i}.ffn_gate.weight"] = matrix(FFN, DIM)
+        tensors[f"blk.{i}.ffn_down.weight"] = matrix(DIM, FFN)
+        tensors[f"blk.{i}.layer_output_norm.weight"] = norm()
+        tensors[f"blk.{i}.layer_output_norm.bias"] = norm() - 1
+    for name, values in tensors.items():
+        if name not in skip:
+            writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def main():
+    write(OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 
 
