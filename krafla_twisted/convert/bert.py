@@ -334,7 +334,8 @@ def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, n
     for needed in ("token_embd.weight", "token_types.weight"):
         if needed not in sources:
             raise ConvertError(f"{src}: tensor {needed} is missing")
-    dim, heads = fields.integer(f"{arch}.embedding_length", "dim"), fields.integer(f"{arch}.attention.head_count", "heads")
+    dim = fields.integer(f"{arch}.embedding_length", "dim")
+    heads = fields.integer(f"{arch}.attention.head_count", "heads")
     if dim % heads:
         raise ConvertError(f"{src}: {arch}.embedding_length {dim} is not a multiple of the {heads} heads")
     labels = sources["cls.output.weight"][1][0] if "cls.output.weight" in sources else 0

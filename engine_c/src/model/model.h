@@ -160,10 +160,10 @@ struct kr_arch {
     // One forward step over the batch: caches and states of its sequences, logits it asks for.
     void (*step)(kr_model *m, kr_scratch *s, const kr_batch *b);
     // An encoder (arch_bert.c) has no output norm or head and no KV cache, and no RoPE unless
-    // `rotary`: model.c reads rope_* and activation only then, and binds only token_embd; its step attends within each
-    // sequence both ways (a sequence is the run of tokens from a position 0 to the next, all in
-    // one step) and leaves every token's final hidden state in s->x (n, dim). kr_session_eval
-    // refuses it; kr_session_embed pools s->x.
+    // `rotary`: model.c reads rope_* and activation only then, and binds only token_embd. Its step
+    // attends within each sequence both ways (a sequence is the run of tokens from a position 0 to
+    // the next, all in one step) and leaves every token's final hidden state in s->x (n, dim).
+    // kr_session_eval refuses it; kr_session_embed pools s->x.
     bool encoder;
     bool rotary;                      // an encoder with RoPE on q and k (nomic-bert), not absolute positions
     // Optional (encoders with m->n_labels > 0): the classifier head on the first token's hidden
