@@ -406,7 +406,7 @@ class NomicBertTests:
 
     @pytest.mark.parametrize("variant, words", [
         ({"skip": ("blk.1.ffn_gate.weight",)}, "nomic-bert model lacks tensors blk.1.ffn_gate.weight"),
-        ({"skip": ("blk.0.attn_qkv.weight",)}, "lacks tensors blk.0.attn_q.weight"),
+        ({"skip": ("blk.0.attn_qkv.weight",)}, "lacks tensors blk.0.attn_qkv.weight$"),
         ({"causal": True}, "causal is true"),
     ])
     def test_a_file_the_engine_cannot_run_is_refused(self, tmp_path, variant, words):
@@ -417,6 +417,16 @@ class NomicBertTests:
         load_tiny_nomic_writer().write(path, **variant)
         with pytest.raises(ConvertError, match=words):
             convert_bert_gguf(path, tmp_path / "m.mlb", tmp_path / "m.mlt", progress=False)
+
+    def test_krafla_convert_takes_the_gguf(self, tmp_path, capsys):
+        """`krafla convert MODEL.gguf` sees a nomic-bert file and writes an encoder the engine opens."""
+        from krafla_twisted.cli import main
+
+        out = tmp_path / "converted.mlb"
+        assert main.main(["convert", str(TINY_NOMIC), "-o", str(out), "-q"]) == 0
+        assert "an encoder" in capsys.readouterr().out
+        with Model(out) as model:
+            assert model.arch == "nomic-bert" and Encoder(model).is_encoder
 
     def test_the_engine_refuses_a_file_without_its_rope(self, tiny_nomic, tmp_path):
         """An .mlb of arch nomic-bert without rope_theta: the loader names the key."""

@@ -356,7 +356,8 @@ def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, n
         parts = {f"blk.{i}.{part}": (f"blk.{i}.attn_qkv.weight", first)
                  for i in range(metadata["n_layers"]) for part, (first, _) in qkv.items()}
     expected = expected_shapes(metadata)
-    missing = [n for n in expected if n not in sources and parts.get(n, ("",))[0] not in sources]
+    in_file = dict.fromkeys(parts.get(n, (n,))[0] for n in expected)  # the file's names, fused ones once
+    missing = [n for n in in_file if n not in sources]
     if missing:
         raise ConvertError(f"{src}: {arch} model lacks tensors {', '.join(missing[:8])}")
     model = formats.Container(formats.MODEL_MAGIC)

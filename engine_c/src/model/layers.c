@@ -196,7 +196,9 @@ void kr_mlp_rows(kr_model *m, kr_scratch *s, int32_t n, const float *input, cons
     matmuls(m, s, n, s->gate, m->info.ffn_dim, 1, down, down_out, NULL, false);
 }
 
-void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l) { kr_mlp_rows(m, s, b->n, NULL, l); }
+void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l) {
+    kr_mlp_rows(m, s, b->n, NULL, l);
+}
 
 // --- Attention
 
