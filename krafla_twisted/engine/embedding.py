@@ -19,7 +19,7 @@ from krafla_twisted.engine import clib, header
 from krafla_twisted.engine import model as engine_model
 
 POOLINGS = {name.lower(): code for name, code in header.members("KR_POOLING_").items()}  # kr_pooling
-ENCODER_ARCHS = ("bert",)  # arch_bert.c's: attention both ways, a sequence whole in one step
+ENCODER_ARCHS = ("bert", "nomic-bert")  # arch_bert.c's: attention both ways, a sequence whole in one step
 DECODER_BATCH = 512
 
 _int32_p = ctypes.POINTER(ctypes.c_int32)
@@ -42,7 +42,7 @@ def pooled_size(model, pooling):
 
 
 class Encoder:
-    """Embeddings of an encoder `Model` (arch bert): one session of max_seq positions."""
+    """Embeddings of an encoder `Model` (arch bert, nomic-bert): one session of max_seq positions."""
 
     def __init__(self, model):
         self.model = model

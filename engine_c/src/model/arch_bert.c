@@ -5,6 +5,9 @@
 //   per layer: x = LayerNorm(x + (softmax(q k^T / sqrt(head_dim)) v) Wo^T + bo)   q, k, v = x W^T + b
 //              x = LayerNorm(x + gelu(x Wup^T + bup) Wdown^T + bdown)            (gelu: the erf form)
 //
+// nomic-bert (nomic-embed-text) is the same layer with RoPE (neox) on q and k instead of position
+// embeddings, no biases, and a SwiGLU MLP:  x = LayerNorm(x + (silu(x Wg^T) * (x Wu^T)) Wdown^T).
+//
 // Attention sees every token of the token's own sequence, before and after it (model.h: a
 // sequence is the run of tokens from a position 0 to the next, whole in the step), reading keys
 // and values from the step's rows: an encoder keeps no KV cache. The step leaves each token's
@@ -25,16 +28,23 @@
 #define MAX_TOKEN_TYPES 16
 #define MAX_LABELS 1024
 
+// What sets an architecture of this file apart from bert (kr_arch.variant).
+typedef struct {
+    bool gated;                       // SwiGLU MLP (ffn_gate, activation silu), else gelu(x Wup^T + b)
+    bool biases;                      // every matrix has a bias
+} bert_variant;
+
 typedef struct {
     kr_matrix wq, wk, wv, wo, up, down;
-    const float *bq, *bk, *bv, *bo, *b_up, *b_down;   // (rows,) biases of each matrix
+    kr_mlp mlp;                       // gated: gate, up, down (up and down not bound above)
+    const float *bq, *bk, *bv, *bo, *b_up, *b_down;   // (rows,) biases of each matrix, or NULL
     const float *attn_norm, *attn_norm_bias;          // (dim,) LayerNorm after attention
     const float *out_norm, *out_norm_bias;            // (dim,) LayerNorm after the MLP
 } bert_layer;
 
 typedef struct {
     bert_layer *layers;
-    const float *position_embd;                       // (max_seq, dim)
+    const float *position_embd;                       // (max_seq, dim), NULL when rotary
     const float *type_embd;                           // (m->n_token_types, dim)
     const float *embd_norm, *embd_norm_bias;          // (dim,)
     const float *cls, *cls_bias;                      // (dim, dim), (dim,): the pooler, or NULL
@@ -43,24 +53,40 @@ typedef struct {
 
 // --- Loading
 
+// A layer's matrix (rows, cols) and, when the variant has them, its bias (rows,).
+static int bind_biased(kr_model *m, const char *path, int32_t layer, const char *part, int64_t rows, int64_t cols,
+                       kr_matrix *w, const float **bias, kr_error *err) {
+    const bert_variant *v = m->arch->variant;
+    char name[96];
+    snprintf(name, sizeof name, "blk.%d.%s.weight", layer, part);
+    int status = kr_bind_matrix(m, path, name, rows, cols, w, err);
+    if (status || !v->biases) return status;
+    snprintf(name, sizeof name, "blk.%d.%s.bias", layer, part);
+    return kr_bind_f32(m, path, name, rows, 0, bias, err);
+}
+
 static int bert_open(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
+    const bert_variant *v = m->arch->variant;
     bert_model *b = calloc(1, sizeof *b);
     m->layers = b;
     if (!b || !(b->layers = calloc((size_t)h->n_layers, sizeof *b->layers)))
         return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
     if (h->n_kv_heads != h->n_heads)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: bert has n_kv_heads %d != n_heads %d", path, h->n_kv_heads, h->n_heads);
-    const char *activation;
-    int status = kr_file_get_str(m->file, "activation", "gelu", &activation, err);
+        return kr_fail(err, KR_ERR_FORMAT, "%s: %s has n_kv_heads %d != n_heads %d", path, m->arch->name,
+                       h->n_kv_heads, h->n_heads);
+    const char *activation, *expected = v->gated ? "silu" : "gelu";
+    int status = kr_file_get_str(m->file, "activation", expected, &activation, err);
     if (status) return status;
-    if (strcmp(activation, "gelu"))
-        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: bert activation '%.64s' is not supported (gelu)", path, activation);
+    if (strcmp(activation, expected))
+        return kr_fail(err, KR_ERR_UNSUPPORTED, "%s: %s activation '%.64s' is not supported (%s)", path, m->arch->name,
+                       activation, expected);
     if ((status = kr_load_int(m, path, "n_token_types", false, 2, 1, MAX_TOKEN_TYPES, &m->n_token_types, err)) ||
         (status = kr_load_int(m, path, "n_labels", false, 0, 0, MAX_LABELS, &m->n_labels, err)))
         return status;
     int64_t dim = h->dim, q = m->q_dim, ffn = h->ffn_dim;
-    if ((status = kr_bind_f32(m, path, "position_embd.weight", h->max_seq, dim, &b->position_embd, err)) ||
+    if ((!m->arch->rotary &&
+         (status = kr_bind_f32(m, path, "position_embd.weight", h->max_seq, dim, &b->position_embd, err))) ||
         (status = kr_bind_f32(m, path, "token_types.weight", m->n_token_types, dim, &b->type_embd, err)) ||
         (status = kr_bind_f32(m, path, "token_embd_norm.weight", dim, 0, &b->embd_norm, err)) ||
         (status = kr_bind_f32(m, path, "token_embd_norm.bias", dim, 0, &b->embd_norm_bias, err)))
@@ -74,21 +100,18 @@ static int bert_open(kr_model *m, const char *path, kr_error *err) {
     char name[96];
     for (int32_t i = 0; i < h->n_layers; i++) {
         bert_layer *l = &b->layers[i];
+        if ((status = bind_biased(m, path, i, "attn_q", q, dim, &l->wq, &l->bq, err)) ||
+            (status = bind_biased(m, path, i, "attn_k", q, dim, &l->wk, &l->bk, err)) ||
+            (status = bind_biased(m, path, i, "attn_v", q, dim, &l->wv, &l->bv, err)) ||
+            (status = bind_biased(m, path, i, "attn_output", dim, q, &l->wo, &l->bo, err)))
+            return status;
+        if (v->gated) status = kr_bind_mlp(m, path, i, &l->mlp, err);
+        else if (!(status = bind_biased(m, path, i, "ffn_up", ffn, dim, &l->up, &l->b_up, err)))
+            status = bind_biased(m, path, i, "ffn_down", dim, ffn, &l->down, &l->b_down, err);
+        if (status) return status;
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
-        if ((status = kr_bind_matrix(m, path, NAME("attn_q.weight"), q, dim, &l->wq, err)) ||
-            (status = kr_bind_f32(m, path, NAME("attn_q.bias"), q, 0, &l->bq, err)) ||
-            (status = kr_bind_matrix(m, path, NAME("attn_k.weight"), q, dim, &l->wk, err)) ||
-            (status = kr_bind_f32(m, path, NAME("attn_k.bias"), q, 0, &l->bk, err)) ||
-            (status = kr_bind_matrix(m, path, NAME("attn_v.weight"), q, dim, &l->wv, err)) ||
-            (status = kr_bind_f32(m, path, NAME("attn_v.bias"), q, 0, &l->bv, err)) ||
-            (status = kr_bind_matrix(m, path, NAME("attn_output.weight"), dim, q, &l->wo, err)) ||
-            (status = kr_bind_f32(m, path, NAME("attn_output.bias"), dim, 0, &l->bo, err)) ||
-            (status = kr_bind_f32(m, path, NAME("attn_output_norm.weight"), dim, 0, &l->attn_norm, err)) ||
+        if ((status = kr_bind_f32(m, path, NAME("attn_output_norm.weight"), dim, 0, &l->attn_norm, err)) ||
             (status = kr_bind_f32(m, path, NAME("attn_output_norm.bias"), dim, 0, &l->attn_norm_bias, err)) ||
-            (status = kr_bind_matrix(m, path, NAME("ffn_up.weight"), ffn, dim, &l->up, err)) ||
-            (status = kr_bind_f32(m, path, NAME("ffn_up.bias"), ffn, 0, &l->b_up, err)) ||
-            (status = kr_bind_matrix(m, path, NAME("ffn_down.weight"), dim, ffn, &l->down, err)) ||
-            (status = kr_bind_f32(m, path, NAME("ffn_down.bias"), dim, 0, &l->b_down, err)) ||
             (status = kr_bind_f32(m, path, NAME("layer_output_norm.weight"), dim, 0, &l->out_norm, err)) ||
             (status = kr_bind_f32(m, path, NAME("layer_output_norm.bias"), dim, 0, &l->out_norm_bias, err)))
             return status;
@@ -104,12 +127,16 @@ static void bert_close(kr_model *m) {
 }
 
 static int bert_matrices(kr_model *m, kr_matrix **out) {
+    const bert_variant *v = m->arch->variant;
     bert_model *b = m->layers;
     int n = 0;
     for (int32_t i = 0; i < m->info.n_layers; i++) {
         bert_layer *l = &b->layers[i];
-        kr_matrix *all[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->up, &l->down};
-        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++, n++)
+        kr_matrix *plain[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->up, &l->down};
+        kr_matrix *gated[] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->mlp.gate, &l->mlp.up, &l->mlp.down};
+        kr_matrix **all = v->gated ? gated : plain;
+        size_t count = v->gated ? sizeof gated / sizeof gated[0] : sizeof plain / sizeof plain[0];
+        for (size_t k = 0; k < count; k++, n++)
             if (out) out[n] = all[k];
     }
     return n;
@@ -136,7 +163,7 @@ static void layer_norm(float *x, const float *weight, const float *bias, int64_t
     for (int64_t i = 0; i < n; i++) x[i] = (x[i] - mean) * scale * weight[i] + bias[i];
 }
 
-// x = LayerNorm(token + position + type embeddings). Split by tokens.
+// x = LayerNorm(token + position + type embeddings) (no position embedding when rotary). Split by tokens.
 static void embed_job(void *arg, int chunk, int n_chunks, int thread) {
     bert_job *j = arg;
     const kr_model *m = j->m;
@@ -148,9 +175,13 @@ static void embed_job(void *arg, int chunk, int n_chunks, int thread) {
         const kr_matrix *e = &m->token_embd;
         if (e->packed) kr_dequantize_packed_row(e->type, e->data, e->rows, e->cols, j->b->tokens[t], x);
         else kr_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)j->b->tokens[t] * e->row_bytes, x, dim);
-        const float *position = bm->position_embd + (size_t)j->b->pos[t] * (size_t)dim;
         const float *type = bm->type_embd + (size_t)(j->b->token_types ? j->b->token_types[t] : 0) * (size_t)dim;
-        for (int64_t i = 0; i < dim; i++) x[i] = x[i] + type[i] + position[i];  // transformers' order
+        if (bm->position_embd) {
+            const float *position = bm->position_embd + (size_t)j->b->pos[t] * (size_t)dim;
+            for (int64_t i = 0; i < dim; i++) x[i] = x[i] + type[i] + position[i];  // transformers' order
+        } else {
+            for (int64_t i = 0; i < dim; i++) x[i] += type[i];
+        }
         layer_norm(x, bm->embd_norm, bm->embd_norm_bias, dim, m->info.norm_eps);
     }
 }
@@ -176,6 +207,23 @@ static void gelu_job(void *arg, int chunk, int n_chunks, int thread) {
     for (int64_t i = begin * ffn; i < end * ffn; i++) {
         float v = j->s->gate[i];
         j->s->gate[i] = 0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2));
+    }
+}
+
+// RoPE on every head of q and k, token t by row t of kr_rope_tables' full-layer angles. Split by tokens.
+static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
+    bert_job *j = arg;
+    const kr_model_info *h = &j->m->info;
+    kr_scratch *s = j->s;
+    int32_t half = h->rope_dims / 2, hd = h->head_dim;
+    int64_t begin, end;
+    kr_split(j->b->n, 1, chunk, n_chunks, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
+        const float *c = s->rope_cos + t * half, *sn = s->rope_sin + t * half;
+        for (int32_t head = 0; head < h->n_heads; head++) {
+            kr_rope_head(s->q + t * j->m->q_dim + head * hd, c, sn, h->rope_dims, h->rope_style);
+            kr_rope_head(s->k + t * j->m->q_dim + head * hd, c, sn, h->rope_dims, h->rope_style);
+        }
     }
 }
 
@@ -234,6 +282,7 @@ static int64_t query_blocks(kr_scratch *s, const kr_batch *b) {
 }
 
 static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
+    const bert_variant *v = m->arch->variant;
     const bert_model *bm = m->layers;
     kr_pool *pool = m->pool;
     int64_t dim = m->info.dim;
@@ -241,19 +290,25 @@ static void bert_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
     bert_job j = {.m = m, .s = s, .b = b};
     j.n_blocks = query_blocks(s, b);
     kr_pool_run(pool, embed_job, &j, chunks);
+    if (m->arch->rotary) kr_rope_tables(m, s, b);
     for (int32_t layer = 0; layer < m->info.n_layers; layer++) {
         const bert_layer *l = &bm->layers[layer];
         const kr_matrix *qkv[] = {&l->wq, &l->wk, &l->wv}, *wo[] = {&l->wo}, *up[] = {&l->up}, *down[] = {&l->down};
         float *qkv_out[] = {s->q, s->k, s->v}, *proj[] = {s->proj}, *gate[] = {s->gate};
         const float *qkv_bias[] = {l->bq, l->bk, l->bv}, *bo[] = {l->bo}, *b_up[] = {l->b_up}, *b_down[] = {l->b_down};
         kr_matmuls(m, s, b->n, s->x, dim, 3, qkv, qkv_out, qkv_bias);
+        if (m->arch->rotary) kr_pool_run(pool, rope_job, &j, chunks);
         kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, j.n_blocks * m->info.n_heads));
         kr_matmuls(m, s, b->n, s->att, m->q_dim, 1, wo, proj, bo);
         j.add = s->proj, j.norm = l->attn_norm, j.norm_bias = l->attn_norm_bias;
         kr_pool_run(pool, norm_job, &j, chunks);
-        kr_matmuls(m, s, b->n, s->x, dim, 1, up, gate, b_up);
-        kr_pool_run(pool, gelu_job, &j, chunks);
-        kr_matmuls(m, s, b->n, s->gate, m->info.ffn_dim, 1, down, proj, b_down);
+        if (v->gated) {
+            kr_mlp_rows(m, s, b->n, s->x, &l->mlp);
+        } else {
+            kr_matmuls(m, s, b->n, s->x, dim, 1, up, gate, b_up);
+            kr_pool_run(pool, gelu_job, &j, chunks);
+            kr_matmuls(m, s, b->n, s->gate, m->info.ffn_dim, 1, down, proj, b_down);
+        }
         j.add = s->proj, j.norm = l->out_norm, j.norm_bias = l->out_norm_bias;
         kr_pool_run(pool, norm_job, &j, chunks);
     }
@@ -270,5 +325,11 @@ static void bert_classify(const kr_model *m, const float *first_hidden, float *p
         out[r] = kr_dot_f32(bm->cls_out + (int64_t)r * dim, pooled, dim) + bm->cls_out_bias[r];
 }
 
-const kr_arch kr_arch_bert = {.name = "bert", .open = bert_open, .close = bert_close, .matrices = bert_matrices,
-                              .step = bert_step, .encoder = true, .classify = bert_classify};
+static const bert_variant BERT = {.gated = false, .biases = true}, NOMIC_BERT = {.gated = true, .biases = false};
+
+const kr_arch kr_arch_bert = {.name = "bert", .variant = &BERT, .open = bert_open, .close = bert_close,
+                              .matrices = bert_matrices, .step = bert_step, .encoder = true,
+                              .classify = bert_classify};
+const kr_arch kr_arch_nomic_bert = {.name = "nomic-bert", .variant = &NOMIC_BERT, .open = bert_open,
+                                    .close = bert_close, .matrices = bert_matrices, .step = bert_step,
+                                    .encoder = true, .rotary = true, .classify = bert_classify};

@@ -55,8 +55,7 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t n,
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
 }
 
-// Rotate the first rope_dims values of one head by the angles whose cos/sin are given.
-static void rope(float *head, const float *cos_row, const float *sin_row, int32_t rope_dims, int32_t style) {
+void kr_rope_head(float *head, const float *cos_row, const float *sin_row, int32_t rope_dims, int32_t style) {
     int32_t half = rope_dims / 2;
     for (int32_t i = 0; i < half; i++) {
         int32_t a = style == KR_ROPE_NEOX ? i : 2 * i;
@@ -190,11 +189,15 @@ void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64
     matmuls(m, s, n, input, cols, n_w, w, out, bias, false);
 }
 
-void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l) {
+void kr_mlp_rows(kr_model *m, kr_scratch *s, int32_t n, const float *input, const kr_mlp *l) {
     const kr_matrix *gate_up[] = {&l->gate, &l->up}, *down[] = {&l->down};
     float *gate_up_out[] = {s->gate, s->up}, *down_out[] = {s->proj};
-    matmuls(m, s, b->n, NULL, m->info.dim, 2, gate_up, gate_up_out, NULL, true);
-    matmuls(m, s, b->n, s->gate, m->info.ffn_dim, 1, down, down_out, NULL, false);
+    matmuls(m, s, n, input, m->info.dim, 2, gate_up, gate_up_out, NULL, true);
+    matmuls(m, s, n, s->gate, m->info.ffn_dim, 1, down, down_out, NULL, false);
+}
+
+void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l) {
+    kr_mlp_rows(m, s, b->n, NULL, l);
 }
 
 // --- Attention
@@ -223,11 +226,11 @@ static void rope_job(void *arg, int chunk, int n_chunks, int thread) {
         for (int32_t head = 0; head < h->n_heads; head++) {
             if (l->gated) memcpy(q + head * hd, s->qg + t * 2 * m->q_dim + head * 2 * hd, (size_t)hd * sizeof(float));
             if (l->q_norm && head_norms) rms_norm(q + head * hd, l->q_norm, q + head * hd, hd, h->norm_eps);
-            if (!l->no_rope) rope(q + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) kr_rope_head(q + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         for (int32_t head = 0; head < h->n_kv_heads; head++) {
             if (l->k_norm && head_norms) rms_norm(k + head * hd, l->k_norm, k + head * hd, hd, h->norm_eps);
-            if (!l->no_rope) rope(k + head * hd, c, sn, h->rope_dims, h->rope_style);
+            if (!l->no_rope) kr_rope_head(k + head * hd, c, sn, h->rope_dims, h->rope_style);
         }
         kr_kv_cache *kv = &b->seq[t]->kv;
         size_t pos = (size_t)b->pos[t];

@@ -19,8 +19,10 @@
 
 static const kr_arch *const ARCHS[] = {&kr_arch_llama, &kr_arch_qwen2, &kr_arch_gemma3, &kr_arch_qwen3,
                                        &kr_arch_mistral, &kr_arch_phi3, &kr_arch_smollm3, &kr_arch_qwen35,
-                                       &kr_arch_bert, &kr_arch_qwen3moe, &kr_arch_mixtral, &kr_arch_olmoe};
-#define ARCH_NAMES "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35, bert, qwen3moe, mixtral, olmoe"
+                                       &kr_arch_bert, &kr_arch_nomic_bert, &kr_arch_qwen3moe, &kr_arch_mixtral,
+                                       &kr_arch_olmoe};
+#define ARCH_NAMES \
+    "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35, bert, nomic-bert, qwen3moe, mixtral, olmoe"
 
 // --- Metadata
 
@@ -60,7 +62,7 @@ static int load_hparams(kr_model *m, const char *path, kr_error *err) {
     if ((status = kr_load_int(m, path, "tied_embeddings", false, 0, 0, 1, &h->tied_embeddings, err)) ||
         (status = kr_load_int(m, path, "sliding_window", false, 0, 0, MAX_SEQ, &h->sliding_window, err)))
         return status;
-    bool rope = !m->arch->encoder;  // an encoder has absolute positions (model.h)
+    bool rope = !m->arch->encoder || m->arch->rotary;  // bert has absolute positions (model.h)
     if ((status = kr_load_float(m, path, "norm_eps", true, 0, 0, true, 1, &h->norm_eps, err)) ||
         (status = kr_load_float(m, path, "rope_theta", rope, 10000, 0, true, 1e12, &h->rope_theta, err)) ||
         (status = kr_load_float(m, path, "rope_theta_local", false, h->rope_theta, 0, true, 1e12,

@@ -159,12 +159,13 @@ struct kr_arch {
     int (*truncate)(const kr_model *m, int32_t keep, int32_t held, kr_error *err);
     // One forward step over the batch: caches and states of its sequences, logits it asks for.
     void (*step)(kr_model *m, kr_scratch *s, const kr_batch *b);
-    // An encoder (arch_bert.c) has no RoPE, no output norm or head and no KV cache: model.c reads
-    // neither rope_* nor activation and binds only token_embd; its step attends within each
-    // sequence both ways (a sequence is the run of tokens from a position 0 to the next, all in
-    // one step) and leaves every token's final hidden state in s->x (n, dim). kr_session_eval
-    // refuses it; kr_session_embed pools s->x.
+    // An encoder (arch_bert.c) has no output norm or head and no KV cache, and no RoPE unless
+    // `rotary`: model.c reads rope_* and activation only then, and binds only token_embd. Its step
+    // attends within each sequence both ways (a sequence is the run of tokens from a position 0 to
+    // the next, all in one step) and leaves every token's final hidden state in s->x (n, dim).
+    // kr_session_eval refuses it; kr_session_embed pools s->x.
     bool encoder;
+    bool rotary;                      // an encoder with RoPE on q and k (nomic-bert), not absolute positions
     // Optional (encoders with m->n_labels > 0): the classifier head on the first token's hidden
     // state (dim,) -> out (n_labels,), with `work` (dim,) floats to use.
     void (*classify)(const kr_model *m, const float *first_hidden, float *work, float *out);
@@ -174,8 +175,8 @@ extern const kr_arch kr_arch_llama, kr_arch_qwen2, kr_arch_gemma3, kr_arch_qwen3
 // issue 17: mistral, phi3 (split by the converter) and smollm3 (layer_rope) are llama's layer,
 // qwen3 llama's layer with q/k head norms (arch_llama.c)
 extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smollm3;
-// issue 27: BERT-family encoders and cross-encoders (arch_bert.c)
-extern const kr_arch kr_arch_bert;
+// issue 27: BERT-family encoders and cross-encoders, and nomic-bert (RoPE, SwiGLU) (arch_bert.c)
+extern const kr_arch kr_arch_bert, kr_arch_nomic_bert;
 // issue 28: the mixtures of experts (arch_moe.c, experts.c)
 extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe;
 
@@ -221,6 +222,9 @@ int kr_bind_mlp(kr_model *m, const char *path, int32_t layer, kr_mlp *out, kr_er
 
 // RoPE angles of every token of the batch at its position, for full and sliding layers.
 void kr_rope_tables(kr_model *m, kr_scratch *s, const kr_batch *b);
+// Rotate the first rope_dims values of one head by the angles whose cos/sin are given (a row of
+// kr_rope_tables'), pairs (i, i + rope_dims / 2) for KR_ROPE_NEOX, (2i, 2i + 1) for KR_ROPE_NORM.
+void kr_rope_head(float *head, const float *cos_row, const float *sin_row, int32_t rope_dims, int32_t style);
 // Layer 0: x = embed(tokens); else x += add (after add_norm when set). Then xb = norm(x) and xb
 // prepared for the n_w matrices that read it.
 void kr_residual(kr_model *m, kr_scratch *s, const kr_batch *b, const int32_t *tokens, float *add,
@@ -234,6 +238,8 @@ void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64
 void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_attention *l);
 // The MLP of prepared xb into s->proj.
 void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l);
+// The MLP of n rows of `input` (n, dim), prepared first (NULL: xb, already prepared), into s->proj.
+void kr_mlp_rows(kr_model *m, kr_scratch *s, int32_t n, const float *input, const kr_mlp *l);
 // Tokens that ask for logits: x += add (after add_norm), final norm, the output head, softcap.
 // With b->hidden (no logits): the final norm of the tokens that ask, into hidden[i], and no head.
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm);
