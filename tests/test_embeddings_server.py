@@ -193,6 +193,55 @@ class RerankTests:
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+@pytest.fixture(scope="module")
+def decoder_reranker(tmp_path_factory):
+    """`twistd krafla --pooling rank` on the tiny random qwen3 reranker (tests/support/tiny_reranker.py),
+    with the numpy reference and Hugging Face's tokenizers for the same vocabulary."""
+    from tests.support.reference import ReferenceModel
+    from tests.support.tiny_reranker import reranker_files
+
+    mlb, mlt, hf = reranker_files(tmp_path_factory.mktemp("decoder-reranker"))
+    process = ServerProcess(["--pooling", "rank", str(mlb), "-z", str(mlt), "-t", "1", "--alias", "tiny-judge"]).start()
+    process.reference, process.hf = ReferenceModel(mlb), hf
+    yield process
+    process.stop()
+
+
+class DecoderRerankServerTests:
+    def test_order_and_scores_equal_the_reference(self, decoder_reranker):
+        """/v1/rerank on a decoder reranker: best first, each score the numpy forward pass's p(yes)
+        for the card's prompt (the default instruction, then the request's)."""
+        from tests.support.tiny_reranker import CARD_INSTRUCTION, DOCUMENTS, QUERY, card_prompt, reference_score
+
+        server, hf = decoder_reranker, decoder_reranker.hf
+        assert any("decoder reranker" in line for line in server.lines)
+        no, yes = hf.token_to_id("no"), hf.token_to_id("yes")
+        for instruction in (None, "Find the passage that names a city"):
+            body = {"model": "tiny-judge", "query": QUERY, "documents": DOCUMENTS, "return_documents": True}
+            if instruction:
+                body["instruction"] = instruction
+            reply = httpx.post(server.url("/rerank"), json=body, timeout=120).json()
+            prompts = [card_prompt(hf, instruction or CARD_INSTRUCTION, QUERY, d) for d in DOCUMENTS]
+            expected = [reference_score(server.reference, ids, no, yes) for ids in prompts]
+            assert [r["index"] for r in reply["results"]] == np.argsort(expected)[::-1].tolist()
+            for result in reply["results"]:
+                assert abs(result["relevance_score"] - expected[result["index"]]) < 1e-4
+                assert result["document"]["text"] == DOCUMENTS[result["index"]]
+            assert reply["model"] == "tiny-judge" and reply["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+    @pytest.mark.parametrize("path, body, param, words", [
+        ("/rerank", {"query": "q", "documents": ["d"], "instruction": 3}, "instruction", "non-empty string"),
+        ("/rerank", {"query": "q", "documents": ["d", "word " * 600]}, "documents", "at most 512"),
+        ("/embeddings", {"input": "a sentence"}, "model", "reranker"),
+    ])
+    def test_bad_requests_are_400(self, decoder_reranker, path, body, param, words):
+        """A bad instruction, a prompt past the context, embeddings of a reranker: 400 naming the field."""
+        response = httpx.post(decoder_reranker.url(path), json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+
+
 class ChatServerTests:
     def test_a_chat_server_refuses_embeddings_clearly(self):
         """A server not started for embeddings answers /v1/embeddings, /v1/rerank and /api/embed with 400."""
