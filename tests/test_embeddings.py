@@ -82,6 +82,49 @@ class WordPieceTests:
             assert tokenizer.encode_pair(TEXTS["query"], document) == (want_ids.tolist(), want_types.tolist())
 
 
+# Texts that spell special tokens: alone, glued to words, doubled, in brackets, in other cases, beside
+# accents and CJK, cut short.
+SPECIAL_SPELLINGS = ["hello [SEP] world", "a[CLS]b", "[sep] x", "[MASK]", "[PAD][UNK]", "x [SEP][SEP] y", "[ SEP ]",
+                     "[SEP]s", "ab[SEP]", "É[SEP]é", "[Sep]", "[SEP]\u0301x", "[[SEP]]", "[CLS", "中[MASK]文",
+                     "The quick [MASK] fox."]
+
+
+def hf_tokenizer(tokenizer_json):
+    """Hugging Face's tokenizers reading a BertTokenizerFast's tokenizer.json, without its padding."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def assert_specials_as_hf(wordpiece, tokenizer_json):
+    """The special tokens are the tokenizer.json's added tokens, and every SPECIAL_SPELLINGS text (and
+    pair) gets the ids and token types the tokenizers library gives."""
+    added = {token["content"]: token["id"] for token in json.loads(Path(tokenizer_json).read_text())["added_tokens"]}
+    assert wordpiece.special_ids == added
+    hf = hf_tokenizer(tokenizer_json)
+    for text in SPECIAL_SPELLINGS:
+        assert wordpiece.encode(text) == hf.encode(text).ids, text
+    for first, second in zip(SPECIAL_SPELLINGS, SPECIAL_SPELLINGS[1:]):
+        pair = hf.encode(first, second)
+        assert wordpiece.encode_pair(first, second) == (pair.ids, pair.type_ids), (first, second)
+
+
+class WordPieceSpecialTokenTests:
+    """"[SEP]", "[CLS]", ... spelled in a text are those tokens, as Hugging Face's tokenizers makes them
+    (its added tokens are split out of the raw text before normalisation); a lower-case "[sep]" is text."""
+
+    def test_tiny_vocabulary_equals_tokenizers(self, converted):
+        assert_specials_as_hf(WordPiece(converted["tiny-bert"][1]), DATA / "tiny-bert" / "tokenizer.json")
+
+    def test_real_minilm_equals_tokenizers(self, minilm):
+        """all-MiniLM-L6-v2's own tokenizer.json (the pulled folder) against its .mlt."""
+        assert_specials_as_hf(WordPiece(minilm.mlt), minilm.mlb.parent / "source" / "tokenizer.json")
+        assert WordPiece(minilm.mlt).encode("a [SEP] b") == [101, 1037, 102, 1038, 102]
+
+
 class EncoderTests:
     @pytest.mark.parametrize("name", ["tiny-bert", "tiny-bert-cls"])
     def test_hidden_states_equal_transformers(self, converted, name):
