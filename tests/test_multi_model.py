@@ -295,6 +295,22 @@ def test_models_dir_names_each_model_by_its_file(files, tmp_path):
         registry.read_models_dir(str(tmp_path / "empty"), {})
 
 
+def test_pooling_rank_makes_an_embeddings_entry(tmp_path):
+    """`pooling = "rank"` (a decoder reranker) is an embeddings entry without saying so; another pooling
+    still needs `embeddings = true`, and an unknown one is refused."""
+    (tmp_path / "judge.mlb").write_bytes(b"")
+    (tmp_path / "judge.mlt").write_bytes(b"")
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nname = "judge"\nfile = "judge.mlb"\npooling = "rank"\n')
+    (spec,) = registry.read_models_file(str(path), {"parallel": 1})
+    assert spec.embeddings and spec.settings == {"pooling": "rank"}
+    for extra, words in (('pooling = "mean"', "goes with `embeddings = true`"),
+                         ('pooling = "max"\nembeddings = true', "mean, cls, last or rank")):
+        path.write_text(f'[[models]]\nname = "judge"\nfile = "judge.mlb"\n{extra}\n')
+        with pytest.raises(registry.ModelsFileError, match=re.escape(words)):
+            registry.read_models_file(str(path), {"parallel": 1})
+
+
 def test_the_documented_models_file_reads(tmp_path):
     """docs/server.md's models file: every key valid, each entry as the prose says; as YAML the same."""
     text = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
