@@ -70,7 +70,8 @@ class Options(usage.Options):
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
         ["embeddings", None, "Serve an embedding model (a BERT-family encoder .mlb with its WordPiece .mlt, or a "
-         "decoder embedder) at /v1/embeddings, /v1/rerank (a cross-encoder) and Ollama's /api/embed, instead of "
+         "decoder embedder) at /v1/embeddings, /v1/rerank (a cross-encoder; a decoder reranker with --pooling rank) "
+         "and Ollama's /api/embed, instead of "
          "text generation; without MODEL, all-MiniLM-L6-v2 (pulled on first use)."],
         ["log-queue", None, "Log 'queue: N pending' whenever a request joins or leaves the engine's queue."],
     ]
@@ -125,7 +126,10 @@ class Options(usage.Options):
             raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
         if not 1 <= self["parallel"] <= MAX_PARALLEL:
             raise usage.UsageError(f"--parallel must be 1 to {MAX_PARALLEL}, not {self['parallel']}")
-        if self["pooling"] == "rank":
+        if self["pooling"] == "rank" and self["models"] is None and self["models-dir"] is None:
+            if self["model"] is None:
+                raise usage.UsageError("--pooling rank needs the reranker's model file: "
+                                       "twistd krafla --pooling rank MODEL.mlb -z MODEL.mlt")
             self["embeddings"] = True  # a reranker is served by the embeddings runtime
         if self["pooling"] is not None and not self["embeddings"]:
             raise usage.UsageError("--pooling goes with --embeddings")

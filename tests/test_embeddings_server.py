@@ -242,6 +242,26 @@ class DecoderRerankServerTests:
         assert error["param"] == param and words in error["message"], error
 
 
+class PoolingOptionTests:
+    def test_pooling_rank_implies_embeddings_and_needs_a_model(self, tmp_path):
+        """`--pooling rank MODEL` serves embeddings without --embeddings; without a model file, or with a
+        pooling krafla does not have, the start stops with a message."""
+        from twisted.python import usage
+
+        from krafla_twisted.tap import Options
+
+        mlb, mlt = tmp_path / "judge.mlb", tmp_path / "judge.mlt"
+        mlb.write_bytes(b"")
+        mlt.write_bytes(b"")
+        options = Options()
+        options.parseOptions(["--pooling", "rank", str(mlb), "-z", str(mlt)])
+        assert options["embeddings"] and options["pooling"] == "rank"
+        with pytest.raises(usage.UsageError, match="needs the reranker's model file"):
+            Options().parseOptions(["--pooling", "rank"])
+        with pytest.raises(usage.UsageError, match="mean, cls, last or rank"):
+            Options().parseOptions(["--embeddings", "--pooling", "max", str(mlb), "-z", str(mlt)])
+
+
 class ChatServerTests:
     def test_a_chat_server_refuses_embeddings_clearly(self):
         """A server not started for embeddings answers /v1/embeddings, /v1/rerank and /api/embed with 400."""
