@@ -187,6 +187,7 @@ class RerankTests:
         ({"query": "q", "documents": [3]}, "documents"),
         ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
         ({"query": "q", "documents": ["a " * 70]}, "documents"),
+        ({"query": "q", "documents": ["a"], "instruction": "x"}, "instruction"),  # a decoder reranker's field
     ])
     def test_bad_rerank_bodies_are_400(self, reranker, body, param):
         response = httpx.post(reranker.url("/rerank"), json=body, timeout=60)
@@ -233,6 +234,7 @@ class DecoderRerankServerTests:
         ("/rerank", {"query": "q", "documents": ["d"], "instruction": 3}, "instruction", "non-empty string"),
         ("/rerank", {"query": "q", "documents": ["d", "word " * 600]}, "documents", "at most 512"),
         ("/embeddings", {"input": "a sentence"}, "model", "reranker"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "it answers /v1/rerank,"),
     ])
     def test_bad_requests_are_400(self, decoder_reranker, path, body, param, words):
         """A bad instruction, a prompt past the context, embeddings of a reranker: 400 naming the field."""

@@ -239,10 +239,13 @@ class EmbeddingsOnly(Endpoint):
     methods = ("GET", "POST")
 
     def dispatch(self, request):
-        raise InvalidRequest("This server was started for embeddings (--embeddings): it answers /v1/embeddings"
-                             + (" and /v1/rerank" if self.api.backend.embeddings.is_reranker else "")
-                             + ", not text generation; start another server for a chat model",
-                             param="model", code="model_not_chat")
+        runtime = self.api.backend.embeddings
+        if runtime.pooling == "rank":
+            answers = "/v1/rerank"
+        else:
+            answers = "/v1/embeddings" + (" and /v1/rerank" if runtime.is_reranker else "")
+        raise InvalidRequest(f"This server was started for embeddings (--embeddings): it answers {answers}, not text "
+                             "generation; start another server for a chat model", param="model", code="model_not_chat")
 
 
 class EmbeddingBackend:
