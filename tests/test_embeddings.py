@@ -291,6 +291,59 @@ class DecoderEmbedderTests:
             assert session.eval([1, 2, 3]).shape == (128,)
 
 
+# Run in a subprocess per build (a process holds one libkrafla.so): every tiny model's pooled
+# outputs, written as raw float32 bytes.
+_ISA_SCRIPT = """
+import json, sys
+import numpy as np
+from krafla_twisted.engine import clib
+from krafla_twisted.engine.embedding import Encoder
+from krafla_twisted.engine.model import Model
+plan = json.loads(sys.argv[1])
+out = {"isa": np.array(clib.loaded_isa())}
+for key, (path, pooling, ids, types) in plan.items():
+    with Model(path, threads=2) as model:
+        rows = Encoder(model).embed(ids, pooling, token_types=types)
+        out[key] = np.concatenate([np.frombuffer(r.tobytes(), np.float32) for r in rows])
+np.savez(sys.argv[2], **out)
+"""
+
+
+class CrossIsaTests:
+    def test_every_build_gives_the_same_bits(self, converted, decoder, tmp_path):
+        """The generic (plain C), avx2 and (where the CPU has it) avx512 libraries pool every tiny
+        encoder, the cross-encoder and the decoder embedder to the same float32 bits."""
+        import os
+        import subprocess
+        import sys
+
+        from krafla_twisted.engine import clib
+
+        bert_ids = [a.tolist() for a in split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])]
+        pairs = [a.tolist() for a in split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])]
+        types = [a.tolist() for a in split(EXPECTED["cross_types"], EXPECTED["cross_lengths"])]
+        qwen3 = [a.tolist() for a in split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])]
+        plan = {"bert-mean": (str(converted["tiny-bert"][0]), "mean", bert_ids, None),
+                "bert-none": (str(converted["tiny-bert-cls"][0]), "none", bert_ids, None),
+                "cross-rank": (str(converted["tiny-cross-encoder"][0]), "rank", pairs, types),
+                "qwen3-last": (str(decoder), "last", qwen3, None),
+                "qwen3-mean": (str(decoder), "mean", qwen3, None)}
+        repo = Path(__file__).resolve().parent.parent
+        results = {}
+        for isa in ["generic", "avx2"] + (["avx512"] if clib.cpu_isa() == "avx512" else []):
+            library = repo / "build" / isa / "libkrafla.so"
+            assert library.exists(), f"{library} is missing: run `make lib` (it builds all three)"
+            out = tmp_path / f"{isa}.npz"
+            env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
+            subprocess.run([sys.executable, "-c", _ISA_SCRIPT, json.dumps(plan), str(out)], cwd=repo, env=env,
+                           check=True)
+            with np.load(out) as data:
+                assert str(data["isa"]) == isa
+                results[isa] = {key: data[key].tobytes() for key in plan}
+        for isa, outputs in results.items():
+            assert outputs == results["generic"], isa
+
+
 @pytest.fixture(scope="module")
 def tiny_reranker(tmp_path_factory):
     """A random qwen3 as wide as the Qwen2 vocabulary, that vocabulary's .mlt, and Hugging Face's
@@ -392,59 +445,6 @@ class DecoderRerankerTests:
             assert caught.value.param == "instruction"
         finally:
             cross.close()
-
-
-# Run in a subprocess per build (a process holds one libkrafla.so): every tiny model's pooled
-# outputs, written as raw float32 bytes.
-_ISA_SCRIPT = """
-import json, sys
-import numpy as np
-from krafla_twisted.engine import clib
-from krafla_twisted.engine.embedding import Encoder
-from krafla_twisted.engine.model import Model
-plan = json.loads(sys.argv[1])
-out = {"isa": np.array(clib.loaded_isa())}
-for key, (path, pooling, ids, types) in plan.items():
-    with Model(path, threads=2) as model:
-        rows = Encoder(model).embed(ids, pooling, token_types=types)
-        out[key] = np.concatenate([np.frombuffer(r.tobytes(), np.float32) for r in rows])
-np.savez(sys.argv[2], **out)
-"""
-
-
-class CrossIsaTests:
-    def test_every_build_gives_the_same_bits(self, converted, decoder, tmp_path):
-        """The generic (plain C), avx2 and (where the CPU has it) avx512 libraries pool every tiny
-        encoder, the cross-encoder and the decoder embedder to the same float32 bits."""
-        import os
-        import subprocess
-        import sys
-
-        from krafla_twisted.engine import clib
-
-        bert_ids = [a.tolist() for a in split(EXPECTED["tiny_bert_ids"], EXPECTED["tiny_bert_lengths"])]
-        pairs = [a.tolist() for a in split(EXPECTED["cross_ids"], EXPECTED["cross_lengths"])]
-        types = [a.tolist() for a in split(EXPECTED["cross_types"], EXPECTED["cross_lengths"])]
-        qwen3 = [a.tolist() for a in split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])]
-        plan = {"bert-mean": (str(converted["tiny-bert"][0]), "mean", bert_ids, None),
-                "bert-none": (str(converted["tiny-bert-cls"][0]), "none", bert_ids, None),
-                "cross-rank": (str(converted["tiny-cross-encoder"][0]), "rank", pairs, types),
-                "qwen3-last": (str(decoder), "last", qwen3, None),
-                "qwen3-mean": (str(decoder), "mean", qwen3, None)}
-        repo = Path(__file__).resolve().parent.parent
-        results = {}
-        for isa in ["generic", "avx2"] + (["avx512"] if clib.cpu_isa() == "avx512" else []):
-            library = repo / "build" / isa / "libkrafla.so"
-            assert library.exists(), f"{library} is missing: run `make lib` (it builds all three)"
-            out = tmp_path / f"{isa}.npz"
-            env = dict(os.environ, KRAFLA_LIB=str(library), KRAFLA_ISA=isa)
-            subprocess.run([sys.executable, "-c", _ISA_SCRIPT, json.dumps(plan), str(out)], cwd=repo, env=env,
-                           check=True)
-            with np.load(out) as data:
-                assert str(data["isa"]) == isa
-                results[isa] = {key: data[key].tobytes() for key in plan}
-        for isa, outputs in results.items():
-            assert outputs == results["generic"], isa
 
 
 class PullTests:
