@@ -1,7 +1,8 @@
 """/v1/embeddings, /v1/rerank and Ollama's /api/embed through a real `twistd krafla --embeddings`,
 driven by the clients RAG tools use: the openai library, LangChain's OpenAIEmbeddings, LlamaIndex's
 OpenAILikeEmbedding and the ollama library. The vectors must equal sentence-transformers' for the
-same tiny model (tests/data/embedders/expected.npz), the rerank order transformers' scores.
+same tiny model (tests/data/embedders/expected.npz), the rerank order transformers' scores, and a
+decoder reranker's (`--pooling rank`) scores the numpy reference's for the Qwen3-Reranker card's prompt.
 """
 
 import base64

@@ -5,7 +5,8 @@ tests/data/embedders), plus one whose file is damaged. Each model's replies must
 one-model server gives for the same request, whatever the other models do at the same time; an
 idle model is unloaded and loaded again on demand; a memory budget that fits one chat model but
 not both is never passed (the server's peak resident memory, VmHWM); the damaged model's requests get
-its load error while the others keep serving; an unknown model is a 404 in each API's shape.
+its load error while the others keep serving, and once its file is fixed it loads and serves (or, on the
+registry's clock, after the retry wait); an unknown model is a 404 in each API's shape.
 """
 
 import concurrent.futures
