@@ -63,6 +63,7 @@ setup(
             "playwright>=1.50",  # tests: drives Debian's chromium through the chat page at / (owner: webui)
             # tests: RAG clients' embedding classes against /v1/embeddings (owner: embed)
             "llama-index-embeddings-openai-like>=0.1",
+            "tokenizers>=0.20",  # tests: Hugging Face's tokenizers builds a decoder reranker's reference prompt (owner: embed)
             "smolagents>=1.20",  # tests: its ToolCallingAgent and CodeAgent against a real server (owner: structured)
         ],
     },

@@ -54,7 +54,8 @@ class Options(usage.Options):
         ["max-queue", None, DEFAULT_MAX_QUEUE, "Requests that may wait beyond the ones being answered (one per "
          "--parallel slot); more get 503 with Retry-After.", int],
         ["pooling", None, None, "With --embeddings: pool the tokens' hidden states by mean, cls or last "
-         "(default: what the model file says, as its sentence-transformers config did)."],
+         "(default: what the model file says, as its sentence-transformers config did); rank serves a decoder "
+         "reranker (Qwen3-Reranker style: the probability of 'yes') at /v1/rerank, --embeddings implied."],
         ["models", None, None, "Serve several models, each loaded on its first request: a TOML (or YAML) file "
          "listing them (name, file, tokenizer, chat, ctx, parallel, kv, threads, aliases, embeddings; docs/server.md)."],
         ["models-dir", None, None, "Serve every .mlb in this folder (each with its .mlt beside it), named by its "
@@ -69,7 +70,8 @@ class Options(usage.Options):
     optFlags = list(_ENGINE_FLAGS) + [
         ["metrics", None, "Serve Prometheus metrics at /metrics (behind the API key, if any)."],
         ["embeddings", None, "Serve an embedding model (a BERT-family encoder .mlb with its WordPiece .mlt, or a "
-         "decoder embedder) at /v1/embeddings, /v1/rerank (a cross-encoder) and Ollama's /api/embed, instead of "
+         "decoder embedder) at /v1/embeddings, /v1/rerank (a cross-encoder; a decoder reranker with --pooling rank) "
+         "and Ollama's /api/embed, instead of "
          "text generation; without MODEL, all-MiniLM-L6-v2 (pulled on first use)."],
         ["log-queue", None, "Log 'queue: N pending' whenever a request joins or leaves the engine's queue."],
     ]
@@ -124,10 +126,15 @@ class Options(usage.Options):
             raise usage.UsageError(f"--max-queue must be at least 0, not {self['max-queue']}")
         if not 1 <= self["parallel"] <= MAX_PARALLEL:
             raise usage.UsageError(f"--parallel must be 1 to {MAX_PARALLEL}, not {self['parallel']}")
+        if self["pooling"] == "rank" and self["models"] is None and self["models-dir"] is None:
+            if self["model"] is None:
+                raise usage.UsageError("--pooling rank needs the reranker's model file: "
+                                       "twistd krafla --pooling rank MODEL.mlb -z MODEL.mlt")
+            self["embeddings"] = True  # a reranker is served by the embeddings runtime
         if self["pooling"] is not None and not self["embeddings"]:
             raise usage.UsageError("--pooling goes with --embeddings")
-        if self["pooling"] not in (None, "mean", "cls", "last"):
-            raise usage.UsageError(f"--pooling must be mean, cls or last, not {self['pooling']!r}")
+        if self["pooling"] not in (None, "mean", "cls", "last", "rank"):
+            raise usage.UsageError(f"--pooling must be mean, cls, last or rank, not {self['pooling']!r}")
         clear_unusable_pidfile(getattr(self, "parent", None))
         try:
             options.validate(options.values(self))

@@ -82,6 +82,49 @@ class WordPieceTests:
             assert tokenizer.encode_pair(TEXTS["query"], document) == (want_ids.tolist(), want_types.tolist())
 
 
+# Texts that spell special tokens: alone, glued to words, doubled, in brackets, in other cases, beside
+# accents and CJK, cut short.
+SPECIAL_SPELLINGS = ["hello [SEP] world", "a[CLS]b", "[sep] x", "[MASK]", "[PAD][UNK]", "x [SEP][SEP] y", "[ SEP ]",
+                     "[SEP]s", "ab[SEP]", "É[SEP]é", "[Sep]", "[SEP]\u0301x", "[[SEP]]", "[CLS", "中[MASK]文",
+                     "The quick [MASK] fox."]
+
+
+def hf_tokenizer(tokenizer_json):
+    """Hugging Face's tokenizers reading a BertTokenizerFast's tokenizer.json, without its padding."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def assert_specials_as_hf(wordpiece, tokenizer_json):
+    """The special tokens are the tokenizer.json's added tokens, and every SPECIAL_SPELLINGS text (and
+    pair) gets the ids and token types the tokenizers library gives."""
+    added = {token["content"]: token["id"] for token in json.loads(Path(tokenizer_json).read_text())["added_tokens"]}
+    assert wordpiece.special_ids == added
+    hf = hf_tokenizer(tokenizer_json)
+    for text in SPECIAL_SPELLINGS:
+        assert wordpiece.encode(text) == hf.encode(text).ids, text
+    for first, second in zip(SPECIAL_SPELLINGS, SPECIAL_SPELLINGS[1:]):
+        pair = hf.encode(first, second)
+        assert wordpiece.encode_pair(first, second) == (pair.ids, pair.type_ids), (first, second)
+
+
+class WordPieceSpecialTokenTests:
+    """"[SEP]", "[CLS]", ... spelled in a text are those tokens, as Hugging Face's tokenizers makes them
+    (its added tokens are split out of the raw text before normalisation); a lower-case "[sep]" is text."""
+
+    def test_tiny_vocabulary_equals_tokenizers(self, converted):
+        assert_specials_as_hf(WordPiece(converted["tiny-bert"][1]), DATA / "tiny-bert" / "tokenizer.json")
+
+    def test_real_minilm_equals_tokenizers(self, minilm):
+        """all-MiniLM-L6-v2's own tokenizer.json (the pulled folder) against its .mlt."""
+        assert_specials_as_hf(WordPiece(minilm.mlt), minilm.mlb.parent / "source" / "tokenizer.json")
+        assert WordPiece(minilm.mlt).encode("a [SEP] b") == [101, 1037, 102, 1038, 102]
+
+
 class EncoderTests:
     @pytest.mark.parametrize("name", ["tiny-bert", "tiny-bert-cls"])
     def test_hidden_states_equal_transformers(self, converted, name):
@@ -547,6 +590,109 @@ class CrossIsaTests:
                 results[isa] = {key: data[key].tobytes() for key in plan}
         for isa, outputs in results.items():
             assert outputs == results["generic"], isa
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker(tmp_path_factory):
+    """A random qwen3 as wide as the Qwen2 vocabulary, that vocabulary's .mlt, and Hugging Face's
+    tokenizers reading the same vocabulary (tests/support/tiny_reranker.py)."""
+    from tests.support.tiny_reranker import reranker_files
+    return reranker_files(tmp_path_factory.mktemp("reranker"))
+
+
+class DecoderRerankerTests:
+    """A causal LM as a Qwen3-Reranker-style reranker (pooling "rank"): the model card's prompt, scored
+    by softmax over the logits of "no" and "yes" at its last position."""
+
+    def test_last_logits_equal_transformers(self, decoder):
+        """The logits after each sequence of the random Qwen3ForCausalLM: transformers' final states
+        times its tied embedding, every id of the vocabulary."""
+        from krafla_twisted.convert.hf import SafetensorsFile
+
+        embedding = SafetensorsFile(DATA / "tiny-qwen3" / "model.safetensors").get("model.embed_tokens.weight")
+        lengths = EXPECTED["qwen3_lengths"]
+        ids = split(EXPECTED["qwen3_ids"], lengths)
+        with Model(decoder, threads=2) as model:
+            rows = Encoder(model).last_logits(ids, pick=range(model.n_vocab))
+        for row, states in zip(rows, split(EXPECTED["qwen3_hidden"], lengths)):
+            reference = states[-1].astype(np.float64) @ embedding.astype(np.float64).T
+            np.testing.assert_allclose(row, reference, atol=1e-4)
+            assert cosine(row, reference) >= COSINE
+
+    def test_a_shared_start_gives_the_same_bits(self, decoder):
+        """Sequences that share their first tokens (evaluated once) give the bits each gives alone."""
+        ids = [a.tolist() for a in split(EXPECTED["qwen3_ids"], EXPECTED["qwen3_lengths"])]
+        long = ids[2]
+        family = [long, long[:25] + ids[3], long[:25], long, ids[0]]
+        with Model(decoder, threads=2) as model:
+            encoder = Encoder(model)
+            alone = [encoder.last_logits([s], pick=range(model.n_vocab))[0] for s in family]
+            together = encoder.last_logits(family, pick=range(model.n_vocab))
+            assert np.asarray(together, np.float32).tobytes() == np.asarray(alone, np.float32).tobytes()
+            assert encoder.embed([ids[0]], "last")[0].tolist()  # the session is free again
+
+    def test_prompt_is_the_model_cards(self, tiny_reranker):
+        """The ids krafla scores are what the card's code gives with Hugging Face's tokenizers; the
+        query and the document stay plain text (a spelled <|im_end|> is not the marker)."""
+        from tests.support.tiny_reranker import CARD_INSTRUCTION, DOCUMENTS, QUERY, card_prompt
+
+        mlb, mlt, hf = tiny_reranker
+        runtime = EmbeddingRuntime.load(mlb, mlt, pooling="rank")
+        try:
+            assert runtime.answer_ids == (hf.token_to_id("no"), hf.token_to_id("yes"))
+            for document in DOCUMENTS:
+                assert runtime.tokenizer.encode_judged(CARD_INSTRUCTION, QUERY, document) == card_prompt(
+                    hf, CARD_INSTRUCTION, QUERY, document), document
+            spelled = runtime.tokenizer.encode_judged(CARD_INSTRUCTION, "q <|im_end|>", "d <|im_start|>")
+            assert spelled.count(hf.token_to_id("<|im_end|>")) == 2 and spelled.count(hf.token_to_id("<|im_start|>")) == 3
+        finally:
+            runtime.close()
+
+    def test_scores_equal_the_numpy_reference(self, tiny_reranker):
+        """Each document's score is the reference forward pass's p(yes) within 1e-4, so the order is
+        the same; an instruction of the request's changes the prompt and the scores alike."""
+        from tests.support.reference import ReferenceModel
+        from tests.support.tiny_reranker import CARD_INSTRUCTION, DOCUMENTS, QUERY, card_prompt, reference_score
+
+        mlb, mlt, hf = tiny_reranker
+        reference = ReferenceModel(mlb)
+        no, yes = hf.token_to_id("no"), hf.token_to_id("yes")
+        runtime = EmbeddingRuntime.load(mlb, mlt, pooling="rank", threads=2)
+        try:
+            assert runtime.is_reranker and runtime.n_labels == 0
+            for instruction in (None, "Find the passage that names a city"):
+                scores, tokens = runtime.rerank(QUERY, DOCUMENTS, instruction=instruction)
+                prompts = [card_prompt(hf, instruction or CARD_INSTRUCTION, QUERY, d) for d in DOCUMENTS]
+                expected = [reference_score(reference, ids, no, yes) for ids in prompts]
+                np.testing.assert_allclose(scores, expected, atol=1e-4)
+                assert np.argsort(scores).tolist() == np.argsort(expected).tolist()
+                assert tokens == sum(len(p) for p in prompts)
+                assert len(set(np.round(expected, 3))) == len(DOCUMENTS)  # distinct scores: the order means something
+        finally:
+            runtime.close()
+
+    def test_refusals(self, tiny_reranker, converted):
+        """Embeddings of a model loaded as a reranker, a prompt past the context, an encoder without a
+        classifier asked to rank, an instruction for a cross-encoder: each a clear EmbeddingError."""
+        mlb, mlt, _ = tiny_reranker
+        runtime = EmbeddingRuntime.load(mlb, mlt, pooling="rank")
+        try:
+            with pytest.raises(EmbeddingError, match="reranker"):
+                runtime.embed([[1, 2, 3]])
+            with pytest.raises(EmbeddingError, match=r"'documents'\[1\] is \d+ tokens; this model takes at most 512"):
+                runtime.rerank("q", ["short", "word " * 600])
+            assert runtime.rerank("q", ["short"])[0]  # still usable
+        finally:
+            runtime.close()
+        with pytest.raises(EmbeddingError, match="no classifier head"):
+            EmbeddingRuntime.load(*converted["tiny-bert"], pooling="rank")
+        cross = EmbeddingRuntime.load(*converted["tiny-cross-encoder"])
+        try:
+            with pytest.raises(EmbeddingError, match="cross-encoder") as caught:
+                cross.rerank("q", ["d"], instruction="x")
+            assert caught.value.param == "instruction"
+        finally:
+            cross.close()
 
 
 class PullTests:

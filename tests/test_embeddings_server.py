@@ -1,7 +1,8 @@
 """/v1/embeddings, /v1/rerank and Ollama's /api/embed through a real `twistd krafla --embeddings`,
 driven by the clients RAG tools use: the openai library, LangChain's OpenAIEmbeddings, LlamaIndex's
 OpenAILikeEmbedding and the ollama library. The vectors must equal sentence-transformers' for the
-same tiny model (tests/data/embedders/expected.npz), the rerank order transformers' scores.
+same tiny model (tests/data/embedders/expected.npz), the rerank order transformers' scores, and a
+decoder reranker's (`--pooling rank`) scores the numpy reference's for the Qwen3-Reranker card's prompt.
 """
 
 import base64
@@ -187,10 +188,81 @@ class RerankTests:
         ({"query": "q", "documents": [3]}, "documents"),
         ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
         ({"query": "q", "documents": ["a " * 70]}, "documents"),
+        ({"query": "q", "documents": ["a"], "instruction": "x"}, "instruction"),  # a decoder reranker's field
     ])
     def test_bad_rerank_bodies_are_400(self, reranker, body, param):
         response = httpx.post(reranker.url("/rerank"), json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def decoder_reranker(tmp_path_factory):
+    """`twistd krafla --pooling rank` on the tiny random qwen3 reranker (tests/support/tiny_reranker.py),
+    with the numpy reference and Hugging Face's tokenizers for the same vocabulary."""
+    from tests.support.reference import ReferenceModel
+    from tests.support.tiny_reranker import reranker_files
+
+    mlb, mlt, hf = reranker_files(tmp_path_factory.mktemp("decoder-reranker"))
+    process = ServerProcess(["--pooling", "rank", str(mlb), "-z", str(mlt), "-t", "1", "--alias", "tiny-judge"]).start()
+    process.reference, process.hf = ReferenceModel(mlb), hf
+    yield process
+    process.stop()
+
+
+class DecoderRerankServerTests:
+    def test_order_and_scores_equal_the_reference(self, decoder_reranker):
+        """/v1/rerank on a decoder reranker: best first, each score the numpy forward pass's p(yes)
+        for the card's prompt (the default instruction, then the request's)."""
+        from tests.support.tiny_reranker import CARD_INSTRUCTION, DOCUMENTS, QUERY, card_prompt, reference_score
+
+        server, hf = decoder_reranker, decoder_reranker.hf
+        assert any("decoder reranker" in line for line in server.lines)
+        no, yes = hf.token_to_id("no"), hf.token_to_id("yes")
+        for instruction in (None, "Find the passage that names a city"):
+            body = {"model": "tiny-judge", "query": QUERY, "documents": DOCUMENTS, "return_documents": True}
+            if instruction:
+                body["instruction"] = instruction
+            reply = httpx.post(server.url("/rerank"), json=body, timeout=120).json()
+            prompts = [card_prompt(hf, instruction or CARD_INSTRUCTION, QUERY, d) for d in DOCUMENTS]
+            expected = [reference_score(server.reference, ids, no, yes) for ids in prompts]
+            assert [r["index"] for r in reply["results"]] == np.argsort(expected)[::-1].tolist()
+            for result in reply["results"]:
+                assert abs(result["relevance_score"] - expected[result["index"]]) < 1e-4
+                assert result["document"]["text"] == DOCUMENTS[result["index"]]
+            assert reply["model"] == "tiny-judge" and reply["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+    @pytest.mark.parametrize("path, body, param, words", [
+        ("/rerank", {"query": "q", "documents": ["d"], "instruction": 3}, "instruction", "non-empty string"),
+        ("/rerank", {"query": "q", "documents": ["d", "word " * 600]}, "documents", "at most 512"),
+        ("/embeddings", {"input": "a sentence"}, "model", "reranker"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "it answers /v1/rerank,"),
+    ])
+    def test_bad_requests_are_400(self, decoder_reranker, path, body, param, words):
+        """A bad instruction, a prompt past the context, embeddings of a reranker: 400 naming the field."""
+        response = httpx.post(decoder_reranker.url(path), json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+
+
+class PoolingOptionTests:
+    def test_pooling_rank_implies_embeddings_and_needs_a_model(self, tmp_path):
+        """`--pooling rank MODEL` serves embeddings without --embeddings; without a model file, or with a
+        pooling krafla does not have, the start stops with a message."""
+        from twisted.python import usage
+
+        from krafla_twisted.tap import Options
+
+        mlb, mlt = tmp_path / "judge.mlb", tmp_path / "judge.mlt"
+        mlb.write_bytes(b"")
+        mlt.write_bytes(b"")
+        options = Options()
+        options.parseOptions(["--pooling", "rank", str(mlb), "-z", str(mlt)])
+        assert options["embeddings"] and options["pooling"] == "rank"
+        with pytest.raises(usage.UsageError, match="needs the reranker's model file"):
+            Options().parseOptions(["--pooling", "rank"])
+        with pytest.raises(usage.UsageError, match="mean, cls, last or rank"):
+            Options().parseOptions(["--embeddings", "--pooling", "max", str(mlb), "-z", str(mlt)])
 
 
 class ChatServerTests:

@@ -5,7 +5,8 @@ tests/data/embedders), plus one whose file is damaged. Each model's replies must
 one-model server gives for the same request, whatever the other models do at the same time; an
 idle model is unloaded and loaded again on demand; a memory budget that fits one chat model but
 not both is never passed (the server's peak resident memory, VmHWM); the damaged model's requests get
-its load error while the others keep serving; an unknown model is a 404 in each API's shape.
+its load error while the others keep serving, and once its file is fixed it loads and serves (or, on the
+registry's clock, after the retry wait); an unknown model is a 404 in each API's shape.
 """
 
 import concurrent.futures
@@ -189,6 +190,34 @@ def test_a_damaged_file_fails_its_own_model_only(server, reference):
     assert chat(server, "smollm", QUESTIONS[0]) == reference["smollm"][0]
 
 
+def test_a_fixed_file_is_loaded_again(files, reference, tmp_path):
+    """A model whose file is damaged: its requests get 503 model_load_failed with the loader's message and
+    when it is tried again, with no second load while the file stays as it is; once the file is fixed, the
+    next request loads it and gets the one-model server's vectors."""
+    good = files["embed"][0].read_bytes()
+    mlb = tmp_path / "flaky.mlb"
+    mlb.write_bytes(b"KRAFLAMB" + bytes(range(256)) * 64)   # the magic, then no valid header
+    shutil.copy(files["embed"][1], tmp_path / "flaky.mlt")
+    path = tmp_path / "models.toml"
+    path.write_text(f'[[models]]\nname = "flaky"\nfile = "{mlb}"\nembeddings = true\n')
+    process = ServerProcess(["--models", str(path), "-t", "1"]).start()
+    try:
+        for attempt in range(2):
+            response = httpx.post(process.url("/embeddings"), json={"model": "flaky", "input": SENTENCES}, timeout=60)
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "model_load_failed" and "The model 'flaky' could not be loaded: " in error["message"]
+            assert "loaded again once its file changes" in error["message"]
+        process.wait_for(lambda line: "cannot load the model flaky" in line)
+        assert sum("loading model flaky from" in line for line in process.lines) == 1
+        mlb.write_bytes(good)
+        assert embed(process, "flaky") == reference["embed"]
+        process.wait_for(lambda line: "trying the model flaky again (its file changed)" in line)
+        assert states(process)["flaky"] == "loaded"
+    finally:
+        process.stop()
+
+
 def test_a_gguf_is_converted_on_its_first_load(server, files, tmp_path):
     """The .gguf entry is converted once into $KRAFLA_HOME/converted, the same bytes `krafla convert`
     writes, and served from there."""
@@ -267,6 +296,22 @@ def test_models_dir_names_each_model_by_its_file(files, tmp_path):
         registry.read_models_dir(str(tmp_path / "empty"), {})
 
 
+def test_pooling_rank_makes_an_embeddings_entry(tmp_path):
+    """`pooling = "rank"` (a decoder reranker) is an embeddings entry without saying so; another pooling
+    still needs `embeddings = true`, and an unknown one is refused."""
+    (tmp_path / "judge.mlb").write_bytes(b"")
+    (tmp_path / "judge.mlt").write_bytes(b"")
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nname = "judge"\nfile = "judge.mlb"\npooling = "rank"\n')
+    (spec,) = registry.read_models_file(str(path), {"parallel": 1})
+    assert spec.embeddings and spec.settings == {"pooling": "rank"}
+    for extra, words in (('pooling = "mean"', "goes with `embeddings = true`"),
+                         ('pooling = "max"\nembeddings = true', "mean, cls, last or rank")):
+        path.write_text(f'[[models]]\nname = "judge"\nfile = "judge.mlb"\n{extra}\n')
+        with pytest.raises(registry.ModelsFileError, match=re.escape(words)):
+            registry.read_models_file(str(path), {"parallel": 1})
+
+
 def test_the_documented_models_file_reads(tmp_path):
     """docs/server.md's models file: every key valid, each entry as the prose says; as YAML the same."""
     text = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
@@ -335,7 +380,7 @@ class _Memory:
         return sum(self.held.values())
 
 
-def _registry(sizes, budget, idle=None, broken=()):
+def _registry(sizes, budget, idle=None, broken=(), folder=None):
     from krafla_twisted.api import models
 
     memory, loads = _Memory(), []
@@ -365,7 +410,8 @@ def _registry(sizes, budget, idle=None, broken=()):
             raise ValueError(f"{spec.name}: not a model file")
         return Runtime(spec), Backend()
 
-    specs = [registry.ModelSpec(name=name, path=f"/{name}.mlb", tokenizer=None, estimate=size)
+    specs = [registry.ModelSpec(name=name, path=str(folder / f"{name}.mlb") if folder else f"/{name}.mlb",
+                                tokenizer=None, estimate=size)
              for name, size in sizes.items()]
     reactor = _Reactor()
     reg = models.Registry(specs, load, Served, reactor, idle_unload=idle, max_memory=budget, resident=memory,
@@ -426,5 +472,46 @@ def test_registry_unloads_idle_models_and_fails_what_cannot_load():
     assert failure.check(ModelLoadFailed) and "past --max-memory" in failure.value.message
     failure = _use(reg, "bad")
     assert failure.check(ModelLoadFailed) and "not a model file" in failure.value.message
-    assert _use(reg, "bad").check(ModelLoadFailed) and loads.count("bad") == 1   # failed stays failed
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads.count("bad") == 1   # failed stays failed (within the retry wait)
     assert _state(reg) == {"a": "unloaded", "huge": "failed", "bad": "failed"}
+
+
+def test_registry_tries_a_failed_model_again_after_the_backoff():
+    """A failed model's requests fail at once, with no new load, until LOAD_RETRY_SECONDS have passed on
+    the registry's clock since the failure; then a request loads it again (a second failure starts the
+    wait over), and once its load works it serves."""
+    from twisted.python.failure import Failure
+
+    from krafla_twisted.api.models import LOAD_RETRY_SECONDS, ModelLoadFailed
+
+    broken = {"bad"}
+    reg, reactor, _, loads = _registry({"bad": 10}, budget=None, broken=broken)
+    assert "on a request 30 s after the failure" in _use(reg, "bad").value.message
+    reactor.clock.advance(LOAD_RETRY_SECONDS - 1)
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads == ["bad"]
+    reactor.clock.advance(1)
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads == ["bad", "bad"]
+    reactor.clock.advance(LOAD_RETRY_SECONDS - 1)
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads == ["bad", "bad"]
+    broken.clear()
+    reactor.clock.advance(1)
+    assert not isinstance(_use(reg, "bad"), Failure) and _state(reg) == {"bad": "loaded"} and len(loads) == 3
+
+
+def test_registry_tries_a_failed_model_again_when_its_file_changes(tmp_path):
+    """No wait for a changed file: a request after the file's size or modification time changed loads
+    the model again at once; a file left as it is does not."""
+    from twisted.python.failure import Failure
+
+    from krafla_twisted.api.models import ModelLoadFailed
+
+    (tmp_path / "bad.mlb").write_bytes(b"damaged")
+    broken = {"bad"}
+    reg, reactor, _, loads = _registry({"bad": 10}, budget=None, broken=broken, folder=tmp_path)
+    assert _use(reg, "bad").check(ModelLoadFailed) and _use(reg, "bad").check(ModelLoadFailed)
+    assert loads == ["bad"]
+    (tmp_path / "bad.mlb").write_bytes(b"still damaged")   # changed, and its load fails again
+    assert _use(reg, "bad").check(ModelLoadFailed) and loads == ["bad", "bad"]
+    broken.clear()
+    (tmp_path / "bad.mlb").write_bytes(b"a model")
+    assert not isinstance(_use(reg, "bad"), Failure) and _state(reg) == {"bad": "loaded"} and len(loads) == 3

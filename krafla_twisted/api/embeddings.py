@@ -6,7 +6,7 @@ llama-server serves, and Ollama's /api/embed and /api/embeddings.
       -> {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [...]}],
           "model": ID, "usage": {"prompt_tokens": N, "total_tokens": N}}
     POST /v1/rerank {"query": "...", "documents": ["...", {"text": "..."}], "top_n": N,
-                     "return_documents": false}
+                     "return_documents": false, "instruction": "..." (a decoder reranker's)}
       -> {"object": "list", "model": ID, "usage": {...},
           "results": [{"index": 2, "relevance_score": 3.1, "document": {"text": "..."}}, ...]}  (best first)
     POST /api/embed {"model": ..., "input": "text" | ["text", ...], "dimensions": N}
@@ -14,7 +14,8 @@ llama-server serves, and Ollama's /api/embed and /api/embeddings.
     POST /api/embeddings {"model": ..., "prompt": "text"} -> {"embedding": [...]}
 
 The server answers them when it was started for embeddings (`twistd krafla --embeddings`, with an
-encoder model: api.backend.embeddings is a generation.embeddings.EmbeddingRuntime); a chat server
+encoder model, or `--pooling rank` with a decoder reranker: api.backend.embeddings is a
+generation.embeddings.EmbeddingRuntime); a chat server
 answers 400 `model_not_embedding`. A server started for embeddings answers the completion
 endpoints 400 likewise (routes.py). Tokenizing and the forward pass run as one job on the engine
 worker, inside --max-queue, like a completion.
@@ -160,7 +161,10 @@ def parse_rerank(body):
     return_documents = body.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidRequest("'return_documents' must be a boolean", param="return_documents")
-    return query, texts, top_n, return_documents
+    instruction = body.get("instruction")
+    if instruction is not None and (not isinstance(instruction, str) or not instruction):
+        raise InvalidRequest("'instruction' must be a non-empty string", param="instruction")
+    return query, texts, top_n, return_documents, instruction
 
 
 class Rerank(Endpoint):
@@ -169,18 +173,18 @@ class Rerank(Endpoint):
     methods = ("POST",)
 
     def render_POST(self, request):
-        query, texts, top_n, return_documents = parse_rerank(parse_json_body(request.content.read()))
+        query, texts, top_n, return_documents, instruction = parse_rerank(parse_json_body(request.content.read()))
         runtime = embedding_runtime(self.api.backend, "reranking")
         if not runtime.is_reranker:
             raise InvalidRequest("This model is an embedding model, not a reranker: /v1/rerank needs a "
-                                 "cross-encoder (a BertForSequenceClassification)", param="model",
-                                 code="model_not_reranker")
+                                 "cross-encoder (a BertForSequenceClassification) or a decoder reranker served "
+                                 "with --pooling rank", param="model", code="model_not_reranker")
         self.api.admit()
         model_id = self.api.backend.model_id
 
         def work(backend, cancelled):
             try:
-                scores, tokens = embedding_runtime(backend, "reranking").rerank(query, texts)
+                scores, tokens = embedding_runtime(backend, "reranking").rerank(query, texts, instruction)
             except EmbeddingError as e:
                 raise InvalidRequest(str(e), param=e.param) from None
             order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))[:top_n]
@@ -235,10 +239,13 @@ class EmbeddingsOnly(Endpoint):
     methods = ("GET", "POST")
 
     def dispatch(self, request):
-        raise InvalidRequest("This server was started for embeddings (--embeddings): it answers /v1/embeddings"
-                             + (" and /v1/rerank" if self.api.backend.embeddings.is_reranker else "")
-                             + ", not text generation; start another server for a chat model",
-                             param="model", code="model_not_chat")
+        runtime = self.api.backend.embeddings
+        if runtime.pooling == "rank":
+            answers = "/v1/rerank"
+        else:
+            answers = "/v1/embeddings" + (" and /v1/rerank" if runtime.is_reranker else "")
+        raise InvalidRequest(f"This server was started for embeddings (--embeddings): it answers {answers}, not text "
+                             "generation; start another server for a chat model", param="model", code="model_not_chat")
 
 
 class EmbeddingBackend:
@@ -261,7 +268,11 @@ class EmbeddingBackend:
         from krafla_twisted import __version__
 
         runtime = self.embeddings
-        kind = f"reranker, {runtime.n_labels} label(s)" if runtime.is_reranker else (
-            f"dim {runtime.dim}, pooling {runtime.pooling}, {'normalized' if runtime.normalize else 'not normalized'}")
+        if runtime.n_labels:
+            kind = f"reranker, {runtime.n_labels} label(s)"
+        elif runtime.is_reranker:
+            kind = "decoder reranker, the probability of 'yes'"
+        else:
+            kind = f"dim {runtime.dim}, pooling {runtime.pooling}, {'normalized' if runtime.normalize else 'not normalized'}"
         return (f"# krafla {__version__}, isa {runtime.isa}: embedding model {self.model_id}, {kind}, "
                 f"max {runtime.max_tokens} tokens, threads {runtime.threads}")

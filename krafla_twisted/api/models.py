@@ -14,8 +14,10 @@ its own --parallel slots, so a slow model never stalls another) and its own reso
 A model is unloaded when it has served no request for `idle_unload` seconds, or when the next load
 would take the server's resident memory past `max_memory`: then the least recently used models
 with no request running go first. A model whose request is running is never unloaded; a load that
-cannot fit until one of them ends waits for it. A model whose load failed stays `failed`: its
-requests get a 503 with the load's error, the other models keep serving.
+cannot fit until one of them ends waits for it. A model whose load failed is `failed`: its
+requests get a 503 with the load's error, the other models keep serving. It is loaded again on the
+first request after its files change (their size or modification time: the file was fixed or
+replaced), or after `retry_failed` seconds (LOAD_RETRY_SECONDS) on the registry's clock.
 
 Everything here runs in the I/O thread except `load`, which runs in the loading thread.
 """
@@ -46,6 +48,7 @@ log = Logger(namespace="krafla.models")
 UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
 DEFAULT_IDLE_UNLOAD = 300.0   # --idle-unload's default, seconds
 LOAD_WAIT_SECONDS = REQUEST_DEADLINE_SECONDS   # how long a request waits for its model's load
+LOAD_RETRY_SECONDS = 30.0   # a failed model is loaded again on a request this long after it failed
 
 # The endpoints whose body names a model, under / and /v1; Ollama's under /api.
 MODEL_PATHS = ((b"chat", b"completions"), (b"completions",), (b"messages",), (b"responses",), (b"embeddings",),
@@ -56,8 +59,11 @@ OLLAMA_MODEL_PATHS = (b"chat", b"generate", b"embed", b"embeddings", b"show")
 class ModelLoadFailed(APIError):
     status = 503
 
-    def __init__(self, name, reason):
-        super().__init__(f"The model '{name}' could not be loaded: {reason}", param="model", code="model_load_failed")
+    def __init__(self, name, reason, retry_seconds=None):
+        again = "" if retry_seconds is None else (f" (it is loaded again once its file changes, or on a request "
+                                                  f"{retry_seconds:g} s after the failure)")
+        super().__init__(f"The model '{name}' could not be loaded: {reason}{again}", param="model",
+                         code="model_load_failed")
 
 
 class ModelStillLoading(APIError):
@@ -70,6 +76,19 @@ class ModelStillLoading(APIError):
 
 def model_not_found(name):
     return NotFound(f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+
+def file_stamps(spec):
+    """(size, modification time in ns) of a spec's model file and tokenizer, None for one that cannot
+    be read: what tells a fixed file from the one whose load failed."""
+    stamps = []
+    for path in (spec.path, spec.tokenizer):
+        try:
+            stat = os.stat(path) if path else None
+        except OSError:
+            stat = None
+        stamps.append(None if stat is None else (stat.st_size, stat.st_mtime_ns))
+    return tuple(stamps)
 
 
 def resident_bytes():
@@ -110,6 +129,8 @@ class Entry:
         self.name = spec.name
         self.state = UNLOADED
         self.error = None
+        self.failed_at = None    # the registry clock's time of the last failed load
+        self.load_files = None   # file_stamps(spec) as the last load began (a failed load: what it read)
         self.served = None
         self.waiters = []        # Deferreds of requests waiting for the load
         self.active = 0          # requests routed to it and not finished
@@ -127,7 +148,7 @@ class Registry:
     gives the process's resident bytes (the memory budget is checked against it)."""
 
     def __init__(self, specs, load, serve, reactor, *, idle_unload=DEFAULT_IDLE_UNLOAD, max_memory=None,
-                 resident=resident_bytes, pool=None):
+                 resident=resident_bytes, pool=None, retry_failed=LOAD_RETRY_SECONDS):
         self.entries = [Entry(spec) for spec in specs]
         self.by_name = {}
         for entry in self.entries:
@@ -139,6 +160,7 @@ class Registry:
         self.idle_unload = idle_unload
         self.max_memory = max_memory
         self.resident = resident
+        self.retry_failed = retry_failed
         self.pool = pool if pool is not None else ThreadPool(minthreads=1, maxthreads=1, name="krafla-loader")
         self.queue = collections.deque()   # entries waiting for their turn to load
         self.loading = None
@@ -182,8 +204,13 @@ class Registry:
         entry.idle_call = None
         if entry.state == LOADED:
             return defer.succeed(entry.served)
+        if entry.state == FAILED and not self.stopping:
+            why = self._retry_reason(entry)
+            if why is not None:
+                log.info("trying the model {name} again ({why})", name=entry.name, why=why)
+                entry.state = UNLOADED
         if entry.state == FAILED:
-            return defer.fail(ModelLoadFailed(entry.name, entry.error))
+            return defer.fail(self._failure(entry))
         if self.stopping:
             return defer.fail(ModelLoadFailed(entry.name, "the server is shutting down"))
         waiter = defer.Deferred()
@@ -201,6 +228,17 @@ class Registry:
         if entry.active == 0 and entry.state == LOADED:
             self._count_down(entry)
         self._next_load()
+
+    def _retry_reason(self, entry):
+        """Why a failed model may be loaded again now, or None while it may not."""
+        if file_stamps(entry.spec) != entry.load_files:
+            return "its file changed"
+        if self.reactor.seconds() - entry.failed_at >= self.retry_failed:
+            return f"{self.retry_failed:g} s after it failed"
+        return None
+
+    def _failure(self, entry):
+        return ModelLoadFailed(entry.name, entry.error, self.retry_failed)
 
     def _count_down(self, entry):
         if self.idle_unload is not None and not self.stopping:
@@ -245,12 +283,14 @@ class Registry:
                 if busy:
                     return  # a model with requests running holds the memory: wait for a release
                 self.queue.popleft()
+                entry.load_files = file_stamps(entry.spec)
                 self._failed(entry, f"it needs about {need / 2**20:.0f} MiB and the server holds "
                              f"{self.resident() / 2**20:.0f} MiB already, past --max-memory "
                              f"{self.max_memory / 2**20:.0f} MiB")
                 continue
             self.queue.popleft()
             self.loading = entry
+            entry.load_files = file_stamps(entry.spec)
             log.info("loading model {name} from {path}", name=entry.name, path=entry.spec.path)
             d = threads.deferToThreadPool(self.reactor, self.pool, self.load, entry.spec)
             d.addCallbacks(self._loaded, self._load_failed, callbackArgs=(entry,),
@@ -286,10 +326,11 @@ class Registry:
     def _failed(self, entry, reason):
         entry.state = FAILED
         entry.error = reason
+        entry.failed_at = self.reactor.seconds()
         log.error("cannot load the model {name}: {reason}", name=entry.name, reason=reason)
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
-            waiter.errback(ModelLoadFailed(entry.name, reason))
+            waiter.errback(self._failure(entry))
 
     def model_object(self, entry, created):
         """The entry in /v1/models: OpenAI's fields, then its state (and aliases, and a failed load's error)."""

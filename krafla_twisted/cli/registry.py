@@ -10,7 +10,8 @@ a list `models` of tables, each
     chat        its chat template (default: the one its tokenizer file names)
     ctx, parallel, kv, threads    as the options of that name, for this model (default: the command line's)
     aliases     other names requests may use for it
-    embeddings  true for an embedding model (served at /v1/embeddings, /v1/rerank; then `pooling` too)
+    embeddings  true for an embedding model (served at /v1/embeddings, /v1/rerank; then `pooling` too;
+                `pooling = "rank"`, a decoder reranker, implies it)
 
 `--models-dir DIR` serves every .mlb and .gguf in DIR, each named by its file name without .mlb, with its
 tokenizer beside it and the command line's options (an encoder's file, BERT-family, is served as an
@@ -140,10 +141,11 @@ def _spec(item, index, folder, base, where):
     if not isinstance(embeddings, bool):
         raise ModelsFileError(f"{label}: `embeddings` must be true or false")
     settings = {key: item[key] for key in SETTINGS if key in item}
+    embeddings = embeddings or settings.get("pooling") == "rank"
     if "pooling" in settings and not embeddings:
         raise ModelsFileError(f"{label}: `pooling` goes with `embeddings = true`")
-    if settings.get("pooling") not in (None, "mean", "cls", "last"):
-        raise ModelsFileError(f"{label}: `pooling` must be mean, cls or last")
+    if settings.get("pooling") not in (None, "mean", "cls", "last", "rank"):
+        raise ModelsFileError(f"{label}: `pooling` must be mean, cls, last or rank")
     parallel = settings.get("parallel", base.get("parallel", 1))
     if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 256:
         raise ModelsFileError(f"{label}: `parallel` must be a whole number 1 to 256")

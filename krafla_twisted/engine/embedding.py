@@ -5,6 +5,8 @@ norm's output, causal attention: Qwen3-Embedding's last-token pooling) (krafla.h
         encoder = Encoder(model)
         rows = encoder.embed([[101, 7592, 102], [101, 2088, 102]], pooling="mean")  # 2 rows of dim floats
         scores = encoder.embed(pair_ids, pooling="rank", token_types=pair_types)     # n_labels floats each
+        # a decoder: the logits of token ids `pick` after each sequence (a decoder reranker's yes/no)
+        rows = Encoder(decoder).last_logits([prompt_one, prompt_two], pick=[no_id, yes_id])
 
 An encoder's session is as long as the model's positions and its step as wide, so any sequence the
 model can take fits; a decoder's is KR_DEFAULT_MAX_CTX long at most; several sequences share a forward step and each gets the bits it gets alone.
@@ -83,6 +85,30 @@ class Encoder:
         for size in sizes:
             rows.append(out[at:at + size])
             at += size
+        return rows
+
+    def last_logits(self, sequences, pick):
+        """A decoder's logits of the token ids `pick` at the last position of each sequence (a
+        list of floats per sequence), each sequence evaluated alone from position 0. What a sequence
+        shares from its start with the one before (a reranker's prompt up to its document) stays in
+        the cache and is not evaluated again: the logits are the same bits either way."""
+        if self.is_encoder:
+            raise ValueError(f"a {self.model.arch} model is an encoder: it has no logits")
+        logits = engine_model.logits_rows(1, self.model.n_vocab)[0]
+        session, cached, rows = self._session, [], []
+        try:
+            session.truncate(0)
+            for sequence in sequences:
+                sequence = list(sequence)
+                keep = 0
+                while keep < min(len(cached), len(sequence) - 1) and cached[keep] == sequence[keep]:
+                    keep += 1
+                session.truncate(keep)
+                session.eval(sequence[keep:], out=logits)
+                cached = sequence
+                rows.append([logits[token] for token in pick])
+        finally:
+            session.truncate(0)
         return rows
 
     def close(self):

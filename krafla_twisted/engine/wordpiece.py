@@ -4,6 +4,9 @@ The steps are BertTokenizerFast's (Hugging Face tokenizers' BertNormalizer, Bert
 WordPiece and the [CLS] A [SEP] (B [SEP]) template), so the ids equal transformers' on the same
 vocabulary (tests/test_embeddings.py checks it on the real all-MiniLM-L6-v2 vocabulary):
 
+  0. split out the special tokens' exact spellings ([CLS], [SEP], [UNK], [PAD], [MASK]: the
+     tokenizer's added tokens, matched before normalisation, longest first, case as spelled),
+     each its own id, as the tokenizers library does; the text between goes through 1-5;
   1. clean: drop NUL, U+FFFD and control characters; every whitespace character becomes a space;
   2. pad each CJK ideograph with spaces (chinese_chars);
   3. strip accents (NFD, then drop the nonspacing marks) and lower-case, as the file says;
@@ -15,6 +18,7 @@ vocabulary (tests/test_embeddings.py checks it on the real all-MiniLM-L6-v2 voca
 The .mlt layout is convert/bert.py's (docs/formats.md, "WordPiece tokenizers").
 """
 
+import re
 import unicodedata
 
 from krafla_twisted.engine import formats
@@ -78,6 +82,12 @@ class WordPiece:
         self.ids = {}
         for i, token in enumerate(self.tokens):
             self.ids.setdefault(token, i)
+        # BertTokenizerFast's special tokens: the four the file names, and [MASK] (its mask_token)
+        self.special_ids = {self.tokens[i]: i for i in (self.pad_id, self.unk_id, self.cls_id, self.sep_id)}
+        if "[MASK]" in self.ids:
+            self.special_ids.setdefault("[MASK]", self.ids["[MASK]"])
+        spellings = sorted(self.special_ids, key=len, reverse=True)
+        self._specials = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
 
     def normalize(self, text):
         out = []
@@ -134,8 +144,15 @@ class WordPiece:
         return pieces
 
     def tokenize(self, text):
-        """The ids of `text` without [CLS] and [SEP]."""
-        return [i for word in self.words(self.normalize(text)) for i in self.word_ids(word)]
+        """The ids of `text` without the [CLS] and [SEP] around it (a special token spelled in it is
+        that token)."""
+        ids = []
+        for index, part in enumerate(self._specials.split(text)):
+            if index % 2:
+                ids.append(self.special_ids[part])
+            elif part:
+                ids.extend(i for word in self.words(self.normalize(part)) for i in self.word_ids(word))
+        return ids
 
     def encode(self, text):
         return [self.cls_id, *self.tokenize(text), self.sep_id]

@@ -14,13 +14,26 @@ final norm. A reranker (a cross-encoder: n_labels > 0) scores "[CLS] query [SEP]
 document [SEP]" by its classifier's first output, the raw logit as llama-server gives it (the
 sigmoid of sentence-transformers' CrossEncoder is monotonic: the order is the same).
 
+A decoder loaded with pooling "rank" is a Qwen3-Reranker-style reranker: each document is put in
+that model card's prompt (its system message, "<Instruct>: ...\n<Query>: ...\n<Document>: ...",
+an assistant turn opened with an empty think block) and scored by the probability of "yes"
+against "no" as the next token: softmax over the two logits, the "yes" share. The prompt's
+markers are special tokens; the instruction, query and document are plain text, as a chat
+template's messages are (chat/templates.py).
+
 Everything here runs on the engine worker's thread.
 """
 
 import array
 import math
 
-POOLINGS = ("mean", "cls", "last")
+POOLINGS = ("mean", "cls", "last", "rank")
+
+# The Qwen3-Reranker model card's prompt (Qwen/Qwen3-Reranker-0.6B, "Transformers Usage").
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                 'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 class EmbeddingError(ValueError):
@@ -52,6 +65,11 @@ class EmbeddingRuntime:
         self.n_labels = self.encoder.n_labels
         self.max_tokens = self.encoder.max_tokens
         self.n_vocab = model.n_vocab
+        self.answer_ids = None  # a decoder reranker's ("no", "yes") token ids
+        if self.pooling == "rank" and self.encoder.is_encoder and not self.n_labels:
+            raise EmbeddingError("pooling 'rank' needs a reranker, and this encoder has no classifier head")
+        if self.pooling == "rank" and not self.encoder.is_encoder:
+            self.answer_ids = tokenizer.answer_ids()
 
     @classmethod
     def load(cls, model_path, tokenizer_path, *, threads=1, pooling=None):
@@ -77,7 +95,7 @@ class EmbeddingRuntime:
 
     @property
     def is_reranker(self):
-        return self.n_labels > 0
+        return self.n_labels > 0 or self.answer_ids is not None
 
     @property
     def isa(self):
@@ -103,6 +121,9 @@ class EmbeddingRuntime:
     def embed(self, sequences, dimensions=None):
         """One list of floats per sequence of token ids, pooled and normalised as the model says,
         then cut to `dimensions` (and normalised again) when given."""
+        if self.pooling == "rank":
+            raise EmbeddingError("this model was loaded as a reranker (pooling rank): it answers /v1/rerank, not "
+                                 "embeddings", param="model")
         if dimensions is not None and not 1 <= dimensions <= self.dim:
             raise EmbeddingError(f"'dimensions' is {dimensions}; this model gives 1 to {self.dim}", param="dimensions")
         for index, ids in enumerate(sequences):
@@ -118,11 +139,17 @@ class EmbeddingRuntime:
             vectors.append(array.array("f", values).tolist())  # float32 values: base64 and JSON agree
         return vectors
 
-    def rerank(self, query, documents):
-        """(scores, tokens): the classifier's first output for each (query, document) pair, and
-        how many tokens the pairs held."""
+    def rerank(self, query, documents, instruction=None):
+        """(scores, tokens): the classifier's first output for each (query, document) pair (a
+        decoder reranker: the probability of "yes", with `instruction` or the card's default in its
+        prompt), and how many tokens the pairs held."""
         if not self.is_reranker:
             raise EmbeddingError("this model is not a reranker (it has no classifier head)", param="model")
+        if self.answer_ids is not None:
+            return self._judge(query, documents, RERANK_INSTRUCTION if instruction is None else instruction)
+        if instruction is not None:
+            raise EmbeddingError("'instruction' goes to a decoder reranker's prompt; this cross-encoder reads the "
+                                 "query and the documents only", param="instruction")
         pairs, types = [], []
         for index, document in enumerate(documents):
             ids, segment = self.tokenizer.encode_pair(query, document)
@@ -133,6 +160,17 @@ class EmbeddingRuntime:
             types.append(segment)
         rows = self.encoder.embed(pairs, "rank", token_types=types)
         return [float(row[0]) for row in rows], sum(len(p) for p in pairs)
+
+    def _judge(self, query, documents, instruction):
+        prompts = []
+        for index, document in enumerate(documents):
+            ids = self.tokenizer.encode_judged(instruction, query, document)
+            if len(ids) > self.max_tokens:
+                raise EmbeddingError(f"the prompt of 'documents'[{index}] is {len(ids)} tokens; this model takes at "
+                                     f"most {self.max_tokens}", param="documents")
+            prompts.append(ids)
+        rows = self.encoder.last_logits(prompts, pick=self.answer_ids)
+        return [_yes_probability(no, yes) for no, yes in rows], sum(len(p) for p in prompts)
 
     def close(self):
         self.encoder.close()
@@ -152,6 +190,34 @@ class _DecoderTokenizer:
 
     def encode_pair(self, first, second):
         raise EmbeddingError("a decoder model is not a reranker", param="model")
+
+    def encode_judged(self, instruction, query, document):
+        """A decoder reranker's prompt for one document, as the Qwen3-Reranker card builds it: the
+        prefix, the "<Instruct>/<Query>/<Document>" text and the suffix, each encoded alone, none
+        with a bos or eos."""
+        text = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+        encode = self.tokenizer.encode
+        return (encode(RERANK_PREFIX, add_bos=False, add_eos=False, special=True)
+                + encode(text, add_bos=False, add_eos=False)
+                + encode(RERANK_SUFFIX, add_bos=False, add_eos=False, special=True))
+
+    def answer_ids(self):
+        """The ids of the vocabulary entries spelled "no" and "yes" (the two answers a decoder
+        reranker's score weighs), or EmbeddingError when the vocabulary lacks one."""
+        ids = tuple(self.tokenizer.token_id(word) for word in ("no", "yes"))
+        if None in ids:
+            raise EmbeddingError(f"{self.tokenizer.path}: no token spelled 'yes' and 'no' in the vocabulary; pooling "
+                                 "'rank' on a decoder scores the answer 'yes' (a Qwen3-Reranker-style model)")
+        return ids
+
+
+def _yes_probability(no, yes):
+    """softmax([no, yes])[1], without overflow for logits far apart."""
+    margin = float(no) - float(yes)
+    if margin > 0:
+        odds = math.exp(-margin)
+        return odds / (1.0 + odds)
+    return 1.0 / (1.0 + math.exp(margin))
 
 
 def _normalized(values):

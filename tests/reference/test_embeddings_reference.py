@@ -6,7 +6,8 @@ sentence-transformers folders, converted by krafla_twisted.convert.bert and run 
 through generation.embeddings: the vectors must be SentenceTransformer.encode's (cosine >= 0.9999
 at f32, >= 0.999 at f16), the scores CrossEncoder.predict's raw logits, and the WordPiece ids
 BertTokenizerFast's, on texts hypothesis does not need to invent: accents, CJK, punctuation runs,
-control characters, long words.
+control characters, long words. A random Qwen3ForCausalLM served as a decoder reranker gives the
+Qwen3-Reranker model card's transformers scores.
 """
 
 import numpy as np
@@ -130,3 +131,55 @@ def test_llama_cpp_gguf(tmp_path):
         runtime.close()
     want = st.encode(TEXTS, convert_to_numpy=True).astype(np.float64)
     assert ((got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)).min() >= 0.9999
+
+
+def test_decoder_reranker_equals_the_model_cards_code(tmp_path):
+    """A random Qwen3ForCausalLM as wide as the Qwen2 vocabulary, saved by transformers and converted by
+    `krafla convert`'s Hugging Face path, served as a reranker (pooling rank): each score is what the
+    Qwen3-Reranker card's transformers code computes (prefix + tokenizer(pairs) + suffix, left padding,
+    the last position's logits, log_softmax over [no, yes]) within 1e-4, so the order is the same. The
+    card's tokenizer is transformers' own, over a tokenizer.json of the same vocabulary."""
+    from transformers import PreTrainedTokenizerFast
+
+    from krafla_twisted.convert.hf import convert_hf
+    from krafla_twisted.engine import formats
+    from tests.reference.tiny_hf import write_tiny_hf_model
+    from tests.support.hf_tokenizer_json import write_hf_tokenizer
+    from tests.support.testdata import vocab_gguf, vocab_mlt
+    from tests.support.tiny_reranker import CARD_INSTRUCTION, CARD_PREFIX, CARD_SUFFIX, DOCUMENTS, QUERY
+
+    mlt = vocab_mlt("qwen2")
+    n_vocab = int(formats.read(mlt, formats.TOKENIZER_MAGIC).metadata["n_vocab"])
+    model = write_tiny_hf_model(tmp_path / "hf", "qwen3", seed=11, vocab_size=n_vocab)
+    mlb = tmp_path / "reranker.mlb"
+    convert_hf(tmp_path / "hf", mlb, None, "f32", progress=False)
+    folder = write_hf_tokenizer(vocab_gguf("qwen2"), tmp_path / "tokenizer", "qwen2")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="<|endoftext|>",
+                                        padding_side="left")
+    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+    prefix = tokenizer.encode(CARD_PREFIX, add_special_tokens=False)
+    suffix = tokenizer.encode(CARD_SUFFIX, add_special_tokens=False)
+
+    def card_scores(instruction):
+        pairs = [f"<Instruct>: {instruction}\n<Query>: {QUERY}\n<Document>: {d}" for d in DOCUMENTS]
+        inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
+                           max_length=256 - len(prefix) - len(suffix))
+        inputs["input_ids"] = [prefix + ids + suffix for ids in inputs["input_ids"]]
+        batch = tokenizer.pad(inputs, padding=True, return_tensors="pt", max_length=256)
+        with torch.no_grad():
+            last = model(**batch).logits[:, -1, :]
+        pair = torch.nn.functional.log_softmax(torch.stack([last[:, no], last[:, yes]], dim=1), dim=1)
+        return pair[:, 1].exp().tolist(), int(batch["attention_mask"].sum())
+
+    runtime = EmbeddingRuntime.load(mlb, mlt, pooling="rank", threads=2)
+    try:
+        assert runtime.answer_ids == (no, yes)
+        for instruction in (None, "Find the passage that names a city"):
+            expected, tokens = card_scores(instruction or CARD_INSTRUCTION)
+            scores, counted = runtime.rerank(QUERY, DOCUMENTS, instruction=instruction)
+            np.testing.assert_allclose(scores, expected, atol=1e-4)
+            assert np.argsort(scores).tolist() == np.argsort(expected).tolist()
+            assert counted == tokens
+            assert len(set(np.round(expected, 3))) == len(DOCUMENTS)  # distinct scores: the order means something
+    finally:
+        runtime.close()
