@@ -387,6 +387,8 @@ class EchoedStringsTests(unittest.TestCase):
             "reasoning": {"reasoning": {"effort": "\ud800"}},
             "text.verbosity": {"text": {"verbosity": "\ud800"}},
             "previous_response_id": {"previous_response_id": "\ud800resp_missing"},  # echoed in the 404
+            # not echoed, but kept with the stored response for GET .../input_items
+            "input item key": {"input": [{"content": "", "role": "user", "\ud800type": "message"}]},
         }
         for name, fields in bodies.items():
             with self.subTest(name):

@@ -96,7 +96,9 @@ class ResponseStore:
     def put(self, response_id, response, conversation, input_items=()):
         """Keep a response; False when it alone is larger than the budget (it is not kept)."""
         self.delete(response_id)
-        size = len(json.dumps([response, list(conversation), list(input_items)], ensure_ascii=False).encode("utf-8"))
+        # (an input item may keep a key or value with a lone surrogate, which is stored as it came)
+        size = len(json.dumps([response, list(conversation), list(input_items)], ensure_ascii=False)
+                   .encode("utf-8", "surrogatepass"))
         if size > self.max_bytes:
             return False
         self._items[response_id] = (Stored(response, tuple(conversation), tuple(input_items)), size)
