@@ -77,11 +77,14 @@ KR_INLINE vec pairs(const char *low, const char *high, const int is_signed) {
     return v_join(pairs8(low, is_signed), pairs8(high, is_signed));
 }
 
+// The next tile's super-block, fetched into L2 (not L1: with long rows the next tile is a whole
+// tile of rows ahead, 117 KiB for q6_K at 8960 columns, and fetched into L1 it evicts the lines the
+// current tile is reading; one thread's generation on Qwen2.5-Coder-1.5B went from 9 to 21 tokens/s).
 KR_INLINE void prefetch_group(const char *next, size_t stride, size_t bytes) {
     if (!next) return;
-    for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
     if (GROUPS == 2 && stride)
-        for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + stride + line, _MM_HINT_T0);
+        for (size_t line = 0; line < bytes; line += 64) _mm_prefetch(next + stride + line, _MM_HINT_T1);
 }
 
 #define Q4_K_GROUP (KR_PACK_ROWS * sizeof(kr_block_q4_K))  // 1152 bytes
