@@ -1,8 +1,9 @@
 """Issue 28: the mixture-of-experts architectures against transformers, live.
 
-Tiny random Qwen3MoeForCausalLM, MixtralForCausalLM and OlmoeForCausalLM models
-(tests/reference/tiny_moe.py; several shapes: experts chosen 1, 2 or 3 of up to 8, renormalised
-or not) are converted two ways:
+Tiny random Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM and GptOssForCausalLM models
+(tests/reference/tiny_moe.py; several shapes: experts chosen 1 to 4 of up to 8, renormalised or
+not; gpt-oss with YaRN or plain RoPE, windows of 24 or 9, SwiGLU limits of 1.5 or 7) are converted
+two ways:
 - from the Hugging Face folder by `krafla_twisted.convert.hf` (vocabulary of 97), also from the
   fused expert tensors transformers 5 keeps in memory (`mlp.experts.gate_up_proj`, `down_proj`),
   written to a folder with safetensors;
@@ -40,6 +41,13 @@ CASES = {
     "mixtral-top2-of-4-mha": ("mixtral", dict(num_local_experts=4, num_key_value_heads=4)),
     "olmoe-top3-of-6": ("olmoe", dict()),
     "olmoe-top2-normalised": ("olmoe", dict(num_experts_per_tok=2, norm_topk_prob=True)),
+    "gpt-oss-top2-of-6": ("gpt-oss", dict()),
+    "gpt-oss-top4-of-8-mha-limit7": ("gpt-oss", dict(num_local_experts=8, num_experts_per_tok=4, swiglu_limit=7.0,
+                                                     num_key_value_heads=4)),
+    # three layers with GptOssConfig's own alternation (sliding, full, sliding), RoPE without YaRN
+    "gpt-oss-3-layers-window-9": ("gpt-oss", dict(num_hidden_layers=3, layer_types=None, sliding_window=9,
+                                                  rope_parameters={"rope_type": "default",
+                                                                   "rope_theta": 10000.0})),
 }
 # One case per architecture (a GGUF with GPT-2's vocabulary is slow to write and read). llama.cpp
 # renormalises qwen3moe's weights whatever norm_topk_prob says, as Qwen3-30B-A3B sets it.

@@ -40,7 +40,10 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
 // when `gated` (the output is then multiplied by sigmoid(gate)), else q alone.
 typedef struct {
     kr_matrix wq, wk, wv, wo;
-    const float *bq, *bk, *bv;        // biases (qwen2) or NULL
+    const float *bq, *bk, *bv;        // biases (qwen2, gpt-oss) or NULL
+    const float *bo;                  // (dim,) Wo's bias (gpt-oss) or NULL
+    const float *sinks;               // (n_heads,) each head's learned logit in its softmax's denominator
+                                      // (gpt-oss's attention sinks) or NULL
     const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm or NULL
     int32_t qk_norm_whole;            // 1: q_norm, k_norm are (q_dim,), (kv_dim,) over the whole projection (olmoe)
     int32_t sliding;                  // 1: sliding-window layer (the model's sliding_window, local RoPE)
@@ -177,7 +180,7 @@ extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smoll
 // issue 27: BERT-family encoders and cross-encoders (arch_bert.c)
 extern const kr_arch kr_arch_bert;
 // issue 28: the mixtures of experts (arch_moe.c, experts.c)
-extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe;
+extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe, kr_arch_gpt_oss;
 
 // --- Sequences and scratch (session.c), for a step over several sequences
 
