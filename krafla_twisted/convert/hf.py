@@ -15,8 +15,8 @@ Conventions (Hugging Face -> .mlb):
 - Qwen3.5 DeltaNet: A_log becomes ssm_a = -exp(A_log); dt_bias becomes ssm_dt.bias.
 - Phi-3's qkv_proj (q, k, v rows) and gate_up_proj (gate rows, then up) are split by rows.
 - Llama 3.1's rope_type llama3 becomes the tensor rope_freqs.weight (one divisor per pair, as
-  llama.cpp writes it), and so does gpt-oss's yarn (its attention factor squared folded into
-  attn_scale); SmolLM3's no_rope_layers becomes layer_rope.
+  llama.cpp writes it), and so does gpt-oss's yarn (convert/rope.py; its attention factor squared
+  folded into attn_scale); SmolLM3's no_rope_layers becomes layer_rope.
 - The mixtures of experts (qwen3_moe, mixtral, olmoe, gpt_oss) are moe.py's.
 - The model's own chat template (tokenizer_config.json, chat_template.jinja) is named in the .mlt
   (krafla_twisted/chat/template_file.py).
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from krafla_twisted.convert import gguf as gguf_convert
-from krafla_twisted.convert import moe
+from krafla_twisted.convert import moe, rope
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError
 from krafla_twisted.engine import formats
 
@@ -179,34 +179,6 @@ def llama3_rope_factors(theta, rope_dims, factor, low_freq_factor, high_freq_fac
             smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
             factors.append(1.0 / ((1 - smooth) / factor + smooth))
     return np.asarray(factors, np.float32)
-
-
-def yarn_rope(theta, rope_dims, factor, original_context, beta_fast=32.0, beta_slow=1.0, truncate=True,
-              attention_factor=None, mscale=None, mscale_all_dim=None):
-    """YaRN (transformers' rope_type yarn) as (one divisor per rotated pair, as rope_freqs.weight
-    stores them; the factor q and k are multiplied by). Pairs that turn fewer than beta_slow times
-    over original_context are interpolated (divided by `factor`), those that turn more than
-    beta_fast times kept, a linear ramp between; the attention factor, 0.1 ln(factor) + 1 unless
-    given, scales cos and sin, so q.k by its square."""
-    def correction_dim(rotations):
-        return rope_dims * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dims - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = np.clip((np.arange(rope_dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    divisors = 1.0 / (ramp / factor + (1 - ramp))
-
-    def get_mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if attention_factor is None:
-        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else get_mscale(factor))
-    return divisors.astype(np.float32), float(attention_factor)
 
 
 _ROPE_REFUSALS = {
@@ -590,7 +562,7 @@ def _yarn(text, theta, rope_dims, path):
     factor = params.get("factor") or float(text.get("max_position_embeddings", 0)) / float(original)
     if not factor or float(factor) < 1:
         raise ConvertError(f"{path}: YaRN RoPE factor {factor!r} is not a number of at least 1")
-    return yarn_rope(theta, rope_dims, float(factor), float(original), float(params.get("beta_fast") or 32),
+    return rope.yarn_rope(theta, rope_dims, float(factor), float(original), float(params.get("beta_fast") or 32),
                      float(params.get("beta_slow") or 1), bool(params.get("truncate", True)),
                      params.get("attention_factor"), params.get("mscale"), params.get("mscale_all_dim"))
 

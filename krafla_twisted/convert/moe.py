@@ -23,7 +23,7 @@ gpt-oss (GptOssForCausalLM) adds biases: `attn_q/k/v/output.bias`, the router's
 the keys `swiglu_alpha`, `swiglu_limit` of its clamped SwiGLU. transformers keeps its experts
 transposed, input features first: `mlp.experts.gate_up_proj` (n_experts, dim, 2 ffn_dim) with the
 gate's and up's columns interleaved (gate even, up odd), `down_proj` (n_experts, ffn_dim, dim).
-Its YaRN RoPE becomes rope_freqs.weight and a larger attn_scale (hf.py, yarn_rope).
+Its YaRN RoPE becomes rope_freqs.weight and a larger attn_scale (convert/rope.py).
 """
 
 import re
@@ -37,7 +37,7 @@ from krafla_twisted.engine import formats
 ARCHS = ("qwen3moe", "mixtral", "olmoe", "gpt-oss")
 HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
 # llama.cpp's GGUF architectures; a llama GGUF with experts is mixtral
-GGUF_ARCHS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+GGUF_ARCHS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "gpt-oss": "gpt-oss"}
 ROUTER = "ffn_gate_inp.weight"
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # whether the chosen experts' weights are renormalised when the file does not say
@@ -299,8 +299,11 @@ def gguf_metadata(arch, fields, prefix, path):
     gating = fields.get(prefix + "expert_gating_func")
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise MoeError(f"{path}: {prefix}expert_gating_func {gating} is not supported (softmax, 1)")
-    return {"arch": arch, "ffn_dim": ffn, "n_experts": n_experts, "n_experts_used": used,
-            "expert_weights_norm": normalize}
+    metadata = {"arch": arch, "ffn_dim": ffn, "n_experts": n_experts, "n_experts_used": used,
+                "expert_weights_norm": normalize}
+    if arch == "gpt-oss":  # llama.cpp's GGUF has no keys for them: its runtime hard-codes these
+        metadata.update(swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT)
+    return metadata
 
 
 GGUF_LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
