@@ -286,3 +286,35 @@ class TestRealServer:
             assert choice["message"]["content"] is None and choice["message"]["reasoning_content"]
         finally:
             assert server.stop() in (0, -signal.SIGTERM), "\n".join(server.lines[-30:])
+
+
+class HarmonySplitTests:
+    """gpt-oss's replies (harmony channels, written with their control tokens) split into reasoning
+    and answer, its tool calls left for tools.HarmonyFormat."""
+
+    def test_analysis_is_reasoning_final_is_answer(self):
+        """The analysis channel's body is the reasoning, the final channel's the answer; a
+        commentary preamble without a recipient is answer too."""
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        reply = ("<|channel|>analysis<|message|>" + REASONING + "<|end|><|start|>assistant<|channel|>commentary"
+                 "<|message|>One moment. <|end|><|start|>assistant<|channel|>final<|message|>" + ANSWER)
+        assert split_harmony(reply) == (REASONING, "One moment. " + ANSWER)
+        assert split_harmony(ANSWER) == ("", ANSWER)
+
+    @given(arguments=st.dictionaries(st.sampled_from(["city", "n", "é"]), st.integers() | st.text(max_size=5),
+                                     max_size=3),
+           recipient_first=st.booleans())
+    def test_call_is_read_back(self, arguments, recipient_first):
+        """A call after the reasoning, the recipient before or after the channel (`<|constrain|>json`
+        as the model writes it, or the template's `json`), is the call and no content."""
+        from krafla_twisted.chat.templates import ToolCall, tool_json
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        header = ("assistant to=functions.get_weather<|channel|>commentary json" if recipient_first
+                  else "assistant<|channel|>commentary to=functions.get_weather <|constrain|>json")
+        reply = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>" + header + "<|message|>"
+                 + tool_json(arguments))
+        reasoning, answer = split_harmony(reply)
+        assert reasoning == "Need the weather."
+        assert tools.FORMATS["harmony"].parse(answer, []) == (None, [ToolCall("get_weather", arguments)])

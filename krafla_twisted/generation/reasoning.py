@@ -103,3 +103,31 @@ def reasoning_token_count(pieces):
         if close in seen[-(len(piece) + len(close) - 1):]:
             break
     return count
+
+
+# gpt-oss (harmony): a reply is messages, `[<|start|>assistant]<|channel|>CHANNEL<|message|>BODY`
+# ended by <|end|> (or the reply's end: <|return|> and <|call|> are stop markers)
+HARMONY_MESSAGE_END = "<|end|>"
+
+
+def split_harmony(text):
+    """(reasoning, answer) of a gpt-oss reply written with its control tokens: the analysis
+    channel's bodies are the reasoning; the final channel's and the commentary channel's without a
+    recipient (a preamble to the user) are the answer, joined as they come; a message to a
+    recipient (a tool call) stays in the answer in the template's own form, for tools.HarmonyFormat
+    to read. A reply with no header at all is all answer."""
+    reasoning, answer = [], []
+    for message in text.split("<|start|>"):
+        header, found, body = message.partition("<|message|>")
+        if not found:
+            answer.append(message)
+            continue
+        body = body.split(HARMONY_MESSAGE_END, 1)[0]
+        channel = header.partition("<|channel|>")[2].split(" ")[0].split("<|")[0].strip()
+        if "to=" in header:
+            answer.append("<|start|>" + message.split(HARMONY_MESSAGE_END, 1)[0])
+        elif channel == "analysis":
+            reasoning.append(body)
+        else:
+            answer.append(body)
+    return "".join(reasoning), "".join(answer)
