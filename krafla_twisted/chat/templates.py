@@ -998,6 +998,7 @@ class HarmonyTemplate(Template):
     tool_format = "harmony"
     thinking = True
     reasoning_format = "harmony"   # generation.reasoning: channels, not <think> blocks
+    reply_control_tokens = True    # the reply is decoded with its control tokens, which mark the channels
     effort = "medium"
 
     @staticmethod
