@@ -319,6 +319,16 @@ class HarmonySplitTests:
         assert reasoning == "Need the weather."
         assert tools.FORMATS["harmony"].parse(answer, []) == (None, [ToolCall("get_weather", arguments)])
 
+    def test_call_right_after_the_generation_prompt(self):
+        """A reply that is a call from its first token (as the required-call grammar makes it:
+        ` to=functions.f<|channel|>commentary json<|message|>...`) is that call."""
+        from krafla_twisted.chat.templates import HARMONY_GENERATION_PROMPT, ToolCall, harmony_tool_call_text
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        call = ToolCall("f", {"x": 1})
+        reasoning, answer = split_harmony(harmony_tool_call_text(call)[len(HARMONY_GENERATION_PROMPT):])
+        assert reasoning == "" and tools.FORMATS["harmony"].parse(answer, []) == (None, [call])
+
     @given(cuts=st.lists(st.integers(0, 200), max_size=8), call=st.booleans())
     def test_streamed_pieces_add_up_to_the_whole(self, cuts, call):
         """However a gpt-oss reply is cut into pieces (inside markers too), the streamed reasoning

@@ -123,6 +123,14 @@ class HarmonyToolRenderingTests:
                                    add_generation_prompt=True)
         assert templates.get_template("gpt-oss").render_text(messages, tools=tool_list or None) == expected
 
+    def test_required_call_grammar_has_no_think_block(self):
+        """gpt-oss's required-call grammar is the call alone, thinking template or not: its reasoning
+        is a channel, not a `</think>` block, and one call ends the reply."""
+        fmt = tools.FORMATS["harmony"]
+        tool_list = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert fmt.grammar(tool_list, thinking=True) == fmt.grammar(tool_list, parallel=False)
+        assert "</think>" not in fmt.grammar(tool_list, thinking=True)
+
     def test_refusals_match_the_template(self):
         """What the official template refuses, krafla refuses with a ChatError: a tool result with
         no call before it, harmony channel tags in an assistant's content."""
@@ -256,6 +264,9 @@ class GrammarTests:
             llguidance.LLMatcher.validate_grammar(matcher_grammar).startswith("WARNING")
         call = fmt.text(templates.ToolCall("f", arguments))
         other = fmt.text(templates.ToolCall("g", arguments))
+        if name == "harmony":  # a gpt-oss reply continues the generation prompt, `<|start|>assistant`
+            call = call[len(templates.HARMONY_GENERATION_PROMPT):]
+            other = other[len(templates.HARMONY_GENERATION_PROMPT):]
         assert _accepts(matcher_grammar, call)
         assert not _accepts(matcher_grammar, other)
 

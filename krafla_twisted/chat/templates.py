@@ -972,6 +972,9 @@ def harmony_tools_text(tools):
     return "".join(lines)
 
 
+HARMONY_GENERATION_PROMPT = "<|start|>assistant"
+
+
 def harmony_call_head(name):
     """The header of gpt-oss's commentary message calling `name`, up to its body."""
     return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>"
@@ -1053,7 +1056,7 @@ class HarmonyTemplate(Template):
                 else:
                     self._message(out, "assistant<|channel|>final", message.content, as_content=True)
                     last_call = None
-        if not continue_last:
+        if not continue_last:  # HARMONY_GENERATION_PROMPT
             out.special("<|start|>")
             out.text("assistant")
 

@@ -116,6 +116,9 @@ def reasoning_token_count(pieces, close=CLOSE):
 # (generation decodes them for a template with `reply_control_tokens`).
 
 HARMONY_START, HARMONY_MESSAGE, HARMONY_END = "<|start|>", "<|message|>", "<|end|>"
+# How the reply's first header may begin: a channel, or a recipient right after the generation
+# prompt `<|start|>assistant` (a call, as the required-call grammar writes it)
+_HEADER_STARTS = ("<|", " to=")
 _RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 
 
@@ -152,7 +155,7 @@ class HarmonyStream:
             if self.state == "header":
                 found = text.find(HARMONY_MESSAGE)
                 if found < 0:
-                    if self.first and not text.startswith("<|") and not "<|".startswith(text):
+                    if self.first and not any(text.startswith(s) or s.startswith(text) for s in _HEADER_STARTS):
                         self.state, self.kind, self.header = "body", "answer", ""  # no header: plain text
                         self.first = False
                         continue

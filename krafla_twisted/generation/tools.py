@@ -15,10 +15,9 @@ reply into content that can be sent at once and a held-back rest that may be a c
 import json
 import re
 
-from krafla_twisted.chat.templates import (ToolCall, generic_tool_call_text, harmony_call_head,
-                                           harmony_tool_call_text,
-                                           llama3_tool_call_text, qwen35_tool_call_text, qwen_tool_call_text,
-                                           tool_json)
+from krafla_twisted.chat.templates import (HARMONY_GENERATION_PROMPT, ToolCall, generic_tool_call_text,
+                                           harmony_call_head, harmony_tool_call_text, llama3_tool_call_text,
+                                           qwen35_tool_call_text, qwen_tool_call_text, tool_json)
 from krafla_twisted.generation.grammar import json_rule
 
 
@@ -329,9 +328,16 @@ class HarmonyFormat(ToolFormat):
                        r"(?:<\|channel\|>commentary)?\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>(.*?)"
                        r"(?:<\|end\|>|<\|call\|>|\Z)", re.DOTALL)
 
+    def grammar(self, tools, only=None, parallel=True, thinking=False):
+        """The required call as the whole reply: no analysis first (gpt-oss's reasoning is a channel
+        of its own, which a required call skips), so `thinking` changes nothing."""
+        return super().grammar(tools, only=only, parallel=False)
+
     def _call_rule(self, index, tool, rules):
+        # the reply continues the generation prompt `<|start|>assistant`: the call's header from there
         rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
-        return f"{_literal(harmony_call_head(tool_name(tool)))} args{index}"
+        head = harmony_call_head(tool_name(tool))[len(HARMONY_GENERATION_PROMPT):]
+        return f"{_literal(head)} args{index}"
 
     @staticmethod
     def _read(match, tools=()):
