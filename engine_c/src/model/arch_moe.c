@@ -34,18 +34,11 @@ typedef struct {
 
 // layer_types: 1 marks a sliding-window layer (gpt-oss's every other one); absent: none.
 static int sliding_layers(kr_model *m, const char *path, moe_layer *layers, kr_error *err) {
-    kr_model_info *h = &m->info;
-    int32_t *types = calloc((size_t)h->n_layers, sizeof *types);
+    int32_t *types = calloc((size_t)m->info.n_layers, sizeof *types);
     if (!types) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
-    int status = kr_load_layer_types(m, path, "01", 0, types, err);
-    for (int32_t i = 0; !status && i < h->n_layers; i++) {
-        layers[i].attn.sliding = types[i];
-        h->n_sliding_layers += types[i];
-    }
+    int status = kr_load_sliding_layers(m, path, types, err);
+    for (int32_t i = 0; !status && i < m->info.n_layers; i++) layers[i].attn.sliding = types[i];
     free(types);
-    if (!status && h->n_sliding_layers && !h->sliding_window)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: %d sliding-window layers but sliding_window is 0", path,
-                       h->n_sliding_layers);
     return status;
 }
 

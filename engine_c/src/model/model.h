@@ -205,6 +205,9 @@ int kr_find_layer_list(kr_model *m, const char *path, const char *key, int32_t *
 // absent: `fallback` for every layer, or an error when fallback < 0.
 int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
                         kr_error *err);
+// layer_types of full (0) and sliding-window (1) layers into sliding (absent: all full), counted
+// into m->info.n_sliding_layers; an error when some slide but sliding_window is 0.
+int kr_load_sliding_layers(kr_model *m, const char *path, int32_t *sliding, kr_error *err);
 int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows, int64_t cols, kr_matrix *out,
                    kr_error *err);
 // Give the model file's pages holding [data, data + bytes) back (whole pages, so a neighbour's
