@@ -10,6 +10,7 @@ continue_final_message rule (render closed, then cut after the final message's c
 
 import json
 import pathlib
+import time
 
 import jinja2
 import jinja2.ext
@@ -37,6 +38,7 @@ def jinja_environment():
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = time.strftime  # transformers' global (gpt-oss's date), local time as krafla's
     return env
 
 
@@ -89,11 +91,12 @@ OFFICIAL = {
              "<|end|>\n<|endoftext|>"),
     "smollm3": ("HuggingFaceTB-SmolLM3-3B.jinja", {}, True, "<|im_end|>\n"),
     "smollm3-nothink": ("HuggingFaceTB-SmolLM3-3B.jinja", {"enable_thinking": False}, True, "<|im_end|>\n"),
+    "gpt-oss": ("openai-gpt-oss-20b.jinja", {}, True, "<|return|>"),
 }
 # Templates whose official form rewrites earlier turns when a new one comes (the reasoning of
 # earlier Qwen turns is dropped, Mistral moves the system message to the last user message):
 # their turn N+1 does not start with turn N's prompt.
-REWRITES_EARLIER_TURNS = ("qwen3.5", "qwen3.5-nothink", "qwen3", "qwen3-nothink", "mistral")
+REWRITES_EARLIER_TURNS = ("qwen3.5", "qwen3.5-nothink", "qwen3", "qwen3-nothink", "mistral", "gpt-oss")
 REPO_TEMPLATES = pathlib.Path(__file__).resolve().parent / "data" / "templates"
 
 
@@ -140,7 +143,7 @@ def hf_continue_final_message(closed, final):
 # Conversations
 
 MARKERS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|eot_id|>", "<start_of_turn>", "[INST]",
-           "<<SYS>>", "</s>", "<s>", "<|user|>", "<tool_response>"]
+           "<<SYS>>", "</s>", "<s>", "<|user|>", "<tool_response>", "<|start|>", "<|message|>", "<|channel|>"]
 pieces = st.one_of(
     st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=12),
     st.text(" \n\t", min_size=1, max_size=3),
@@ -494,3 +497,25 @@ class RealTokenizerTests:
             reply_tokens = tokenizer.encode(reply_text, add_bos=False)
             assert after_prompt[:len(reply_tokens)] == reply_tokens
             assert after_prompt[len(reply_tokens)] in stops
+
+
+class HarmonyTemplateTests:
+    def test_official_template_is_recognised(self):
+        """A model whose template is gpt-oss's official one gets the gpt-oss template at conversion
+        (its template calls strftime_now, which the probes then provide)."""
+        from krafla_twisted.chat import template_file
+
+        jinja = (REPO_TEMPLATES / "openai-gpt-oss-20b.jinja").read_text()
+        assert template_file.matching_templates(jinja) == ["gpt-oss"]
+
+    def test_written_out(self):
+        """gpt-oss, written out: the system message with today's date, the developer message
+        holding the conversation's system prompt, a user turn, the open assistant header."""
+        text = templates.get_template("gpt-oss").render_text(
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+        assert text == ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+                        f"Knowledge cutoff: 2024-06\nCurrent date: {time.strftime('%Y-%m-%d')}\n\n"
+                        "Reasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be "
+                        "included for every message.\nCalls to these tools must go to the commentary channel: "
+                        "'functions'.<|end|><|start|>developer<|message|># Instructions\n\nS<|end|>"
+                        "<|start|>user<|message|>U<|end|><|start|>assistant")

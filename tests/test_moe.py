@@ -1,7 +1,9 @@
-"""Issue 28: the mixture-of-experts architectures (qwen3moe, mixtral, olmoe) and the expert layer.
+"""Issue 28: the mixture-of-experts architectures (qwen3moe, mixtral, olmoe, gpt-oss) and the expert layer.
 
 - tests/data/tiny-moe-ARCH.mlb are tiny random transformers models (Qwen3MoeForCausalLM,
-  MixtralForCausalLM, OlmoeForCausalLM) converted at f32 from their Hugging Face folders, with
+  MixtralForCausalLM, OlmoeForCausalLM, GptOssForCausalLM: biases, attention sinks, a sliding
+  window of 24 on every other layer, YaRN, the clamped SwiGLU) converted at f32 from their Hugging
+  Face folders, with
   transformers' last-position logits for prompts of 1 to 300 tokens beside them (.npz, made by
   `python -m tests.reference.tiny_moe` in the reference environment): the engine must give the
   same argmax and a cosine >= 0.9999 after centring, without torch.
@@ -29,7 +31,7 @@ from tests.support.tiny_models import encode
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
 BUILD = pathlib.Path(os.environ.get("KRAFLA_BUILD", REPO / "build"))
-ARCHS = ("qwen3moe", "mixtral", "olmoe")
+ARCHS = ("qwen3moe", "mixtral", "olmoe", "gpt-oss")
 LENGTHS = (1, 7, 33, 120, 300)  # tests/reference/tiny_moe.py's
 
 
@@ -220,6 +222,51 @@ class RefusalTests:
         path = self._write(tmp_path / "bad.mlb", **changes)
         with pytest.raises(EngineError, match=message):
             Model(path)
+
+    @pytest.mark.parametrize("change, message", [
+        ("swiglu_limit", "swiglu_limit is missing"),
+        ("blk.1.attn_sinks.weight", r"blk.1.attn_sinks.weight\[2\] = nan, expected a finite logit"),
+        ("blk.0.ffn_up_exps.bias", "blk.0.ffn_up_exps.bias has shape"),
+        ("blk.0.attn_output.bias", "tensor blk.0.attn_output.bias"),
+    ])
+    def test_bad_gpt_oss_file(self, tmp_path, change, message):
+        """A gpt-oss file without its SwiGLU limit, with a NaN sink logit, a bias of the wrong shape
+        or a missing bias is refused at open, naming the key or tensor."""
+        container = formats.read(tiny_file("gpt-oss"))
+        if change in container.metadata:
+            del container.metadata[change]
+        elif change.endswith("sinks.weight"):
+            sinks = container.array(change).copy()
+            sinks[2] = np.nan
+            container.add(change, formats.F32, sinks.shape, sinks)
+        elif change.endswith("exps.bias"):
+            bias = container.array(change)[:, :-1].copy()
+            container.add(change, formats.F32, bias.shape, bias)
+        else:
+            del container.tensors[change]
+        formats.write(tmp_path / "bad.mlb", container)
+        with pytest.raises(EngineError, match=message):
+            Model(tmp_path / "bad.mlb")
+
+
+class GptOssFolderRefusalTests:
+    """What the folder converter cannot read of gpt-oss is refused naming it."""
+
+    def test_mxfp4_blocks_are_refused(self, tmp_path):
+        """A folder holding MXFP4 expert blocks (U8 `*_blocks`, as OpenAI's checkpoints) is refused
+        naming the tensor and pointing to a GGUF, not with a dtype error alone."""
+        from krafla_twisted.convert.gguf import ConvertError
+        from krafla_twisted.convert.hf import convert_hf
+
+        name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+        header = json.dumps({name: {"dtype": "U8", "shape": [2, 16], "data_offsets": [0, 32]}}).encode()
+        (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(32))
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "gpt_oss", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 2,
+            "num_experts_per_tok": 1, "sliding_window": 8, "vocab_size": 10}))
+        with pytest.raises(ConvertError, match=f"{name} holds MXFP4 blocks .* convert a GGUF"):
+            convert_hf(tmp_path, tmp_path / "out.mlb", None, "f32", progress=False)
 
 
 class MemoryTests:

@@ -286,3 +286,114 @@ class TestRealServer:
             assert choice["message"]["content"] is None and choice["message"]["reasoning_content"]
         finally:
             assert server.stop() in (0, -signal.SIGTERM), "\n".join(server.lines[-30:])
+
+
+class HarmonySplitTests:
+    """gpt-oss's replies (harmony channels, written with their control tokens) split into reasoning
+    and answer, its tool calls left for tools.HarmonyFormat."""
+
+    def test_analysis_is_reasoning_final_is_answer(self):
+        """The analysis channel's body is the reasoning, the final channel's the answer; a
+        commentary preamble without a recipient is answer too."""
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        reply = ("<|channel|>analysis<|message|>" + REASONING + "<|end|><|start|>assistant<|channel|>commentary"
+                 "<|message|>One moment. <|end|><|start|>assistant<|channel|>final<|message|>" + ANSWER)
+        assert split_harmony(reply) == (REASONING, "One moment. " + ANSWER)
+        assert split_harmony(ANSWER) == ("", ANSWER)
+
+    @given(arguments=st.dictionaries(st.sampled_from(["city", "n", "é"]), st.integers() | st.text(max_size=5),
+                                     max_size=3),
+           recipient_first=st.booleans())
+    def test_call_is_read_back(self, arguments, recipient_first):
+        """A call after the reasoning, the recipient before or after the channel (`<|constrain|>json`
+        as the model writes it, or the template's `json`), is the call and no content."""
+        from krafla_twisted.chat.templates import ToolCall, tool_json
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        header = ("assistant to=functions.get_weather<|channel|>commentary json" if recipient_first
+                  else "assistant<|channel|>commentary to=functions.get_weather <|constrain|>json")
+        reply = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>" + header + "<|message|>"
+                 + tool_json(arguments))
+        reasoning, answer = split_harmony(reply)
+        assert reasoning == "Need the weather."
+        assert tools.FORMATS["harmony"].parse(answer, []) == (None, [ToolCall("get_weather", arguments)])
+
+    def test_call_right_after_the_generation_prompt(self):
+        """A reply that is a call from its first token (as the required-call grammar makes it:
+        ` to=functions.f<|channel|>commentary json<|message|>...`) is that call."""
+        from krafla_twisted.chat.templates import HARMONY_GENERATION_PROMPT, ToolCall, harmony_tool_call_text
+        from krafla_twisted.generation.reasoning import split_harmony
+
+        call = ToolCall("f", {"x": 1})
+        reasoning, answer = split_harmony(harmony_tool_call_text(call)[len(HARMONY_GENERATION_PROMPT):])
+        assert reasoning == "" and tools.FORMATS["harmony"].parse(answer, []) == (None, [call])
+
+    @given(cuts=st.lists(st.integers(0, 200), max_size=8), call=st.booleans())
+    def test_streamed_pieces_add_up_to_the_whole(self, cuts, call):
+        """However a gpt-oss reply is cut into pieces (inside markers too), the streamed reasoning
+        and answer join to split_harmony's of the whole reply."""
+        from krafla_twisted.generation.reasoning import HarmonyStream, split_harmony
+
+        reply = HARMONY_CALL if call else HARMONY_REPLY
+        points = sorted(min(c, len(reply)) for c in cuts)
+        stream = HarmonyStream()
+        reasoning, answer = [], []
+        for piece in [reply[a:b] for a, b in zip([0] + points, points + [len(reply)])]:
+            r, a = stream.push(piece)
+            reasoning.append(r)
+            answer.append(a)
+        r, a = stream.finish()
+        assert ("".join(reasoning) + r, "".join(answer) + a) == split_harmony(reply)
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>" + REASONING + "<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>" + ANSWER)
+HARMONY_CALL = ("<|channel|>analysis<|message|>I should call it.<|end|><|start|>assistant<|channel|>commentary "
+                "to=functions.f <|constrain|>json<|message|>{\"x\": 1}")
+
+
+def harmony_pieces(text, size=7):
+    return tuple(text[i:i + size] for i in range(0, len(text), size))
+
+
+class HarmonyBackend(FakeBackend):
+    """The scripted backend with gpt-oss's harmony template: replies in channels."""
+
+    template = SimpleNamespace(thinking=True, reasoning_format="harmony")
+
+    def __init__(self, pieces=harmony_pieces(HARMONY_REPLY), **kwargs):
+        super().__init__(pieces=pieces, **kwargs)
+
+
+class TestHarmonyChatCompletions:
+    def test_whole_and_streamed(self):
+        """The analysis channel is reasoning_content, the final channel content, whole and streamed
+        (the reasoning's tokens: through the one completing its <|end|>)."""
+        harness = APIHarness(HarmonyBackend())
+        reply = json.loads(post(harness, "/v1/chat/completions", CHAT))
+        message = reply["choices"][0]["message"]
+        assert message["reasoning_content"] == REASONING and message["content"] == ANSWER
+        end = HARMONY_REPLY.index("<|end|>") + len("<|end|>")
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": -(-end // 7)}
+        events = sse_events(post(harness, "/v1/chat/completions", dict(CHAT, stream=True)))
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == REASONING
+        assert "".join(d.get("content", "") for d in deltas) == ANSWER
+
+    def test_tool_call(self):
+        """A commentary message to functions.f is a tool call, whole and streamed, with no content."""
+        backend = HarmonyBackend(pieces=harmony_pieces(HARMONY_CALL))
+        backend.tool_format = tools.FORMATS["harmony"]
+        harness = APIHarness(backend)
+        body = dict(CHAT, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])
+        choice = json.loads(post(harness, "/v1/chat/completions", body))["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["reasoning_content"] == "I should call it." and choice["message"]["content"] is None
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+        events = sse_events(post(harness, "/v1/chat/completions", dict(body, stream=True)))
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
+        assert not "".join(d.get("content") or "" for d in deltas)
+        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["f"]

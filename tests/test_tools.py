@@ -1,7 +1,7 @@
-"""Tool calls without a model: the qwen and llama3 renderings of tools, calls and tool results
-against the official Jinja templates (tests/data/templates: Qwen/Qwen2.5-7B-Instruct and
-Qwen/Qwen3.5-4B, Apache-2.0, and meta-llama/Llama-3.1-8B-Instruct, Llama 3.1 Community License, all
-from their Hugging Face repositories), the parsers against the renderings, the grammars against the parsers, and the
+"""Tool calls without a model: the qwen, llama3 and gpt-oss (harmony) renderings of tools, calls and
+tool results against the official Jinja templates (tests/data/templates: Qwen/Qwen2.5-7B-Instruct,
+Qwen/Qwen3.5-4B and openai/gpt-oss-20b, Apache-2.0, and meta-llama/Llama-3.1-8B-Instruct, Llama 3.1
+Community License, all from their Hugging Face repositories), the parsers against the renderings, the grammars against the parsers, and the
 streamed split of content and calls.
 """
 
@@ -65,6 +65,82 @@ class OfficialToolRenderingTests:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         text = templates.get_template(name).render_text([{"role": "user", "content": "hi"}], tools=[tool])
         assert templates.generic_tools_text([tool]) in text
+
+
+harmony_leaf = st.one_of(
+    st.just({"type": "string"}), st.just({"type": "string", "nullable": True}), st.just({"type": "number"}),
+    st.just({"type": "integer"}), st.just({"type": "boolean"}), st.just({"type": ["string", "number"]}),
+    st.lists(st.sampled_from(["c", "f", "k é"]), min_size=1, max_size=3, unique=True).map(
+        lambda values: {"type": "string", "enum": values}),
+    st.just({"type": "array"}), st.just({"type": "object"}))
+harmony_schemas = st.recursive(harmony_leaf, lambda inner: st.one_of(
+    inner.map(lambda items: {"type": "array", "items": items}),
+    st.dictionaries(st.sampled_from(["a", "b_c", "d"]), inner, min_size=1, max_size=3).flatmap(
+        lambda properties: st.lists(st.sampled_from(sorted(properties)), unique=True).map(
+            lambda required: {"type": "object", "properties": properties, "required": required}))), max_leaves=6)
+
+
+@st.composite
+def harmony_tools(draw):
+    """Tools as gpt-oss's template takes them: every tool and parameter described (the official
+    template fails on a missing description), parameters of every schema kind its type writer
+    handles, some with defaults."""
+    out = []
+    for name in draw(st.lists(st.sampled_from(["get_weather", "lookup", "now"]), unique=True, max_size=3)):
+        properties = {}
+        for parameter in draw(st.lists(st.sampled_from(["city", "units", "days", "opts"]), unique=True, max_size=3)):
+            spec = dict(draw(harmony_schemas), description=draw(st.sampled_from(["The city", "Which ones", "é"])))
+            if draw(st.booleans()):
+                spec["default"] = draw(st.integers(0, 9) | st.sampled_from(["c", None, True]))
+            properties[parameter] = spec
+        parameters = {"type": "object", "properties": properties,
+                      "required": draw(st.lists(st.sampled_from(sorted(properties) or ["x"]), unique=True))}
+        out.append({"type": "function", "function": {"name": name, "description": draw(st.sampled_from(
+            ["Get the weather", "Look it up"])), "parameters": parameters}})
+    return out
+
+
+@pytest.fixture(scope="module")
+def harmony_official():
+    return jinja_environment().from_string((TEMPLATES / "openai-gpt-oss-20b.jinja").read_text())
+
+
+class HarmonyToolRenderingTests:
+    """gpt-oss's tools, calls and results against its official template (tests/data/templates/
+    openai-gpt-oss-20b.jinja, Apache-2.0, from openai/gpt-oss-20b's chat_template.jinja)."""
+
+    @settings(max_examples=150, deadline=None)
+    @given(data=st.data())
+    def test_text_equals_jinja(self, harmony_official, data):
+        """The developer message's `functions` namespace (every schema kind), assistant calls (one
+        per message, as the template takes them; the analysis before a call), tool results as
+        JSON strings from functions.NAME: the official template's text."""
+        tool_list = data.draw(harmony_tools())
+        messages = data.draw(tool_conversations(tool_list, parallel=False))
+        if messages[0]["role"] != "system" and data.draw(st.booleans()):
+            messages.insert(0, {"role": data.draw(st.sampled_from(["system", "developer"])), "content": "Be brief."})
+        expected = harmony_official.render(messages=jinja_messages(messages), tools=tool_list or None,
+                                   add_generation_prompt=True)
+        assert templates.get_template("gpt-oss").render_text(messages, tools=tool_list or None) == expected
+
+    def test_required_call_grammar_has_no_think_block(self):
+        """gpt-oss's required-call grammar is the call alone, thinking template or not: its reasoning
+        is a channel, not a `</think>` block, and one call ends the reply."""
+        fmt = tools.FORMATS["harmony"]
+        tool_list = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert fmt.grammar(tool_list, thinking=True) == fmt.grammar(tool_list, parallel=False)
+        assert "</think>" not in fmt.grammar(tool_list, thinking=True)
+
+    def test_refusals_match_the_template(self):
+        """What the official template refuses, krafla refuses with a ChatError: a tool result with
+        no call before it, harmony channel tags in an assistant's content."""
+        template = templates.get_template("gpt-oss")
+        for messages in ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}],
+                         [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "<|channel|>final<|message|>x"},
+                          {"role": "user", "content": "and?"}]):
+            with pytest.raises(templates.ChatError):
+                template.render_text(messages)
 
 
 class ParseTests:
@@ -188,6 +264,9 @@ class GrammarTests:
             llguidance.LLMatcher.validate_grammar(matcher_grammar).startswith("WARNING")
         call = fmt.text(templates.ToolCall("f", arguments))
         other = fmt.text(templates.ToolCall("g", arguments))
+        if name == "harmony":  # a gpt-oss reply continues the generation prompt, `<|start|>assistant`
+            call = call[len(templates.HARMONY_GENERATION_PROMPT):]
+            other = other[len(templates.HARMONY_GENERATION_PROMPT):]
         assert _accepts(matcher_grammar, call)
         assert not _accepts(matcher_grammar, other)
 

@@ -88,7 +88,8 @@ class Backend:
         This must be called in the worker thread (a tokenizer's first grammar builds its vocabulary)."""
         if completion.requires_call:
             only = None if completion.tool_choice == "required" else completion.tool_choice
-            # Qwen3.5's generation prompt leaves the reply inside a think block: reasoning comes first.
+            # Qwen3.5's generation prompt leaves the reply inside a think block: reasoning comes first
+            # (gpt-oss's harmony format grammar has none: its reasoning is a channel).
             thinking = bool(getattr(self.template, "thinking", False))
             text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
                                             thinking=thinking)

@@ -18,7 +18,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted import __version__
 from krafla_twisted.chat.templates import tool_json
-from krafla_twisted.generation.reasoning import ReasoningStream, reasoning_token_count, split_reasoning
+from krafla_twisted.generation.reasoning import reasoning_close, reasoning_stream, reasoning_token_count, split_reply
 from krafla_twisted.generation.tools import ToolStream
 from krafla_twisted.api.errors import (
     APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError, ShuttingDown,
@@ -341,12 +341,13 @@ class Reply(QueuedReply):
         tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
         self.tool_format = tool_format if completion.tools and completion.tool_choice != "none" else None
         self.tool_stream = ToolStream(self.tool_format) if self.tool_format and completion.stream else None
-        # A thinking template's reply is REASONING</think>ANSWER: the answer is the content (tool calls
-        # are read from it), the reasoning goes to each API's own field (generation.reasoning).
+        # A thinking template's reply is REASONING</think>ANSWER (gpt-oss's: analysis and final
+        # channels): the answer is the content (tool calls are read from it), the reasoning goes to
+        # each API's own field (generation.reasoning).
         template = getattr(api.backend, "template", None) if self.chat else None
+        self.template = template
         self.thinking = getattr(template, "thinking", False)
-        self.think_opened = getattr(template, "opens_think", False)
-        self.reasoning_stream = ReasoningStream(self.think_opened) if self.thinking and completion.stream else None
+        self.reasoning_stream = reasoning_stream(template) if self.thinking and completion.stream else None
         self.reasoning_tokens = 0   # how many of the reply's tokens were reasoning, once it is done
 
     def start(self):
@@ -483,9 +484,10 @@ class Reply(QueuedReply):
             return
         text, reasoning = result.text, None
         if self.thinking:
-            reasoning, text = split_reasoning(result.text, self.think_opened)
+            reasoning, text = split_reply(self.template, result.text)
             if reasoning:
-                self.reasoning_tokens = reasoning_token_count(self.api.backend.token_pieces(result.tokens))
+                self.reasoning_tokens = reasoning_token_count(self.api.backend.token_pieces(result.tokens),
+                                                              reasoning_close(self.template))
             if self.reasoning_stream is not None:   # what the stream still holds goes out first
                 rest_reasoning, rest = self.reasoning_stream.finish()
                 if rest_reasoning:

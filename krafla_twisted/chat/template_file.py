@@ -16,6 +16,7 @@ The server and `krafla run` use `chat_template` when --chat is not given (and sa
 """
 
 import json
+import time
 
 from krafla_twisted.chat import templates
 from krafla_twisted.engine.container import TOKENIZER_MAGIC, ContainerFile
@@ -52,7 +53,8 @@ class TemplateFileError(ValueError):
 def _environment():
     """Jinja as Hugging Face's apply_chat_template sets it up (sandboxed, trim_blocks,
     lstrip_blocks, loop controls, tojson without HTML escaping, raise_exception). strftime_now is
-    left undefined, so templates that print today's date fall back to their fixed one."""
+    left undefined, so templates that print today's date fall back to their fixed one (a template
+    that needs it is probed again with it: matching_templates)."""
     import jinja2
     import jinja2.ext
     import jinja2.sandbox
@@ -70,6 +72,18 @@ def _environment():
     return env
 
 
+def _probe_renderings(compiled, bos_token, eos_token, **variables):
+    """The model's template's text of each probe, None where it refuses it."""
+    theirs = []
+    for messages in PROBES:
+        try:
+            theirs.append(compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
+                                          eos_token=eos_token, **variables))
+        except Exception:  # noqa: BLE001 - any failure of the model's template is a refusal of this probe
+            theirs.append(None)
+    return theirs
+
+
 def matching_templates(jinja_text, bos_token="", eos_token=""):
     """The names of the built-in templates that render exactly as `jinja_text` does every probe
     conversation the model's template accepts, at least two of them, and that refuse none of
@@ -81,13 +95,11 @@ def matching_templates(jinja_text, bos_token="", eos_token=""):
         compiled = _environment().from_string(jinja_text)
     except jinja2.exceptions.TemplateError as e:
         raise TemplateFileError(f"the model's chat template does not compile: {e}") from None
-    theirs = []
-    for messages in PROBES:
-        try:
-            theirs.append(compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
-                                          eos_token=eos_token))
-        except Exception:  # noqa: BLE001 - any failure of the model's template is a refusal of this probe
-            theirs.append(None)
+    theirs = _probe_renderings(compiled, bos_token, eos_token)
+    if all(text is None for text in theirs):
+        # a template that needs today's date (gpt-oss calls strftime_now unguarded): give it one,
+        # the local date as krafla's template writes it
+        theirs = _probe_renderings(compiled, bos_token, eos_token, strftime_now=time.strftime)
     if all(text is None for text in theirs):
         return []
     names = []

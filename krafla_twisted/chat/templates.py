@@ -15,13 +15,14 @@ are the exception: see Template.render.
 
 The text of a rendering equals what the model's official Jinja template gives (tested against
 jinja2 for llama3, qwen, smollm, gemma, qwen3.5, qwen3.5-nothink, qwen3, qwen3-nothink, mistral, phi3,
-smollm3 and smollm3-nothink), with
+smollm3, smollm3-nothink and gpt-oss), with
 `add_generation_prompt=True` when the conversation ends with a user or system message, and with
 Hugging Face's `continue_final_message` when it ends with an assistant message, which is then
 continued rather than closed.
 """
 
 import json
+import time
 from dataclasses import dataclass
 
 
@@ -882,6 +883,184 @@ class SmolLM3Template(ChatMLTemplate):
             self._think(out, "", after="\n")
 
 
+# ---------------------------------------------------------------------------------------------
+# gpt-oss: OpenAI's harmony format
+
+HARMONY_SYSTEM = ("You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
+                  "Current date: {date}\n\nReasoning: {effort}\n\n# Valid channels: analysis, commentary, final. "
+                  "Channel must be included for every message.\nCalls to these tools must go to the commentary "
+                  "channel: 'functions'.")
+# What the official template refuses inside an assistant message's content
+HARMONY_CHANNEL_TAGS = ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")
+
+
+def harmony_type(schema):
+    """A JSON schema as the TypeScript-like type gpt-oss's template writes (its
+    render_typescript_type), whitespace and all."""
+    kind = schema.get("type")
+    nullable = " | null" if schema.get("nullable") else ""
+    if kind == "array":
+        items = schema.get("items")
+        if not items:
+            return "any[]" + nullable
+        simple = {"string": "string[]", "number": "number[]", "integer": "number[]", "boolean": "boolean[]"}
+        if isinstance(items.get("type"), str) and items["type"] in simple:
+            return simple[items["type"]] + nullable
+        inner = harmony_type(items)
+        return ("any[]" if inner == "object | object" or len(inner) > 50 else inner + "[]") + nullable
+    if isinstance(kind, (list, tuple)) and kind:
+        return " | ".join(kind)
+    if schema.get("oneOf"):
+        variants = schema["oneOf"]
+        if len(variants) > 1 and any(v.get("type") == "object" for v in variants):
+            return "any"
+        parts = []
+        for index, variant in enumerate(variants):
+            part = harmony_type(variant)
+            if variant.get("description"):
+                part += "// " + variant["description"]
+            if "default" in variant:
+                part += " " * 20 + "// default: " + tool_json(variant["default"])
+            if index < len(variants) - 1:
+                part += " | \n"
+            parts.append(part)
+        return "".join(parts)
+    if kind == "string":
+        if schema.get("enum"):
+            return '"' + '" | "'.join(schema["enum"]) + '"'
+        return "string" + nullable
+    if kind in ("number", "integer"):
+        return "number"
+    if kind == "boolean":
+        return "boolean"
+    if kind == "object":
+        properties = schema.get("properties")
+        if not properties:
+            return "object"
+        required = schema.get("required") or []
+        fields = [name + ("" if name in required else "?") + ": \n" + " " * 16 + harmony_type(spec)
+                  for name, spec in properties.items()]
+        return "{\n" + ", ".join(fields) + "}"
+    return "any"
+
+
+def harmony_tools_text(tools):
+    """The tools as the `functions` namespace of gpt-oss's developer message. A tool or parameter
+    without a description gets no comment line (the official template fails on them)."""
+    lines = ["## functions\n\nnamespace functions {\n\n"]
+    for tool in tools:
+        function = tool["function"]
+        if function.get("description"):
+            lines.append("// " + function["description"] + "\n")
+        lines.append("type " + function["name"] + " = (")
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties")
+        if not properties:
+            lines.append("\n}) => any;\n")
+            continue
+        required = parameters.get("required") or []
+        fields = []
+        for name, spec in properties.items():
+            field = ("// " + spec["description"] + "\n") if spec.get("description") else ""
+            field += name + ("" if name in required else "?") + ": " + harmony_type(spec)
+            if "default" in spec:
+                field += ("// default: " + str(spec["default"]) if spec.get("oneOf")
+                          else ", // default: " + tool_json(spec["default"]))
+            fields.append(field)
+        lines.append("_: {\n" + ",\n".join(fields) + ",\n}) => any;\n")
+    lines.append("\n} // namespace functions")
+    return "".join(lines)
+
+
+HARMONY_GENERATION_PROMPT = "<|start|>assistant"
+
+
+def harmony_call_head(name):
+    """The header of gpt-oss's commentary message calling `name`, up to its body."""
+    return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>"
+
+
+def harmony_tool_call_text(call):
+    """One call as gpt-oss's template writes it: a commentary message to functions.NAME whose body
+    is the arguments' JSON (in the prompt it ends with <|end|>; the model ends it with <|call|>)."""
+    return harmony_call_head(call.name) + tool_json(call.arguments)
+
+
+class HarmonyTemplate(Template):
+    """gpt-oss's harmony format: `<|start|>ROLE<|message|>...<|end|>` messages. A system message
+    names the model, the date and the reasoning effort; the conversation's own system (or
+    developer) message and the tools go in a developer message; an assistant answers in the final
+    channel, thinks in the analysis channel (dropped from earlier turns, as the official template
+    drops it) and calls a tool in the commentary channel (`to=functions.NAME`, its arguments as
+    JSON), a call's result coming back as `functions.NAME to=assistant`. A reply ends at
+    `<|return|>` (its answer) or `<|call|>` (a call); `<|end|>` only ends one of its messages."""
+
+    name = "gpt-oss"
+    stop_markers = ("<|return|>", "<|call|>")
+    system_turn = False
+    tool_format = "harmony"
+    thinking = True
+    reasoning_format = "harmony"   # generation.reasoning: channels, not <think> blocks
+    reply_control_tokens = True    # the reply is decoded with its control tokens, which mark the channels
+    effort = "medium"
+
+    @staticmethod
+    def today():
+        """The system message's date (the official template's strftime_now("%Y-%m-%d"))."""
+        return time.strftime("%Y-%m-%d")
+
+    def _message(self, out, header, content, end="<|end|>", as_content=False):
+        out.special("<|start|>")
+        parts = header.split("<|channel|>")
+        out.text(parts[0])
+        for part in parts[1:]:
+            out.special("<|channel|>")
+            out.text(part)
+        out.special("<|message|>")
+        if as_content:
+            out.content(content)
+        else:
+            out.text(content)
+        if end:
+            out.special(end)
+
+    def _write(self, out, system_prompt, messages, continue_last, tools=()):
+        self._message(out, "system", HARMONY_SYSTEM.format(date=self.today(), effort=self.effort))
+        if system_prompt or tools:
+            developer = "# Instructions\n\n" + system_prompt if system_prompt else ""
+            if tools:
+                developer += "\n\n# Tools\n\n" + harmony_tools_text(tools)
+            self._message(out, "developer", developer)
+        last_call = None
+        for index, message in enumerate(messages):
+            where = f"messages[{index}]"
+            if message.role == "user":
+                self._message(out, "user", message.content)
+            elif message.role == "tool":
+                if last_call is None:
+                    raise ChatError(f"{where} is a tool result, but no assistant message before it calls a tool")
+                self._message(out, f"functions.{last_call} to=assistant<|channel|>commentary",
+                              tool_json(message.content))
+            elif message.role == "assistant":
+                if any(tag in message.content for tag in HARMONY_CHANNEL_TAGS):
+                    raise ChatError(f"{where}.content holds harmony channel tags; pass the reply's final text only")
+                if message.tool_calls:
+                    if message.content:
+                        self._message(out, "assistant<|channel|>analysis", message.content)
+                    for call in message.tool_calls:  # the official template writes the first one only
+                        self._message(out, f"assistant to=functions.{call.name}<|channel|>commentary json",
+                                      tool_json(call.arguments))
+                        last_call = call.name
+                elif continue_last and index == len(messages) - 1:
+                    self._message(out, "assistant<|channel|>final", message.content, end=None, as_content=True)
+                else:
+                    self._message(out, "assistant<|channel|>final", message.content, as_content=True)
+                    last_call = None
+        if not continue_last:  # HARMONY_GENERATION_PROMPT
+            out.special("<|start|>")
+            out.text("assistant")
+
+
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -901,6 +1080,7 @@ TEMPLATES = {
     "phi3": Phi3Template(),
     "smollm3": SmolLM3Template("smollm3", thinking=True),
     "smollm3-nothink": SmolLM3Template("smollm3-nothink", thinking=False),
+    "gpt-oss": HarmonyTemplate(),
 }
 
 TEMPLATE_NAMES = tuple(TEMPLATES)

@@ -10,8 +10,9 @@ dequantized (krafla_twisted/convert/quantize.py; gguf-py's dequantizers for the 
 and the matrices are quantized to that type. Vectors (norms, biases) are f32 either way. Tensor
 names stay GGUF's (Phi-3's fused attn_qkv and gate/up ffn_up are split into the llama names, by
 whole rows, so kept blocks split too). Supported architectures: llama (Llama 3.1's
-rope_freqs.weight kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3;
-anything else is refused with a message that says what is missing. The .mlt names the chat
+rope_freqs.weight kept; a Mistral GGUF is llama too), qwen2, qwen3, phi3, smollm3, gemma3, and
+the mixtures of experts of convert/moe.py (qwen3moe, olmoe, mixtral, gpt-oss: its YaRN written
+as rope_freqs.weight, convert/rope.py); anything else is refused with a message that says what is missing. The .mlt names the chat
 template the GGUF's own tokenizer.chat_template renders like (krafla_twisted/chat/template_file.py).
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from krafla_twisted.convert import quantize
+from krafla_twisted.convert import quantize, rope
 from krafla_twisted.engine import formats
 
 OUTPUT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q3_K", "iq4_nl", "iq4_xs", "mxfp4")  # what --type requantizes to
@@ -80,7 +81,13 @@ ARCHITECTURES = {
     "qwen3moe": Architecture("neox", "silu", _LLAMA_LAYER[:6]),
     "olmoe": Architecture("neox", "silu", _LLAMA_LAYER[:6]),
     "mixtral": Architecture("norm", "silu", _LLAMA_LAYER[:6]),
+    # llama.cpp names gpt-oss's norm before the experts post_attention_norm: krafla's ffn_norm
+    "gpt-oss": Architecture("neox", "silu", _LLAMA_LAYER[:5] + ("post_attention_norm.weight",)),
 }
+# gpt-oss in a GGUF: the SwiGLU constants and the layer pattern llama.cpp hard-codes rather than
+# stores (transformers' GptOssConfig defaults: sliding-window layers 0, 2, 4, ...).
+GPT_OSS_SLIDING_WINDOW_PATTERN = 2
+_GPT_OSS_RENAMED = {"post_attention_norm.weight": "ffn_norm.weight"}
 # SmolLM3 leaves q and k unrotated in every fourth layer; llama.cpp's GGUF does not store the
 # pattern (its loader hard-codes the period), transformers' config calls it no_rope_layer_interval.
 SMOLLM3_NO_ROPE_INTERVAL = 4
@@ -204,6 +211,9 @@ def hyperparameters(reader, path="<gguf>"):
 
     rope_scale = 1.0
     scaling = fields.get(p + "rope.scaling.type")
+    gpt_oss = arch_name == "gpt-oss"
+    if gpt_oss and scaling == "yarn":
+        scaling = None  # _yarn's: rope_freqs.weight and attn_scale
     if scaling not in (None, "none", "linear"):
         raise ConvertError(f"{path}: RoPE scaling {scaling!r} is not supported (linear, and llama3 through "
                            "rope_freqs.weight)")
@@ -249,6 +259,13 @@ def hyperparameters(reader, path="<gguf>"):
                 raise ConvertError(f"{path}: RoPE scaling together with a sliding window is not supported")
             metadata["sliding_window"] = fields.integer(p + "attention.sliding_window", "sliding window")
             metadata["layer_types"] = [1] * n_layers
+    elif gpt_oss:
+        metadata["sliding_window"] = fields.integer(p + "attention.sliding_window", "sliding window")
+        metadata["layer_types"] = _gemma3_layer_types(fields, p + "attention.sliding_window_pattern", n_layers,
+                                                      GPT_OSS_SLIDING_WINDOW_PATTERN)
+        yarn = _yarn(fields, p, metadata)
+        if yarn is not None:  # q and k each scaled by the attention factor: their scores by its square
+            metadata["attn_scale"] *= yarn[1] ** 2
     if arch_name == "smollm3":
         metadata["layer_rope"] = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(n_layers)]
     if moe_arch:
@@ -256,14 +273,34 @@ def hyperparameters(reader, path="<gguf>"):
     return metadata
 
 
-def _gemma3_layer_types(fields, key, n_layers):
-    """1 (sliding window) or 0 (full attention) per layer; the file's pattern wins if it has one."""
+def _yarn(fields, p, metadata):
+    """rope.yarn_rope's (divisors, attention factor) when the GGUF's rope.scaling.type is yarn, else
+    None. llama.cpp's GGUF has no `truncate`: gpt-oss was trained with the correction range's ends
+    left unrounded (its config's truncate false, OpenAI's reference), as taken here, where
+    llama.cpp's own runtime floors and ceils them."""
+    if fields.get(p + "rope.scaling.type") != "yarn":
+        return None
+    for key in ("yarn_ext_factor", "yarn_attn_factor"):
+        value = fields.get(p + "rope.scaling." + key)
+        if value is not None and float(value) != 1.0:
+            raise ConvertError(f"{fields.path}: metadata {p}rope.scaling.{key} is {value}; only 1 is supported")
+    return rope.yarn_rope(metadata["rope_theta"], metadata["rope_dims"],
+                          fields.real(p + "rope.scaling.factor", "YaRN factor"),
+                          fields.integer(p + "rope.scaling.original_context_length", "YaRN original context"),
+                          fields.real(p + "rope.scaling.yarn_beta_fast", "YaRN beta_fast", default=32.0),
+                          fields.real(p + "rope.scaling.yarn_beta_slow", "YaRN beta_slow", default=1.0),
+                          truncate=False)
+
+
+def _gemma3_layer_types(fields, key, n_layers, default_period=None):
+    """1 (sliding window) or 0 (full attention) per layer; the file's pattern wins if it has one
+    (gpt-oss uses the same rule with its own period)."""
     pattern = fields.get(key)
     if isinstance(pattern, list):  # one flag per layer, true = sliding window
         if len(pattern) != n_layers:
             raise ConvertError(f"{fields.path}: metadata {key} has {len(pattern)} entries for {n_layers} layers")
         return [1 if sliding else 0 for sliding in pattern]
-    period = GEMMA3_SLIDING_WINDOW_PATTERN if pattern is None else int(pattern)
+    period = (default_period or GEMMA3_SLIDING_WINDOW_PATTERN) if pattern is None else int(pattern)
     if period <= 0:
         raise ConvertError(f"{fields.path}: metadata {key} is {pattern!r}, expected a positive integer")
     return [0 if (i + 1) % period == 0 else 1 for i in range(n_layers)]
@@ -505,6 +542,7 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
         if metadata["sliding_window"]:
             raise ConvertError(f"{src}: {_ROPE_FREQS} together with a sliding window is not supported")
         expected[_ROPE_FREQS] = rope_freqs
+    yarn = _yarn(_Fields(reader, src), f"{metadata['arch']}.", metadata)
     unknown = [n for n in sources if n not in expected]
     if unknown:
         raise ConvertError(f"{src}: tensors krafla does not know for {metadata['arch']}: {', '.join(unknown[:8])}"
@@ -519,6 +557,8 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or model_base_name(out_mlb)
     model.metadata.update(metadata)
+    if yarn is not None:  # gpt-oss's YaRN, as the Hugging Face converter writes it
+        model.add(_ROPE_FREQS, formats.F32, yarn[0].shape, yarn[0])
 
     bar = None
     if progress:
@@ -535,6 +575,11 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
                 if name.endswith(("attn_qkv.weight", "ffn_up.weight")):
                     del outputs[name]
             outputs.update(_split_fused(metadata))
+        if metadata["arch"] == "gpt-oss":
+            for name in [n for n in outputs if n.startswith("blk.")]:
+                _, layer, suffix = name.split(".", 2)
+                if suffix in _GPT_OSS_RENAMED:
+                    outputs[f"blk.{layer}.{_GPT_OSS_RENAMED[suffix]}"] = outputs.pop(name)
         for tensor_name in sorted(outputs, key=_tensor_order):
             source_name, first_row, shape = outputs[tensor_name]
             tensor, source_shape = sources[source_name]

@@ -15,7 +15,9 @@ Conventions (Hugging Face -> .mlb):
 - Qwen3.5 DeltaNet: A_log becomes ssm_a = -exp(A_log); dt_bias becomes ssm_dt.bias.
 - Phi-3's qkv_proj (q, k, v rows) and gate_up_proj (gate rows, then up) are split by rows.
 - Llama 3.1's rope_type llama3 becomes the tensor rope_freqs.weight (one divisor per pair, as
-  llama.cpp writes it); SmolLM3's no_rope_layers becomes layer_rope.
+  llama.cpp writes it), and so does gpt-oss's yarn (convert/rope.py; its attention factor squared
+  folded into attn_scale); SmolLM3's no_rope_layers becomes layer_rope.
+- The mixtures of experts (qwen3_moe, mixtral, olmoe, gpt_oss) are moe.py's.
 - The model's own chat template (tokenizer_config.json, chat_template.jinja) is named in the .mlt
   (krafla_twisted/chat/template_file.py).
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from krafla_twisted.convert import gguf as gguf_convert
-from krafla_twisted.convert import moe
+from krafla_twisted.convert import moe, rope
 from krafla_twisted.convert.gguf import OUTPUT_TYPES, ConvertError
 from krafla_twisted.engine import formats
 
@@ -73,6 +75,9 @@ class SafetensorsFile:
             dtype, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ConvertError(f"{self.path}: tensor {name}: malformed header entry") from None
+        if dtype == "U8" and name.endswith(("_blocks", "_scales")):
+            raise ConvertError(f"{self.path}: tensor {name} holds MXFP4 blocks (gpt-oss's released experts), "
+                               "which the folder converter does not read; convert a GGUF of the model instead")
         if dtype not in _DTYPES:
             raise ConvertError(f"{self.path}: tensor {name} has dtype {dtype}; krafla reads "
                                f"{', '.join(_DTYPES)}")
@@ -186,15 +191,18 @@ _ROPE_REFUSALS = {
 }
 
 
-def _rope(config, layer_type=None, default_theta=10000.0, path="<config>"):
+def _rope(config, layer_type=None, default_theta=10000.0, path="<config>", yarn=False):
     """(theta, linear factor, partial rotary factor, llama3 parameters or None) from
     rope_parameters or the older flat keys (rope_theta, rope_scaling); a key the config leaves out
-    takes transformers' default."""
+    takes transformers' default. With `yarn` (gpt-oss), rope_type yarn is taken: its parameters
+    are read by _yarn."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if layer_type and layer_type in params:
         params = params[layer_type]
     theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
+    if yarn and kind == "yarn":
+        return float(theta), 1.0, float(params.get("partial_rotary_factor", 1.0)), None
     if kind in _ROPE_REFUSALS:
         raise ConvertError(f"{path}: RoPE type {kind!r}: {_ROPE_REFUSALS[kind]}")
     if kind not in ("default", "linear", "llama3"):
@@ -242,6 +250,8 @@ def hyperparameters(config, path="<config>"):
     if arch in ("mistral", "phi3") and not layer_names:
         # transformers' Mistral and Phi-3 slide every layer's window when the config sets one
         layer_names = ["sliding_attention" if text.get("sliding_window") else "full_attention"] * n_layers
+    if arch == "gpt-oss" and not layer_names:  # GptOssConfig's default: sliding, full, sliding, ...
+        layer_names = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
     layer_names = layer_names or ["full_attention"] * n_layers
     if len(layer_names) != n_layers:
         raise ConvertError(f"{path}: layer_types has {len(layer_names)} entries for {n_layers} layers")
@@ -252,7 +262,9 @@ def hyperparameters(config, path="<config>"):
     window = int(text.get("sliding_window") or 0) if sliding else 0
     if sliding and window < 1:
         raise ConvertError(f"{path}: sliding-window layers but sliding_window is {text.get('sliding_window')!r}")
-    theta, factor, partial, llama3 = _rope(text, "full_attention" if gemma else None, 1e6 if gemma else 10000.0, path)
+    gpt_oss = arch == "gpt-oss"
+    theta, factor, partial, llama3 = _rope(text, "full_attention" if gemma else None,
+                                           1e6 if gemma else 150000.0 if gpt_oss else 10000.0, path, yarn=gpt_oss)
     if sliding and not gemma and (factor != 1.0 or llama3):
         raise ConvertError(f"{path}: RoPE scaling together with sliding-window layers is supported for gemma3 only")
     theta_local = theta
@@ -267,8 +279,12 @@ def hyperparameters(config, path="<config>"):
     activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
     if activation is None:
         raise ConvertError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
-    if text.get("attention_bias") and arch != "qwen2":
-        raise ConvertError(f"{path}: attention biases are only supported for qwen2")
+    if text.get("attention_bias") and arch not in ("qwen2", "gpt-oss"):
+        raise ConvertError(f"{path}: attention biases are only supported for qwen2 and gpt-oss")
+    attn_scale = float(text.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim ** -0.5
+    yarn = _yarn(text, theta, rope_dims, path) if gpt_oss else None
+    if yarn is not None:  # q and k each scaled by the attention factor: their scores by its square
+        attn_scale *= yarn[1] ** 2
     metadata = {
         "arch": arch,
         "dim": dim,
@@ -286,7 +302,7 @@ def hyperparameters(config, path="<config>"):
         "rope_dims": rope_dims,
         "activation": activation,
         "embedding_scale": math.sqrt(dim) if gemma else 1.0,
-        "attn_scale": float(text.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim ** -0.5,
+        "attn_scale": attn_scale,
         "sliding_window": window,
         "layer_types": [codes[name] for name in layer_names],
         "attn_softcap": 0.0,  # transformers' Gemma 3 does not apply attn_logit_softcapping
@@ -535,9 +551,28 @@ def _chat_template(folder):
     return config_path, template
 
 
+def _yarn(text, theta, rope_dims, path):
+    """yarn_rope's (divisors, attention factor) for a config whose rope_type is yarn, else None."""
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ConvertError(f"{path}: YaRN RoPE without original_max_position_embeddings")
+    factor = params.get("factor") or float(text.get("max_position_embeddings", 0)) / float(original)
+    if not factor or float(factor) < 1:
+        raise ConvertError(f"{path}: YaRN RoPE factor {factor!r} is not a number of at least 1")
+    return rope.yarn_rope(theta, rope_dims, float(factor), float(original), float(params.get("beta_fast") or 32),
+                     float(params.get("beta_slow") or 1), bool(params.get("truncate", True)),
+                     params.get("attention_factor"), params.get("mscale"), params.get("mscale_all_dim"))
+
+
 def _rope_freq_factors(text, metadata, path):
-    """Llama 3.1's per-pair RoPE divisors (float32, rope_dims / 2) when config.json asks for
-    rope_type llama3, else None."""
+    """The per-pair RoPE divisors (float32, rope_dims / 2) when config.json asks for rope_type
+    llama3 (Llama 3.1) or, for gpt-oss, yarn; else None."""
+    if metadata["arch"] == "gpt-oss":
+        yarn = _yarn(text, metadata["rope_theta"], metadata["rope_dims"], path)
+        return None if yarn is None else yarn[0]
     *_, llama3 = _rope(text, None, 10000.0, path)
     if llama3 is None:
         return None
@@ -604,6 +639,11 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
             hf_name, fused = mapped[krafla_name], None
             shape = expected[krafla_name]
             tensor_type = _output_type(krafla_name, shape, type_name, tied)
+            if isinstance(hf_name, moe.Columns):  # gpt-oss's interleaved gate/up biases
+                model.add(krafla_name, tensor_type, shape, moe.convert_columns(where, hf_name, krafla_name, shape, src))
+                if bar is not None:
+                    bar.update(1)
+                continue
             if isinstance(hf_name, moe.Stack):  # experts, one tensor each or fused: merged
                 model.add(krafla_name, tensor_type, shape,
                           moe.convert_stack(where, hf_name, krafla_name, shape, tensor_type, gguf_convert._encode, src))

@@ -639,7 +639,10 @@ class Generation:
     def _prompt_done(self):
         self.prompt_seconds = time.perf_counter() - self.started
         self.started = time.perf_counter()
-        self.decoder = self.runtime.tokenizer.streaming_decoder()
+        # gpt-oss's replies are read by their control tokens (<|channel|>, <|message|>, ...): its
+        # template asks for them in the text
+        control = getattr(getattr(self.runtime, "template", None), "reply_control_tokens", False)
+        self.decoder = self.runtime.tokenizer.streaming_decoder(special=control)
         self.stops = StopStringFilter(self.stop_strings)
         self.sampler = Sampler(self.sampling, self.runtime.model.n_vocab)
         if self.runtime.speculation is not None:

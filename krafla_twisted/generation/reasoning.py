@@ -19,6 +19,8 @@ tools.ToolStream holds back a partial trigger; `split_reasoning` is the same str
 text, so a streamed reply always adds up to the whole one.
 """
 
+import re
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -92,14 +94,136 @@ def split_reasoning(text, opened=True):
     return reasoning + rest_reasoning, answer + rest_answer
 
 
-def reasoning_token_count(pieces):
+def reasoning_token_count(pieces, close=CLOSE):
     """How many of a reply's tokens belong to its reasoning, for a reply that has some (as
-    split_reasoning found it): those up to and including the token that completes `</think>`, or
-    all of them when the block never closes. `pieces` are the tokens' bytes, in order."""
-    close = CLOSE.encode("utf-8")
+    split_reasoning found it): those up to and including the token that completes `close`
+    (`</think>`), or all of them when the block never closes. `pieces` are the tokens' bytes, in order."""
+    close = close.encode("utf-8")
     seen, count = b"", 0
     for piece in pieces:
         seen, count = seen + piece, count + 1
         if close in seen[-(len(piece) + len(close) - 1):]:
             break
     return count
+
+
+
+# --- gpt-oss (harmony)
+#
+# A reply is messages `[<|start|>]HEADER<|message|>BODY<|end|>`, HEADER `assistant<|channel|>CHANNEL`
+# with maybe a recipient `to=...` and a content type; the reply's last message ends at a stop marker
+# (<|return|>, <|call|>), which is not in the text. Its text comes with these control tokens
+# (generation decodes them for a template with `reply_control_tokens`).
+
+HARMONY_START, HARMONY_MESSAGE, HARMONY_END = "<|start|>", "<|message|>", "<|end|>"
+# How the reply's first header may begin: a channel, or a recipient right after the generation
+# prompt `<|start|>assistant` (a call, as the required-call grammar writes it)
+_HEADER_STARTS = ("<|", " to=")
+_RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
+
+
+class HarmonyStream:
+    """A gpt-oss reply as it streams: `push(piece)` returns (reasoning, answer) as ReasoningStream
+    does. The analysis channel's bodies are the reasoning; the final channel's and a commentary
+    without a recipient (a preamble for the user) are the answer; a message to a recipient (a tool
+    call) goes to the answer whole once it ends, written as the template writes a call
+    (`<|start|>assistant to=RECIPIENT<|channel|>commentary json<|message|>BODY`), for
+    tools.HarmonyFormat. Headers and the markers between messages belong to neither. A reply that
+    does not start with a header is all answer."""
+
+    def __init__(self):
+        self.state = "header"   # then "body", then "between" (after <|end|>), then "header" again
+        self.kind = None        # the body's: "reasoning", "answer" or "call"
+        self.first = True       # the reply's first header, which may be no header at all
+        self.header = ""
+        self.held = ""
+        self.call = ""          # a call's body so far
+
+    def push(self, piece):
+        self.held += piece
+        reasoning, answer = [], []
+        while self.held:
+            text = self.held
+            if self.state == "between":
+                if text.startswith(HARMONY_START):
+                    self.state, self.held = "header", text[len(HARMONY_START):]
+                    continue
+                if HARMONY_START.startswith(text):
+                    break
+                self.state = "header"
+                continue
+            if self.state == "header":
+                found = text.find(HARMONY_MESSAGE)
+                if found < 0:
+                    if self.first and not any(text.startswith(s) or s.startswith(text) for s in _HEADER_STARTS):
+                        self.state, self.kind, self.header = "body", "answer", ""  # no header: plain text
+                        self.first = False
+                        continue
+                    break
+                self.first = False
+                self.header, self.held = text[:found], text[found + len(HARMONY_MESSAGE):]
+                channel = self.header.partition("<|channel|>")[2].split(" ")[0].split("<|")[0].strip()
+                self.kind = ("call" if _RECIPIENT.search(self.header) else
+                             "reasoning" if channel == "analysis" else "answer")
+                self.state, self.call = "body", ""
+                continue
+            found = text.find(HARMONY_END)
+            end = found if found >= 0 else len(text) - _partial_tail(text, HARMONY_END)
+            body = text[:end]
+            if self.kind == "reasoning":
+                reasoning.append(body)
+            elif self.kind == "answer":
+                answer.append(body)
+            else:
+                self.call += body
+            if found < 0:
+                self.held = text[end:]
+                break
+            self.held = text[found + len(HARMONY_END):]
+            self.state = "between"
+            if self.kind == "call":
+                answer.append(self._call_text())
+        return "".join(reasoning), "".join(answer)
+
+    def _call_text(self):
+        recipient = _RECIPIENT.search(self.header).group(1)
+        return f"{HARMONY_START}assistant to={recipient}<|channel|>commentary json{HARMONY_MESSAGE}{self.call}"
+
+    def finish(self):
+        """(reasoning, answer) held back at the end: the rest of the last body (a call whole)."""
+        rest, self.held = self.held, ""
+        if self.state != "body":
+            return "", ""
+        if self.kind == "call":
+            self.call += rest
+            return "", self._call_text()
+        return (rest, "") if self.kind == "reasoning" else ("", rest)
+
+
+def split_harmony(text):
+    """(reasoning, answer) of a whole gpt-oss reply, exactly as HarmonyStream streams them."""
+    stream = HarmonyStream()
+    reasoning, answer = stream.push(text)
+    rest_reasoning, rest_answer = stream.finish()
+    return reasoning + rest_reasoning, answer + rest_answer
+
+
+def reasoning_stream(template):
+    """The stream that splits a reply of `template` (a thinking one)."""
+    if getattr(template, "reasoning_format", None) == "harmony":
+        return HarmonyStream()
+    return ReasoningStream(getattr(template, "opens_think", False))
+
+
+def split_reply(template, text):
+    """(reasoning, answer) of a whole reply of the thinking `template`."""
+    stream = reasoning_stream(template)
+    reasoning, answer = stream.push(text)
+    rest_reasoning, rest_answer = stream.finish()
+    return reasoning + rest_reasoning, answer + rest_answer
+
+
+def reasoning_close(template):
+    """What ends a reply's reasoning for reasoning_token_count: `</think>`, or gpt-oss's <|end|>
+    (its analysis message comes first)."""
+    return HARMONY_END if getattr(template, "reasoning_format", None) == "harmony" else CLOSE

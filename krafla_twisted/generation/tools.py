@@ -2,7 +2,8 @@
 that makes a model write one when the request requires it.
 
     fmt = tools.FORMATS[template.tool_format or "generic"]   # "qwen" (Qwen2.5), "llama3" (Llama 3.1),
-                                                             # "qwen3.5"; "generic": no native format
+                                                             # "qwen3.5", "harmony" (gpt-oss);
+                                                             # "generic": no native format
     grammar = fmt.grammar(request_tools, only="get_weather", parallel=False)   # Lark text for llguidance
     content, calls = fmt.parse(reply_text, request_tools)   # calls: [chat.ToolCall], content: str or None
 
@@ -14,7 +15,8 @@ reply into content that can be sent at once and a held-back rest that may be a c
 import json
 import re
 
-from krafla_twisted.chat.templates import (ToolCall, generic_tool_call_text, llama3_tool_call_text,
+from krafla_twisted.chat.templates import (HARMONY_GENERATION_PROMPT, ToolCall, generic_tool_call_text,
+                                           harmony_call_head, harmony_tool_call_text, llama3_tool_call_text,
                                            qwen35_tool_call_text, qwen_tool_call_text, tool_json)
 from krafla_twisted.generation.grammar import json_rule
 
@@ -312,7 +314,44 @@ class GenericFormat(ToolFormat):
     text = staticmethod(generic_tool_call_text)
 
 
-FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format(), "qwen3.5": Qwen35Format(), "generic": GenericFormat()}
+class HarmonyFormat(ToolFormat):
+    """gpt-oss's harmony: a call is a commentary message to `functions.NAME` whose body is the
+    arguments' JSON, `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}`
+    as the template writes it; the model may put the recipient after the channel and mark the body
+    `<|constrain|>json`, and ends the message with `<|call|>` (a stop marker) or `<|end|>`. One call
+    per reply: the reply stops at it."""
+
+    name = "harmony"
+    parallel = False
+    trigger = "<|start|>assistant to=functions."
+    _call = re.compile(r"(?:<\|start\|>assistant)?(?:<\|channel\|>commentary)?\s*to=functions\.([^\s<]+)\s*"
+                       r"(?:<\|channel\|>commentary)?\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>(.*?)"
+                       r"(?:<\|end\|>|<\|call\|>|\Z)", re.DOTALL)
+
+    def grammar(self, tools, only=None, parallel=True, thinking=False):
+        """The required call as the whole reply: no analysis first (gpt-oss's reasoning is a channel
+        of its own, which a required call skips), so `thinking` changes nothing."""
+        return super().grammar(tools, only=only, parallel=False)
+
+    def _call_rule(self, index, tool, rules):
+        # the reply continues the generation prompt `<|start|>assistant`: the call's header from there
+        rules.append(f"args{index}: {json_rule(parameters_schema(tool))}")
+        head = harmony_call_head(tool_name(tool))[len(HARMONY_GENERATION_PROMPT):]
+        return f"{_literal(head)} args{index}"
+
+    @staticmethod
+    def _read(match, tools=()):
+        try:
+            arguments = _arguments(json.loads(match.group(2)))
+        except ValueError:
+            return None
+        return None if arguments is None else ToolCall(match.group(1), arguments)
+
+    text = staticmethod(harmony_tool_call_text)
+
+
+FORMATS = {"qwen": QwenFormat(), "llama3": Llama3Format(), "qwen3.5": Qwen35Format(), "harmony": HarmonyFormat(),
+           "generic": GenericFormat()}
 
 
 class ToolStream:

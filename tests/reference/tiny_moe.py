@@ -1,8 +1,12 @@
-"""Tiny random mixture-of-experts models (Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM).
+"""Tiny random mixture-of-experts models (Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
+GptOssForCausalLM).
 
 `write_tiny_moe(folder, arch, seed=..., **config)` saves a transformers model with a few experts
 (weights drawn at unit-preserving scales, as tests/reference/tiny_hf.py does, the router larger
-so that choices are clear-cut rather than near-ties) with save_pretrained. Run as a script,
+so that choices are clear-cut rather than near-ties) with save_pretrained. The gpt-oss model keeps
+its own config's features within reach of 300-token prompts: a sliding window of 24, YaRN from an
+original context of 128 (its ramp falls inside the 8 rotated pairs), and a SwiGLU limit of 1.5 so
+the clamps engage. Run as a script,
 `python -m tests.reference.tiny_moe`, it regenerates the main suite's files in tests/data: for each
 architecture `tiny-moe-ARCH.mlb` (f32, converted by krafla_twisted.convert.hf) and
 `tiny-moe-ARCH.npz`, transformers' last-position logits for the prompts tests/test_moe.py checks.
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from krafla_twisted.convert.hf import convert_hf
 
@@ -33,7 +37,15 @@ CONFIGS = {
                                 rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, bos_token_id=0,
                                 eos_token_id=1,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gpt-oss": (GptOssConfig, dict(num_local_experts=6, intermediate_size=40, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=False, sliding_window=24, swiglu_limit=1.5,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False})),
 }
+# gpt-oss keeps its experts transposed, (experts, input features, outputs): the fan-in is the middle axis
+TRANSPOSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 # The prompt lengths tests/test_moe.py compares (1 to 300 tokens).
 LENGTHS = (1, 7, 33, 120, 300)
 ROUTER_SCALE = 3.0
@@ -59,9 +71,11 @@ def write_tiny_moe(folder, arch, *, seed, **config):
             noise = torch.randn(parameter.shape, generator=generator)
             if name.endswith("norm.weight"):
                 parameter.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("gate.weight"):  # the router
+            elif name.endswith(("gate.weight", "router.weight")):  # the router
                 parameter.copy_(ROUTER_SCALE * noise / math.sqrt(parameter.shape[-1]))
-            else:
+            elif name.endswith(TRANSPOSED_EXPERTS) and arch == "gpt-oss":
+                parameter.copy_(noise / math.sqrt(parameter.shape[-2]))
+            else:  # matrices, and gpt-oss's biases and sinks alike
                 parameter.copy_(noise / math.sqrt(parameter.shape[-1]))
     model.eval()
     Path(folder).mkdir(parents=True, exist_ok=True)

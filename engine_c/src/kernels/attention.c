@@ -33,8 +33,8 @@ void kr_attend_scores(int32_t type, const void *keys, size_t row_stride, int64_t
     KR_ATTEND(kr_attend_scores)(type, keys, row_stride, n, queries, n_queries, end, out, out_stride);
 }
 
-void kr_attention_softmax(float *x, int64_t n, float scale, float softcap) {
-    KR_ATTEND(kr_attention_softmax)(x, n, scale, softcap);
+void kr_attention_softmax(float *x, int64_t n, float scale, float softcap, float sink) {
+    KR_ATTEND(kr_attention_softmax)(x, n, scale, softcap, sink);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -51,7 +51,15 @@ void kr_attend_scores_ref(int32_t type, const void *keys, size_t row_stride, int
         }
 }
 
-void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap) {
+// The sink's share of the denominator, exp(sink - max) (max raised to the sink first), or 0 when
+// there is none: the same scalar code in every build.
+static float sink_term(float sink, float *max) {
+    if (sink == -INFINITY) return 0.0f;
+    if (sink > *max) *max = sink;
+    return kr_exp_one_ref(sink - *max);
+}
+
+void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap, float sink) {
     float max = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
         float value = x[i] * scale;
@@ -59,7 +67,8 @@ void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap) {
         x[i] = value;
         if (value > max) max = value;
     }
-    const float inv_sum = 1.0f / kr_exp_shift_sum_f32_ref(x, n, max);
+    const float sink_share = sink_term(sink, &max);
+    const float inv_sum = 1.0f / (kr_exp_shift_sum_f32_ref(x, n, max) + sink_share);
     for (int64_t i = 0; i < n; i++) x[i] *= inv_sum;
 }
 
@@ -314,7 +323,7 @@ void kr_attend_scores_avx2(int32_t type, const void *keys, size_t row_stride, in
 
 // The reference's operations; max_ps(value, max) keeps max when value is NaN, as `value > max`
 // does (and between +0 and -0 either is the same shift: x - 0 is x).
-void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap) {
+void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap, float sink) {
     float max = -INFINITY;
     int64_t i = 0;
     if (softcap > 0) {
@@ -339,7 +348,8 @@ void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap) 
             if (x[i] > max) max = x[i];
         }
     }
-    const float inv_sum = 1.0f / kr_exp_shift_sum_f32_avx2(x, n, max);
+    const float sink_share = sink_term(sink, &max);
+    const float inv_sum = 1.0f / (kr_exp_shift_sum_f32_avx2(x, n, max) + sink_share);
     const __m256 factor = _mm256_set1_ps(inv_sum);
     for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), factor));
     for (; i < n; i++) x[i] *= inv_sum;
@@ -463,11 +473,11 @@ int kr_test_attention_softmax(int impl, float *x, int64_t n, float scale, float 
     if (n < 1 || !x) return kr_fail(err, KR_ERR_ARGUMENT, "softmax of %lld values: need at least one, and a buffer", (long long)n);
     if (!isfinite(scale) || !(softcap >= 0) || !isfinite(softcap))
         return kr_fail(err, KR_ERR_ARGUMENT, "scale %g must be finite and softcap %g finite and >= 0", scale, softcap);
-    void (*kernel)(float *, int64_t, float, float) = impl == KR_KERNEL_REFERENCE ? kr_attention_softmax_ref : kr_attention_softmax;
+    void (*kernel)(float *, int64_t, float, float, float) = impl == KR_KERNEL_REFERENCE ? kr_attention_softmax_ref : kr_attention_softmax;
 #if defined(KR_HAVE_AVX2)
     if (impl == KR_KERNEL_AVX2) kernel = kr_attention_softmax_avx2;
 #endif
-    kernel(x, n, scale, softcap);
+    kernel(x, n, scale, softcap, -INFINITY);
     kr_ok(err);
     return KR_OK;
 }

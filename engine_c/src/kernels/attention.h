@@ -39,9 +39,12 @@ void kr_attend_scores_avx2(int32_t type, const void *keys, size_t row_stride, in
                            int64_t n_queries, const int32_t *end, float *out, size_t out_stride);
 
 // One query's weights in place: x[i] = scale * x[i] (then softcap * tanh(x[i] / softcap) when
-// softcap > 0), x = exp(x - max x) / sum, the sum in kr_exp_shift_sum_f32's order.
-void kr_attention_softmax(float *x, int64_t n, float scale, float softcap);
-void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap);
-void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap);
+// softcap > 0), x = exp(x - max x) / sum, the sum in kr_exp_shift_sum_f32's order. A finite `sink`
+// (gpt-oss's learned logit per head) joins the softmax without a value: max takes it in and the sum
+// gains exp(sink - max), so the weights add up to less than 1; -INFINITY: no sink, the same bits as
+// without.
+void kr_attention_softmax(float *x, int64_t n, float scale, float softcap, float sink);
+void kr_attention_softmax_ref(float *x, int64_t n, float scale, float softcap, float sink);
+void kr_attention_softmax_avx2(float *x, int64_t n, float scale, float softcap, float sink);
 
 #endif

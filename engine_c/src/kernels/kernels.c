@@ -41,6 +41,9 @@ float kr_exp_shift_sum_f32(float *x, int64_t n, float shift) { return KR_KERNEL(
 int64_t kr_argmax_f32(const float *x, int64_t n) { return KR_KERNEL(kr_argmax_f32)(x, n); }
 void kr_silu_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_silu_mul_f32)(gate, up, n); }
 void kr_gelu_tanh_mul_f32(float *gate, const float *up, int64_t n) { KR_KERNEL(kr_gelu_tanh_mul_f32)(gate, up, n); }
+void kr_swiglu_oai_mul_f32(float *gate, const float *up, int64_t n, float alpha, float limit) {
+    kr_swiglu_oai_mul_f32_ref(gate, up, n, alpha, limit);  // gpt-oss's experts only: no vector version yet
+}
 void kr_dot_rows(int32_t type, const void *rows, size_t row_stride, int64_t n_rows, const float *x, int64_t n, float *out) {
     KR_KERNEL(kr_dot_rows)(type, rows, row_stride, n_rows, x, n, out);
 }

@@ -159,7 +159,12 @@ void kr_axpy_rows_avx2(int32_t type, const float *weights, const void *rows, siz
 //   kr_silu_mul_f32:      gate[i] = gate[i] / (1 + exp(-gate[i])) * up[i]
 //   kr_gelu_tanh_mul_f32: gate[i] = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up[i],
 //                         tanh(z) = 1 - 2 / (exp(2z) + 1)
+//   kr_swiglu_oai_mul_f32: gpt-oss's clamped SwiGLU, g = min(gate[i], limit), u = up[i] clamped to
+//                         [-limit, limit], gate[i] = g / (1 + exp(-alpha g)) * (u + 1); the scalar
+//                         reference in every build (NaN stays NaN)
 float kr_exp_one_ref(float x);  // one value (the AVX2 versions' scalar tails use it too)
+void kr_swiglu_oai_mul_f32(float *gate, const float *up, int64_t n, float alpha, float limit);
+void kr_swiglu_oai_mul_f32_ref(float *gate, const float *up, int64_t n, float alpha, float limit);
 void kr_exp_f32(const float *x, float *y, int64_t n);
 float kr_exp_shift_sum_f32(float *x, int64_t n, float shift);
 void kr_silu_mul_f32(float *gate, const float *up, int64_t n);

@@ -240,6 +240,14 @@ void kr_silu_mul_f32_ref(float *gate, const float *up, int64_t n) {
     for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + kr_exp_one_ref(-gate[i])) * up[i];
 }
 
+void kr_swiglu_oai_mul_f32_ref(float *gate, const float *up, int64_t n, float alpha, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i] > limit ? limit : gate[i];  // comparisons, not fminf: NaN stays NaN
+        const float u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+        gate[i] = g / (1.0f + kr_exp_one_ref(-alpha * g)) * (u + 1.0f);
+    }
+}
+
 #define KR_SQRT_2_OVER_PI 0.797884583f
 
 void kr_gelu_tanh_mul_f32_ref(float *gate, const float *up, int64_t n) {

@@ -259,7 +259,7 @@ static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
         const float *keys = s->k + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
         const float *values = s->v + (size_t)first * (size_t)m->q_dim + (size_t)head * (size_t)hd;
         kr_attend_scores(KR_F32, keys, row_stride, hd, queries, n, end_rows, scores, (size_t)span);
-        for (int32_t i = 0; i < n; i++) kr_attention_softmax(scores + (size_t)i * (size_t)span, span, m->info.attn_scale, 0);
+        for (int32_t i = 0; i < n; i++) kr_attention_softmax(scores + (size_t)i * (size_t)span, span, m->info.attn_scale, 0, -INFINITY);
         kr_attend_values(KR_F32, values, row_stride, hd, scores, (size_t)span, begin_rows, end_rows, n, out);
     }
 }

@@ -52,16 +52,10 @@ static int llama_open(kr_model *m, const char *path, kr_error *err) {
         free(types);
         return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
     }
-    status = kr_load_layer_types(m, path, "01", 0, types, err);
-    for (int32_t i = 0; !status && i < h->n_layers; i++) {
-        layers[i].attn.sliding = types[i];
-        h->n_sliding_layers += types[i];
-    }
+    status = kr_load_sliding_layers(m, path, types, err);
+    for (int32_t i = 0; !status && i < h->n_layers; i++) layers[i].attn.sliding = types[i];
     free(types);
     if (status) return status;
-    if (h->n_sliding_layers && !h->sliding_window)
-        return kr_fail(err, KR_ERR_FORMAT, "%s: %d sliding-window layers but sliding_window is 0", path,
-                       h->n_sliding_layers);
     char name[96];
     for (int32_t i = 0; i < h->n_layers; i++) {
         llama_layer *l = &layers[i];

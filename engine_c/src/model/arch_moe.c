@@ -1,11 +1,16 @@
 // arch_moe.c: the mixture-of-experts transformers (owner: moe): qwen3moe (Qwen3-30B-A3B: q/k head
-// norms, renormalised top-k weights), mixtral (llama's attention, renormalised top-k weights) and
-// olmoe (q/k norms over the whole projection, top-k weights as the softmax gave them). Every layer is
+// norms, renormalised top-k weights), mixtral (llama's attention, renormalised top-k weights), olmoe
+// (q/k norms over the whole projection, top-k weights as the softmax gave them) and gpt-oss
+// (biases on q/k/v/o, the router and the experts; a learned sink logit per head; sliding-window
+// layers by layer_types; the clamped SwiGLU; the top-k's softmax). Every layer is
 //   x += attention(norm(x));  x += experts(norm(x))
 // with layers.c's attention and experts.c's expert layer in place of the MLP. Extra metadata:
-// n_experts, n_experts_used, expert_weights_norm (docs/formats.md).
+// n_experts, n_experts_used, expert_weights_norm, and gpt-oss's swiglu_alpha, swiglu_limit
+// (docs/formats.md). gpt-oss's YaRN RoPE needs nothing here: the converter writes its frequencies
+// as rope_freqs.weight and folds its attention factor into attn_scale.
 #include "model/experts.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +18,7 @@
 typedef struct {
     bool qk_norms;                    // attn_q_norm/attn_k_norm.weight, (head_dim,) per head (qwen3moe)
     bool qk_norms_whole;              // the same over the whole q and k projections (olmoe)
+    bool gpt_oss;                     // biases everywhere, attn_sinks.weight, the clamped SwiGLU
 } moe_variant;
 
 typedef struct {
@@ -26,6 +32,16 @@ typedef struct {
     moe_layer *layers;                // (n_layers,)
 } moe_model;
 
+// layer_types: 1 marks a sliding-window layer (gpt-oss's every other one); absent: none.
+static int sliding_layers(kr_model *m, const char *path, moe_layer *layers, kr_error *err) {
+    int32_t *types = calloc((size_t)m->info.n_layers, sizeof *types);
+    if (!types) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
+    int status = kr_load_sliding_layers(m, path, types, err);
+    for (int32_t i = 0; !status && i < m->info.n_layers; i++) layers[i].attn.sliding = types[i];
+    free(types);
+    return status;
+}
+
 static int moe_open(kr_model *m, const char *path, kr_error *err) {
     kr_model_info *h = &m->info;
     const moe_variant *v = m->arch->variant;
@@ -36,19 +52,36 @@ static int moe_open(kr_model *m, const char *path, kr_error *err) {
     if (!model->layers) return kr_fail(err, KR_ERR_MEMORY, "out of memory opening %s", path);
     int32_t n_experts, n_used, normalize;
     int status;
+    float swiglu_alpha = 0, swiglu_limit = 0;
     if ((status = kr_load_int(m, path, "n_experts", true, 0, 1, KR_MAX_EXPERTS, &n_experts, err)) ||
         (status = kr_load_int(m, path, "n_experts_used", true, 0, 1, n_experts, &n_used, err)) ||
         (status = kr_load_int(m, path, "expert_weights_norm", true, 0, 0, 1, &normalize, err)))
         return status;
+    if (v->gpt_oss &&
+        ((status = kr_load_float(m, path, "swiglu_alpha", true, 0, 0, true, 1e6, &swiglu_alpha, err)) ||
+         (status = kr_load_float(m, path, "swiglu_limit", true, 0, 0, true, 1e6, &swiglu_limit, err))))
+        return status;
+    if ((status = sliding_layers(m, path, model->layers, err))) return status;
     char name[96];
     for (int32_t i = 0; i < h->n_layers; i++) {
         moe_layer *l = &model->layers[i];
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", i, suffix), name)
         if ((status = kr_bind_f32(m, path, NAME("attn_norm.weight"), h->dim, 0, &l->attn_norm, err)) ||
-            (status = kr_bind_attention(m, path, i, m->q_dim, false, v->qk_norms, &l->attn, err)) ||
+            (status = kr_bind_attention(m, path, i, m->q_dim, v->gpt_oss, v->qk_norms, &l->attn, err)) ||
             (status = kr_bind_f32(m, path, NAME("ffn_norm.weight"), h->dim, 0, &l->ffn_norm, err)) ||
             (status = kr_bind_experts(m, path, i, n_experts, n_used, normalize, &l->experts, err)))
             return status;
+        if (v->gpt_oss) {
+            l->experts.swiglu_alpha = swiglu_alpha, l->experts.swiglu_limit = swiglu_limit;
+            if ((status = kr_bind_f32(m, path, NAME("attn_output.bias"), h->dim, 0, &l->attn.bo, err)) ||
+                (status = kr_bind_f32(m, path, NAME("attn_sinks.weight"), h->n_heads, 0, &l->attn.sinks, err)) ||
+                (status = kr_bind_expert_biases(m, path, i, &l->experts, err)))
+                return status;
+            for (int32_t head = 0; head < h->n_heads; head++)
+                if (!isfinite(l->attn.sinks[head]))
+                    return kr_fail(err, KR_ERR_FORMAT, "%s: %s[%d] = %g, expected a finite logit", path, name, head,
+                                   (double)l->attn.sinks[head]);
+        }
         if (v->qk_norms_whole) {
             l->attn.qk_norm_whole = 1;
             if ((status = kr_bind_f32(m, path, NAME("attn_q_norm.weight"), m->q_dim, 0, &l->attn.q_norm, err)) ||
@@ -133,3 +166,4 @@ static void moe_step(kr_model *m, kr_scratch *s, const kr_batch *b) {
 const kr_arch kr_arch_qwen3moe = MOE_FAMILY("qwen3moe", .qk_norms = true);
 const kr_arch kr_arch_mixtral = MOE_FAMILY("mixtral", 0);
 const kr_arch kr_arch_olmoe = MOE_FAMILY("olmoe", .qk_norms_whole = true);
+const kr_arch kr_arch_gpt_oss = MOE_FAMILY("gpt-oss", .gpt_oss = true);

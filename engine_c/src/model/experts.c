@@ -7,6 +7,7 @@
 //
 //   gather   slot rows of the prepared xb, in sorted order                     (split by slots)
 //   gate/up  per (expert, 64 rows): g = act(x Wg_e^T) * (x Wu_e^T) on its run  (split by items)
+//            (biases added to each product first, when the layer has them)
 //   prepare  g for the down matrices' type                                     (split by slots)
 //   down     per (expert, 64 rows): o = g Wd_e^T on its run                    (split by items)
 //   combine  proj_t = sum over r of weight_{t,r} * o_{t,r}, r = 0, 1, ...       (split by tokens)
@@ -72,6 +73,26 @@ int kr_bind_experts(kr_model *m, const char *path, int32_t layer, int32_t n_expe
         return status;
 #undef NAME
     return KR_OK;
+}
+
+int kr_bind_expert_biases(kr_model *m, const char *path, int32_t layer, kr_experts *e, kr_error *err) {
+    const kr_model_info *h = &m->info;
+    char name[96];
+    int status;
+#define NAME(suffix) (snprintf(name, sizeof name, "blk.%d.%s", layer, suffix), name)
+    if ((status = kr_bind_f32(m, path, NAME("ffn_gate_inp.bias"), e->n_experts, 0, &e->router_bias, err)) ||
+        (status = kr_bind_f32(m, path, NAME("ffn_gate_exps.bias"), e->n_experts, h->ffn_dim, &e->gate_bias, err)) ||
+        (status = kr_bind_f32(m, path, NAME("ffn_up_exps.bias"), e->n_experts, h->ffn_dim, &e->up_bias, err)) ||
+        (status = kr_bind_f32(m, path, NAME("ffn_down_exps.bias"), e->n_experts, h->dim, &e->down_bias, err)))
+        return status;
+#undef NAME
+    return KR_OK;
+}
+
+// rows[t * width + r] += bias[r] for r in [begin, end) of n rows.
+static void add_bias(float *rows, int64_t width, int32_t n, const float *bias, int64_t begin, int64_t end) {
+    for (int32_t t = 0; t < n; t++)
+        for (int64_t r = begin; r < end; r++) rows[(size_t)t * (size_t)width + (size_t)r] += bias[r];
 }
 
 void kr_experts_free(kr_experts *e) {
@@ -218,9 +239,12 @@ static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
                          gate, begin, end);
         kr_matrix_matmul(u, (const char *)x->inputs[u->type] + (size_t)slot * kr_activation_row_bytes(u->type, dim), n,
                          up, begin, end);
+        if (e->gate_bias) add_bias(gate, ffn, n, e->gate_bias + (size_t)expert * (size_t)ffn, begin, end);
+        if (e->up_bias) add_bias(up, ffn, n, e->up_bias + (size_t)expert * (size_t)ffn, begin, end);
         for (int32_t t = 0; t < n; t++) {
             float *gt = gate + (size_t)t * (size_t)ffn + begin, *ut = up + (size_t)t * (size_t)ffn + begin;
-            if (gelu) kr_gelu_tanh_mul_f32(gt, ut, end - begin);
+            if (e->swiglu_limit > 0) kr_swiglu_oai_mul_f32(gt, ut, end - begin, e->swiglu_alpha, e->swiglu_limit);
+            else if (gelu) kr_gelu_tanh_mul_f32(gt, ut, end - begin);
             else kr_silu_mul_f32(gt, ut, end - begin);
         }
     }
@@ -250,6 +274,8 @@ static void down_job(void *arg, int chunk, int n_chunks, int thread) {
         const kr_matrix *d = &e->down[expert];
         const char *hidden = (const char *)x->hidden_prepared[d->type] + (size_t)slot * kr_activation_row_bytes(d->type, ffn);
         kr_matrix_matmul(d, hidden, n, x->out + (size_t)slot * (size_t)dim, begin, end);
+        if (e->down_bias)
+            add_bias(x->out + (size_t)slot * (size_t)dim, dim, n, e->down_bias + (size_t)expert * (size_t)dim, begin, end);
     }
 }
 
@@ -293,7 +319,8 @@ void kr_experts_block(kr_model *m, kr_scratch *s, kr_experts_scratch *x, const k
     experts_job j = {.m = m, .s = s, .x = x, .e = e, .n_tokens = b->n, .n_slots = b->n * e->n_used};
     const kr_matrix *router[] = {&e->router};
     float *logits[] = {x->router_logits};
-    kr_matmuls(m, s, b->n, NULL, m->info.dim, 1, router, logits, NULL);
+    const float *router_bias[] = {e->router_bias};
+    kr_matmuls(m, s, b->n, NULL, m->info.dim, 1, router, logits, router_bias);
     kr_pool_run(pool, route_job, &j, kr_pool_chunks(pool, b->n));
     // Counting sort of the slots by expert; within an expert, in slot (token, rank) order.
     memset(x->first, 0, ((size_t)e->n_experts + 1) * sizeof(int32_t));

@@ -289,8 +289,8 @@ static int32_t first_visible(const kr_model *m, const kr_attention *l, int32_t p
     return l->sliding && pos >= window ? pos - window + 1 : 0;
 }
 
-// Queries [i0, i1) of one KV head (one sequence): att = softmax(scale * q K^T [softcap], window) V
-// [* sigmoid(gate)]. Scores and weights are indexed from `base`, the first position any of them
+// Queries [i0, i1) of one KV head (one sequence): att = softmax(scale * q K^T [softcap], window
+// [, the head's sink]) V [* sigmoid(gate)]. Scores and weights are indexed from `base`, the first position any of them
 // sees; positions a query does not see may be scored (for the queries it shares a tile with) but
 // are never used.
 static void attend_block(const job *j, int32_t kv_head, int64_t i0, int64_t i1, int thread) {
@@ -326,9 +326,11 @@ static void attend_block(const job *j, int32_t kv_head, int64_t i0, int64_t i1, 
     else  // kr_matmul's bits, fewer operations per score, and only up to each query's own position
         kr_attend_scores(kv->type, keys, kv->row_bytes, hd, (const float *)queries, n_queries, end, scores,
                          (size_t)span);
-    for (int64_t i = 0; i < n_queries; i++)
+    for (int64_t i = 0; i < n_queries; i++) {
+        float sink = l->sinks ? l->sinks[kv_head * group + (int32_t)((i0 + i) % group)] : -INFINITY;
         kr_attention_softmax(scores + (size_t)i * (size_t)span + begin[i], end[i] - begin[i], h->attn_scale,
-                             h->attn_softcap);
+                             h->attn_softcap, sink);
+    }
     const uint8_t *values = cache_head(m, kv, kv->v, l->cache_layer, kv_head) + (size_t)base * kv->row_bytes;
     kr_attend_values(kv->type, values, kv->row_bytes, hd, scores, (size_t)span, begin, end, n_queries, out);
     if (l->gated)
@@ -353,13 +355,13 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
     kr_pool *pool = m->pool;
     const kr_matrix *qkv[] = {&l->wq, &l->wk, &l->wv}, *wo[] = {&l->wo};
     float *qkv_out[] = {l->gated ? s->qg : s->q, s->k, s->v}, *wo_out[] = {s->proj};
-    const float *bias[] = {l->bq, l->bk, l->bv};
+    const float *bias[] = {l->bq, l->bk, l->bv}, *wo_bias[] = {l->bo};
     matmuls(m, s, b->n, NULL, m->info.dim, 3, qkv, qkv_out, bias, false);
     job j = {.m = m, .s = s, .b = b, .n = b->n, .attn = l};
     kr_pool_run(pool, rope_job, &j, kr_pool_chunks(pool, b->n));
     j.n_blocks = attention_plan(m, s, b);
     kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, m->info.n_kv_heads * j.n_blocks));
-    matmuls(m, s, b->n, s->att, m->q_dim, 1, wo, wo_out, NULL, false);
+    matmuls(m, s, b->n, s->att, m->q_dim, 1, wo, wo_out, wo_bias, false);
 }
 
 // --- Output head

@@ -81,6 +81,17 @@ int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int3
     return KR_OK;
 }
 
+int kr_load_sliding_layers(kr_model *m, const char *path, int32_t *sliding, kr_error *err) {
+    kr_model_info *h = &m->info;
+    int status = kr_load_layer_types(m, path, "01", 0, sliding, err);
+    if (status) return status;
+    for (int32_t i = 0; i < h->n_layers; i++) h->n_sliding_layers += sliding[i];
+    if (h->n_sliding_layers && !h->sliding_window)
+        return kr_fail(err, KR_ERR_FORMAT, "%s: %d sliding-window layers but sliding_window is 0", path,
+                       h->n_sliding_layers);
+    return KR_OK;
+}
+
 // --- Tensors
 
 // "(a, b)" or "(a,)", numpy style.

@@ -20,9 +20,9 @@
 static const kr_arch *const ARCHS[] = {&kr_arch_llama, &kr_arch_qwen2, &kr_arch_gemma3, &kr_arch_qwen3,
                                        &kr_arch_mistral, &kr_arch_phi3, &kr_arch_smollm3, &kr_arch_qwen35,
                                        &kr_arch_bert, &kr_arch_nomic_bert, &kr_arch_qwen3moe, &kr_arch_mixtral,
-                                       &kr_arch_olmoe};
+                                       &kr_arch_olmoe, &kr_arch_gpt_oss};
 #define ARCH_NAMES \
-    "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35, bert, nomic-bert, qwen3moe, mixtral, olmoe"
+    "llama, qwen2, gemma3, qwen3, mistral, phi3, smollm3, qwen35, bert, nomic-bert, qwen3moe, mixtral, olmoe, gpt-oss"
 
 // --- Metadata
 

@@ -40,7 +40,10 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
 // when `gated` (the output is then multiplied by sigmoid(gate)), else q alone.
 typedef struct {
     kr_matrix wq, wk, wv, wo;
-    const float *bq, *bk, *bv;        // biases (qwen2) or NULL
+    const float *bq, *bk, *bv;        // biases (qwen2, gpt-oss) or NULL
+    const float *bo;                  // (dim,) Wo's bias (gpt-oss) or NULL
+    const float *sinks;               // (n_heads,) each head's learned logit in its softmax's denominator
+                                      // (gpt-oss's attention sinks) or NULL
     const float *q_norm, *k_norm;     // (head_dim,) per-head RMSNorm or NULL
     int32_t qk_norm_whole;            // 1: q_norm, k_norm are (q_dim,), (kv_dim,) over the whole projection (olmoe)
     int32_t sliding;                  // 1: sliding-window layer (the model's sliding_window, local RoPE)
@@ -178,7 +181,7 @@ extern const kr_arch kr_arch_qwen3, kr_arch_mistral, kr_arch_phi3, kr_arch_smoll
 // issue 27: BERT-family encoders and cross-encoders, and nomic-bert (RoPE, SwiGLU) (arch_bert.c)
 extern const kr_arch kr_arch_bert, kr_arch_nomic_bert;
 // issue 28: the mixtures of experts (arch_moe.c, experts.c)
-extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe;
+extern const kr_arch kr_arch_qwen3moe, kr_arch_mixtral, kr_arch_olmoe, kr_arch_gpt_oss;
 
 // --- Sequences and scratch (session.c), for a step over several sequences
 
@@ -203,6 +206,9 @@ int kr_find_layer_list(kr_model *m, const char *path, const char *key, int32_t *
 // absent: `fallback` for every layer, or an error when fallback < 0.
 int kr_load_layer_types(kr_model *m, const char *path, const char *allowed, int32_t fallback, int32_t *types,
                         kr_error *err);
+// layer_types of full (0) and sliding-window (1) layers into sliding (absent: all full), counted
+// into m->info.n_sliding_layers; an error when some slide but sliding_window is 0.
+int kr_load_sliding_layers(kr_model *m, const char *path, int32_t *sliding, kr_error *err);
 int kr_bind_matrix(kr_model *m, const char *path, const char *name, int64_t rows, int64_t cols, kr_matrix *out,
                    kr_error *err);
 // Give the model file's pages holding [data, data + bytes) back (whole pages, so a neighbour's
