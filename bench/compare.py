@@ -4,6 +4,8 @@
     .venv/bin/python bench/compare.py --rounds 5 --models smollm2-135m --no-server
     .venv/bin/python bench/compare.py --isa avx2           # only the AVX2 pair
     .venv/bin/python bench/compare.py --published --llama-bin native=/work/llama/build-native/bin --no-server
+    .venv/bin/python bench/compare.py --moe 8 --llama-bin native=DIR   # a Qwen3-30B-A3B-shaped MoE, Q4_K_M and MXFP4
+    .venv/bin/python bench/compare.py --published --models qwen2.5-coder-1.5b --roofline -t 1 --no-server
 
 --published compares the files as users get them instead (issue 13): krafla's default conversion
 (`krafla pull NAME`: the published file's types where the engine computes on them) with the library
@@ -26,7 +28,12 @@ What it does, caching every product under vendor/ (gitignored; nothing there is 
    -o json -r 1`, alternated model by model for --rounds rounds (the one that goes first swaps each
    round). The machine may be busy, so a lone time says little: the ratio krafla/llama.cpp is
    taken within each round, and the table gives the median ratio with its range over the rounds.
-5. End to end through the server (--no-server skips it): `twistd -n krafla MODEL.mlb --metrics`,
+5. --roofline: this machine's read bandwidth at -t threads (bench/stream_read.c, built into vendor/,
+   measured in every round just before each model's pair of runs) and each model's bytes read per
+   generated token (every weight but the token embedding, of which one row is read; a tied
+   embedding is the output head and counts): tg / (bandwidth / bytes) is the share of the roofline
+   each program reaches, issue 29's target being 90% for krafla on a 1B+ model.
+6. End to end through the server (--no-server skips it): `twistd -n krafla MODEL.mlb --metrics`,
    then streamed chat requests (each with a fresh prompt, so nothing comes from the KV cache):
    time to first token, reply tokens/s as the client sees them, and the server's own overhead per
    request = client wall time - the engine's prompt + generation seconds (from /metrics).
@@ -59,6 +66,7 @@ LLAMA_TARGETS = ("llama-bench", "llama-quantize")
 TARGETS = {"pp": 1.2, "tg": 1.2, ("tg", "qwen2.5-coder-0.5b"): 1.0}
 TARGETS_AVX512 = 1.0
 TARGET_PUBLISHED = 1.2  # issue 13: the published files, krafla's default install vs llama.cpp native
+TARGET_ROOFLINE = 0.9   # issue 29: generation at 90% of the read roofline
 
 
 def log(*parts):
@@ -167,6 +175,35 @@ def requantized(quantize, source, out, *options, threads=None):
     return out
 
 
+# --- the read roofline
+
+
+def stream_reader(vendor):
+    """vendor/roofline/stream_read, built from bench/stream_read.c when missing or older than it."""
+    source = ROOT / "bench" / "stream_read.c"
+    binary = vendor / "roofline" / "stream_read"
+    if not binary.is_file() or binary.stat().st_mtime < source.stat().st_mtime:
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        run([os.environ.get("CC", "gcc"), "-O2", "-march=native", "-pthread", source, "-o", binary])
+    return binary
+
+
+def read_bandwidth(reader, threads):
+    """Bytes per second `threads` threads stream from memory (the best of stream_read's passes)."""
+    out = subprocess.run([str(reader), str(threads)], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["gb_per_s"] * 1e9
+
+
+def bytes_per_token(mlb):
+    """The weight bytes one generated token reads: every tensor but the token embedding, of which
+    one row is read, unless the embedding is also the output head (tied), which reads it whole."""
+    from krafla_twisted.engine.container import ContainerFile
+
+    sizes = {name: n_bytes for name, _type, _shape, n_bytes in ContainerFile(str(mlb)).tensors}
+    total = sum(sizes.values())
+    return total - sizes["token_embd.weight"] if "output.weight" in sizes else total
+
+
 # --- benches
 
 
@@ -191,6 +228,34 @@ def llama_bench(binaries, gguf, threads, prompt, generate, extra=()):
     return result
 
 
+def moe_models(vendor, layers, variants):
+    """--moe: {name: (krafla's .mlb, the GGUF)} of bench/moe_model.py's random qwen3moe with
+    Qwen3-30B-A3B's per-layer shapes and `layers` layers, one per variant (q4_K_M, mxfp4), the GGUF
+    written once (the tokenizer from the default model's GGUF) and converted by `krafla convert`
+    keeping its blocks, so both programs read the same weights."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import moe_model
+    from krafla_twisted.cli import models
+
+    tokenizer = models.fetch_source(models.DEFAULT_MODEL)
+    found = {}
+    for variant in variants:
+        name = f"qwen3moe-{layers}-layers-{variant}"
+        gguf = vendor / "moe" / f"{name}.gguf"
+        mlb = gguf.with_suffix(".mlb")
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            log(f"writing {gguf}")
+            moe_model.write_gguf(gguf.with_suffix(".partial"), layers, variant, tokenizer)
+            gguf.with_suffix(".partial").rename(gguf)
+        if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
+            run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
+        found[name] = (types.SimpleNamespace(mlb=mlb), gguf)
+    return found
+
+
 def published_models(names):
     """--published: {name: (krafla's default pull, the original GGUF)}."""
     from krafla_twisted.cli import models
@@ -201,10 +266,13 @@ def published_models(names):
 def compare(pairs, models, args):
     """Rounds of alternated runs; returns rows of the ratio table."""
     samples = {}  # (isa, model, kind) -> list of (krafla, llama)
+    roofline = {}  # (isa, model) -> list of (krafla tg, llama tg, roofline tokens/s), each of one round
     peers = {isa: peer for isa, _library, _binaries, peer in pairs}
+    reader = stream_reader(args.vendor.resolve()) if args.roofline else None
     for round_index in range(args.rounds):
         for isa, library, binaries, _peer in pairs:
             for name, (pulled, gguf) in models.items():
+                bandwidth = read_bandwidth(reader, args.threads) if reader else None
                 runs = [("krafla", lambda: krafla_bench(library, isa, pulled.mlb, args.threads, args.prompt,
                                                         args.generate, args.krafla_args)),
                         ("llama", lambda: llama_bench(binaries, gguf, args.threads, args.prompt, args.generate,
@@ -215,8 +283,13 @@ def compare(pairs, models, args):
                 for kind in ("pp", "tg"):
                     if kind in got["krafla"] and kind in got["llama"]:
                         samples.setdefault((isa, name, kind), []).append((got["krafla"][kind], got["llama"][kind]))
+                if bandwidth and "tg" in got["krafla"] and "tg" in got["llama"]:
+                    roof = bandwidth / bytes_per_token(pulled.mlb)
+                    roofline.setdefault((isa, name), []).append((got["krafla"]["tg"], got["llama"]["tg"], roof))
+                    log(f"  read roofline {bandwidth / 1e9:.1f} GB/s: {roof:.1f} tokens/s")
                 log(f"round {round_index + 1}/{args.rounds} {isa} {name}: krafla {fmt(got['krafla'])}, "
                     f"llama.cpp {fmt(got['llama'])}")
+    args.roofline_samples = roofline
     rows = []
     for (isa, name, kind), pairs_ in samples.items():
         ratios = [k / l for k, l in pairs_]
@@ -246,6 +319,25 @@ def print_ratio_table(rows, args):
     markdown_table(head, lines)
     print(f"(-t {args.threads}; t/s medians and krafla/llama.cpp ratio median over {args.rounds} alternated rounds, "
           f"each run after its own warm-up; load average at the end: {os.getloadavg()[0]:.1f})")
+
+
+def print_roofline_table(samples, models, args):
+    """Generation against the read roofline: per model the bytes a token reads, the medians over the
+    rounds of the roofline, of each program's tg, and of the share of the roofline each reached
+    (the share taken within each round)."""
+    head = ["krafla", "model", "MiB per token", "roofline t/s", "krafla tg t/s", "krafla share", "llama.cpp tg t/s",
+            "llama.cpp share", "target", ""]
+    lines = []
+    for (isa, name), rows in samples.items():
+        share = statistics.median(k / roof for k, _, roof in rows)
+        lines.append([isa, name, f"{bytes_per_token(models[name][0].mlb) / 2 ** 20:.0f}",
+                      f"{statistics.median(r for _, _, r in rows):.1f}", f"{statistics.median(k for k, _, _ in rows):.1f}",
+                      f"{share:.0%}", f"{statistics.median(l for _, l, _ in rows):.1f}",
+                      f"{statistics.median(l / roof for _, l, roof in rows):.0%}", f">= {TARGET_ROOFLINE:.0%}",
+                      "met" if share >= TARGET_ROOFLINE else "NOT met"])
+    markdown_table(head, lines)
+    print(f"(-t {args.threads} -n {args.generate}; the roofline is bench/stream_read.c's read bandwidth at -t threads "
+          f"divided by the bytes a token reads, measured in each round before the model's runs)")
 
 
 # --- end to end through the server
@@ -408,13 +500,21 @@ def main(argv=None):
     parser.add_argument("--published", action="store_true",
                         help="the published files: krafla's default pull and install against llama.cpp native on "
                              "the original GGUF (issue 13)")
+    parser.add_argument("--moe", type=int, default=0, metavar="LAYERS",
+                        help="compare on a random qwen3moe model with Qwen3-30B-A3B's per-layer shapes and LAYERS "
+                             "layers (bench/moe_model.py), Q4_K_M and MXFP4 variants, instead of --models (issue 28)")
+    parser.add_argument("--moe-types", default="q4_K_M,mxfp4", help="the --moe variants (q4_K_M, mxfp4, q8_0)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="also measure the read bandwidth and give generation as a share of the roofline")
     parser.add_argument("--no-server", action="store_true", help="skip the end-to-end server figures")
     parser.add_argument("--server-requests", type=int, default=3)
     parser.add_argument("--server-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     from krafla_twisted.engine import clib
 
-    if args.published:
+    if args.published or args.moe:
+        args.published = True  # --moe: the default install against llama.cpp's default build, as --published
+        args.no_server = args.no_server or bool(args.moe)  # random weights: nothing to chat with
         args.isa = args.isa or clib.cpu_isa()  # what a default install loads
     if args.isa:
         isas = args.isa.split(",")
@@ -435,17 +535,22 @@ def main(argv=None):
     tree = llama_source(vendor, args.llama_cpp_python) if needed - set(prebuilt) else None
     pairs = [(isa, build_krafla(vendor, isa, args.jobs),
               build_llama(vendor, tree, peer[isa], args.jobs, prebuilt), peer[isa]) for isa in isas]
-    if args.published:
+    if args.moe:
+        models = moe_models(vendor, args.moe, args.moe_types.split(","))
+    elif args.published:
         models = published_models(args.models.split(","))
     else:
         quantize = build_llama(vendor, tree, "avx2", args.jobs, prebuilt) / "llama-quantize"
         models = {name: llama_gguf(vendor, name, quantize) for name in args.models.split(",")}
     rows = compare(pairs, models, args)
     source = tree.parent.parent.name if tree else ", ".join(f"{k}: {v}" for k, v in prebuilt.items())
-    weights = "the published files (krafla's default conversion)" if args.published else "q4_0"
+    weights = ("random qwen3moe weights, the same GGUF blocks" if args.moe else
+               "the published files (krafla's default conversion)" if args.published else "q4_0")
     print(f"krafla vs llama.cpp ({source}), {weights}, -t {args.threads} -p {args.prompt} "
           f"-n {args.generate}")
     print_ratio_table(rows, args)
+    if args.roofline:
+        print_roofline_table(args.roofline_samples, models, args)
     if not args.no_server:
         server_rows = []
         for isa, library, _binaries, _peer in pairs:

@@ -1,14 +1,21 @@
 """A random-weight qwen3moe .mlb with Qwen3-30B-A3B's per-layer shapes and fewer layers, for
-`krafla bench` (issue 28).
+`krafla bench` (issue 28), or the same model as a GGUF that llama.cpp runs too.
 
-    .venv/bin/python bench/moe_model.py OUT.mlb [--layers 2] [--types q4_K_M|q8_0]
+    .venv/bin/python bench/moe_model.py OUT.mlb [--layers 2] [--types q4_K_M|q8_0|mxfp4]
     KRAFLA_LIB=build/avx2/libkrafla.so .venv/bin/krafla bench OUT.mlb -t 2 -p 512 -n 128 -r 3
+    .venv/bin/python bench/moe_model.py OUT.gguf --tokenizer-from QWEN.gguf    # what bench/compare.py --moe makes
+
+A GGUF is written as llama.cpp's converter writes a Qwen3 MoE model (the `qwen3moe` keys, the
+experts stacked in ffn_{gate,up,down}_exps), with the tokenizer and its metadata copied from
+another GGUF of the Qwen vocabulary (151936 tokens: Qwen2.5's serves), so that llama-bench loads it;
+`krafla convert` then makes krafla's .mlb of the same blocks.
 
 Qwen3-30B-A3B per layer: dim 2048, 32 query heads and 4 KV heads of 128, 128 experts of width 768,
 8 chosen per token, vocabulary 151936. The blocks are random bytes with finite, small scales (the
 weights' values do not change the speed; the routing spreads tokens over the experts as a trained
 router does, roughly evenly). q4_K_M: attention and expert gate/up q4_K, expert down and the
-output head q6_K, as llama.cpp's Q4_K_M mostly does; q8_0: every matrix q8_0. Router and norms f32.
+output head q6_K, as llama.cpp's Q4_K_M mostly does; q8_0: every matrix q8_0; mxfp4: the experts
+mxfp4 and every other matrix q8_0, as llama.cpp's MXFP4_MOE does. Router and norms f32.
 """
 
 import argparse
@@ -24,37 +31,42 @@ from krafla_twisted.engine import formats  # noqa: E402
 SHAPE = dict(dim=2048, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=768, n_experts=128, n_experts_used=8,
              n_vocab=151936)
 # block elements, block bytes, byte offsets of f16 scales (kept finite and small)
-BLOCKS = {"q8_0": (32, 34, (0,)), "q4_K": (256, 144, (0, 2)), "q6_K": (256, 210, (208,))}
+# (mxfp4's scale is an E8M0 exponent byte: 118..121 is 2^-9..2^-6, small as the others)
+BLOCKS = {"q8_0": (32, 34, (0,)), "q4_K": (256, 144, (0, 2)), "q6_K": (256, 210, (208,)), "mxfp4": (32, 17, ())}
 TYPES = {"q4_K_M": dict(attention="q4_K", gate_up="q4_K", down="q6_K", embedding="q4_K", output="q6_K"),
-         "q8_0": dict(attention="q8_0", gate_up="q8_0", down="q8_0", embedding="q8_0", output="q8_0")}
+         "q8_0": dict(attention="q8_0", gate_up="q8_0", down="q8_0", embedding="q8_0", output="q8_0"),
+         "mxfp4": dict(attention="q8_0", gate_up="mxfp4", down="mxfp4", embedding="q8_0", output="q8_0")}
+# ggml's names of the types (GGUF's tensor types)
+GGML_TYPES = {"q8_0": "Q8_0", "q4_K": "Q4_K", "q6_K": "Q6_K", "mxfp4": "MXFP4"}
 
 
 def random_blocks(rng, type_name, shape):
-    """Random bytes of `shape` in `type_name`'s blocks, every scale an f16 in [0.001, 0.01)."""
+    """Random bytes of `shape` in `type_name`'s blocks, every scale an f16 in [0.001, 0.01) (an
+    mxfp4 exponent 2^-9..2^-6)."""
     elements, block_bytes, scales = BLOCKS[type_name]
     n_blocks = math.prod(shape) // elements
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     for offset in scales:
         raw[:, offset:offset + 2] = rng.uniform(0.001, 0.01, n_blocks).astype("<f2").view(np.uint8).reshape(-1, 2)
-    return formats.TENSOR_TYPES_BY_NAME[type_name], raw.reshape(-1)
+    if type_name == "mxfp4":
+        raw[:, 0] = rng.integers(118, 122, n_blocks, dtype=np.uint8)
+    return type_name, raw.reshape(-1)
 
 
-def write(out, layers, types, seed=0):
+def tensors(layers, types, seed=0):
+    """(name, type name, shape, data) of every tensor of the model, in file order: data is the raw
+    blocks (uint8) of a quantized matrix or the float32 values of a vector or the router."""
     rng = np.random.default_rng(seed)
     s, t = SHAPE, TYPES[types]
     dim, q_dim, kv_dim, ffn, n = s["dim"], s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"], \
         s["ffn_dim"], s["n_experts"]
-    metadata = {"arch": "qwen3moe", "name": f"random-qwen3moe-30b-a3b-{layers}-layers-{types}", "n_layers": layers,
-                "max_seq": 40960, "norm_eps": 1e-6, "rope_theta": 1e6, "rope_style": "neox", "activation": "silu",
-                "tied_embeddings": 0, "expert_weights_norm": 1, **s}
-    container = formats.Container(formats.MODEL_MAGIC, metadata)
+    out = []
 
     def matrix(name, type_name, shape):
-        tensor_type, raw = random_blocks(rng, type_name, shape)
-        container.add(name, tensor_type, shape, raw)
+        out.append((name, type_name, shape, random_blocks(rng, type_name, shape)[1]))
 
     def vector(name, size):
-        container.add(name, formats.F32, (size,), (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+        out.append((name, "f32", (size,), (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)))
 
     matrix("token_embd.weight", t["embedding"], (s["n_vocab"], dim))
     for layer in range(layers):
@@ -68,23 +80,88 @@ def write(out, layers, types, seed=0):
         vector(blk + "attn_k_norm.weight", s["head_dim"])
         vector(blk + "ffn_norm.weight", dim)
         router = (rng.standard_normal((n, dim)) / math.sqrt(dim)).astype(np.float32)
-        container.add(blk + "ffn_gate_inp.weight", formats.F32, router.shape, router)
+        out.append((blk + "ffn_gate_inp.weight", "f32", router.shape, router))
         matrix(blk + "ffn_gate_exps.weight", t["gate_up"], (n, ffn, dim))
         matrix(blk + "ffn_up_exps.weight", t["gate_up"], (n, ffn, dim))
         matrix(blk + "ffn_down_exps.weight", t["down"], (n, dim, ffn))
     vector("output_norm.weight", dim)
     matrix("output.weight", t["output"], (s["n_vocab"], dim))
+    return out
+
+
+def write(out, layers, types, seed=0):
+    """krafla's .mlb of the model."""
+    metadata = {"arch": "qwen3moe", "name": f"random-qwen3moe-30b-a3b-{layers}-layers-{types}", "n_layers": layers,
+                "max_seq": 40960, "norm_eps": 1e-6, "rope_theta": 1e6, "rope_style": "neox", "activation": "silu",
+                "tied_embeddings": 0, "expert_weights_norm": 1, **SHAPE}
+    container = formats.Container(formats.MODEL_MAGIC, metadata)
+    for name, type_name, shape, data in tensors(layers, types, seed):
+        container.add(name, formats.TENSOR_TYPES_BY_NAME[type_name], shape, data)
     formats.write(out, container)
+    return out
+
+
+def write_gguf(out, layers, types, tokenizer_from, seed=0):
+    """The model as llama.cpp's converter writes a qwen3moe GGUF, the tokenizer copied from the
+    GGUF `tokenizer_from` (its vocabulary must have SHAPE's n_vocab tokens)."""
+    import gguf
+
+    source = gguf.GGUFReader(str(tokenizer_from))
+    tokens = source.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != SHAPE["n_vocab"]:
+        raise SystemExit(f"{tokenizer_from}: its vocabulary is not {SHAPE['n_vocab']} tokens")
+    s = SHAPE
+    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    writer.add_name(f"random-qwen3moe-30b-a3b-{layers}-layers-{types}")
+    writer.add_block_count(layers)
+    writer.add_context_length(40960)
+    writer.add_embedding_length(s["dim"])
+    writer.add_feed_forward_length(6144)
+    writer.add_expert_feed_forward_length(s["ffn_dim"])
+    writer.add_head_count(s["n_heads"])
+    writer.add_head_count_kv(s["n_kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(s["n_experts"])
+    writer.add_expert_used_count(s["n_experts_used"])
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
+            value = field.contents()
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, kind)
+    for name, type_name, shape, data in tensors(layers, types, seed):
+        if type_name == "f32":
+            writer.add_tensor(name, data.reshape(shape))
+        else:
+            quant = gguf.GGMLQuantizationType[GGML_TYPES[type_name]]
+            elements, block_bytes, _ = BLOCKS[type_name]
+            byte_shape = (*shape[:-1], shape[-1] // elements * block_bytes)
+            writer.add_tensor(name, data.reshape(byte_shape), raw_shape=byte_shape, raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return out
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, help="OUT.mlb, or OUT.gguf (then --tokenizer-from)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--types", choices=sorted(TYPES), default="q4_K_M")
+    parser.add_argument("--tokenizer-from", type=Path, help="a GGUF of the Qwen vocabulary (a .gguf output's tokenizer)")
     args = parser.parse_args(argv)
-    print(write(args.out, args.layers, args.types))
+    if args.out.suffix == ".gguf":
+        if args.tokenizer_from is None:
+            parser.error("a .gguf output needs --tokenizer-from")
+        print(write_gguf(args.out, args.layers, args.types, args.tokenizer_from))
+    else:
+        print(write(args.out, args.layers, args.types))
 
 
 if __name__ == "__main__":

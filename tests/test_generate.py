@@ -41,8 +41,8 @@ class FakeTokenizer:
     def encode(self, text, add_bos=None, special=False):
         return [self.vocab.index(bytes([b])) for b in text.encode()]
 
-    def streaming_decoder(self):
-        return _Decoder(self)
+    def streaming_decoder(self, special=False):
+        return _Decoder(self)  # (no control tokens: `special` changes nothing)
 
 
 class _Decoder:

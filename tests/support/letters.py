@@ -14,8 +14,8 @@ class LetterTokenizer:
         self.eot_ids = frozenset()
         self.eos_id = None
 
-    def streaming_decoder(self):
-        return LetterDecoder()
+    def streaming_decoder(self, special=False):
+        return LetterDecoder()  # (no control tokens: `special` changes nothing)
 
 
 class LetterDecoder:
