@@ -34,6 +34,23 @@ def cut(text, points):
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def check_reasoning_then_call(backend):
+    """A reply that reasons "I should call it." and then calls f(x=1) through `backend`: whole, the
+    reasoning and the call with no content; streamed, the same in the deltas."""
+    harness = APIHarness(backend)
+    body = dict(CHAT, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])
+    choice = json.loads(post(harness, "/v1/chat/completions", body))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "I should call it." and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+    events = sse_events(post(harness, "/v1/chat/completions", dict(body, stream=True)))
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["f"]
+
+
 class TestSplitter:
     def test_whole_text(self):
         assert split_reasoning(REASONING + "</think>\n\n" + ANSWER) == (REASONING, ANSWER)
@@ -108,18 +125,7 @@ class TestChatCompletions:
         backend = ThinkingBackend(pieces=("I should call it.", "</think>\n\n<tool_call>\n<function=f>\n",
                                           "<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"))
         backend.tool_format = tools.FORMATS["qwen3.5"]
-        harness = APIHarness(backend)
-        body = dict(CHAT, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])
-        choice = json.loads(post(harness, "/v1/chat/completions", body))["choices"][0]
-        assert choice["finish_reason"] == "tool_calls"
-        assert choice["message"]["reasoning_content"] == "I should call it." and choice["message"]["content"] is None
-        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
-        events = sse_events(post(harness, "/v1/chat/completions", dict(body, stream=True)))
-        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
-        assert not "".join(d.get("content") or "" for d in deltas)
-        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["f"]
+        check_reasoning_then_call(backend)
 
     def test_unfinished_thinking_is_all_reasoning(self):
         harness = APIHarness(ThinkingBackend())
@@ -385,15 +391,4 @@ class TestHarmonyChatCompletions:
         """A commentary message to functions.f is a tool call, whole and streamed, with no content."""
         backend = HarmonyBackend(pieces=harmony_pieces(HARMONY_CALL))
         backend.tool_format = tools.FORMATS["harmony"]
-        harness = APIHarness(backend)
-        body = dict(CHAT, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])
-        choice = json.loads(post(harness, "/v1/chat/completions", body))["choices"][0]
-        assert choice["finish_reason"] == "tool_calls"
-        assert choice["message"]["reasoning_content"] == "I should call it." and choice["message"]["content"] is None
-        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
-        events = sse_events(post(harness, "/v1/chat/completions", dict(body, stream=True)))
-        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
-        assert not "".join(d.get("content") or "" for d in deltas)
-        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["f"]
+        check_reasoning_then_call(backend)
