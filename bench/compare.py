@@ -269,6 +269,7 @@ def compare(pairs, models, args):
     roofline = {}  # (isa, model) -> list of (krafla tg, llama tg, roofline tokens/s), each of one round
     peers = {isa: peer for isa, _library, _binaries, peer in pairs}
     reader = stream_reader(args.vendor.resolve()) if args.roofline else None
+    token_bytes = {name: bytes_per_token(pulled.mlb) for name, (pulled, _gguf) in models.items()} if reader else {}
     for round_index in range(args.rounds):
         for isa, library, binaries, _peer in pairs:
             for name, (pulled, gguf) in models.items():
@@ -284,12 +285,13 @@ def compare(pairs, models, args):
                     if kind in got["krafla"] and kind in got["llama"]:
                         samples.setdefault((isa, name, kind), []).append((got["krafla"][kind], got["llama"][kind]))
                 if bandwidth and "tg" in got["krafla"] and "tg" in got["llama"]:
-                    roof = bandwidth / bytes_per_token(pulled.mlb)
+                    roof = bandwidth / token_bytes[name]
                     roofline.setdefault((isa, name), []).append((got["krafla"]["tg"], got["llama"]["tg"], roof))
                     log(f"  read roofline {bandwidth / 1e9:.1f} GB/s: {roof:.1f} tokens/s")
                 log(f"round {round_index + 1}/{args.rounds} {isa} {name}: krafla {fmt(got['krafla'])}, "
                     f"llama.cpp {fmt(got['llama'])}")
     args.roofline_samples = roofline
+    args.token_bytes = token_bytes
     rows = []
     for (isa, name, kind), pairs_ in samples.items():
         ratios = [k / l for k, l in pairs_]
@@ -321,7 +323,7 @@ def print_ratio_table(rows, args):
           f"each run after its own warm-up; load average at the end: {os.getloadavg()[0]:.1f})")
 
 
-def print_roofline_table(samples, models, args):
+def print_roofline_table(samples, token_bytes, args):
     """Generation against the read roofline: per model the bytes a token reads, the medians over the
     rounds of the roofline, of each program's tg, and of the share of the roofline each reached
     (the share taken within each round)."""
@@ -330,7 +332,7 @@ def print_roofline_table(samples, models, args):
     lines = []
     for (isa, name), rows in samples.items():
         share = statistics.median(k / roof for k, _, roof in rows)
-        lines.append([isa, name, f"{bytes_per_token(models[name][0].mlb) / 2 ** 20:.0f}",
+        lines.append([isa, name, f"{token_bytes[name] / 2 ** 20:.0f}",
                       f"{statistics.median(r for _, _, r in rows):.1f}", f"{statistics.median(k for k, _, _ in rows):.1f}",
                       f"{share:.0%}", f"{statistics.median(l for _, l, _ in rows):.1f}",
                       f"{statistics.median(l / roof for _, l, roof in rows):.0%}", f">= {TARGET_ROOFLINE:.0%}",
@@ -550,7 +552,7 @@ def main(argv=None):
           f"-n {args.generate}")
     print_ratio_table(rows, args)
     if args.roofline:
-        print_roofline_table(args.roofline_samples, models, args)
+        print_roofline_table(args.roofline_samples, args.token_bytes, args)
     if not args.no_server:
         server_rows = []
         for isa, library, _binaries, _peer in pairs:

@@ -50,7 +50,7 @@ def random_blocks(rng, type_name, shape):
         raw[:, offset:offset + 2] = rng.uniform(0.001, 0.01, n_blocks).astype("<f2").view(np.uint8).reshape(-1, 2)
     if type_name == "mxfp4":
         raw[:, 0] = rng.integers(118, 122, n_blocks, dtype=np.uint8)
-    return type_name, raw.reshape(-1)
+    return raw.reshape(-1)
 
 
 def tensors(layers, types, seed=0):
@@ -63,7 +63,7 @@ def tensors(layers, types, seed=0):
     out = []
 
     def matrix(name, type_name, shape):
-        out.append((name, type_name, shape, random_blocks(rng, type_name, shape)[1]))
+        out.append((name, type_name, shape, random_blocks(rng, type_name, shape)))
 
     def vector(name, size):
         out.append((name, "f32", (size,), (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)))
