@@ -246,7 +246,8 @@ def reference_split(patterns, text):
 
 def regex_class(ch):
     return ((1 if regex.match(r"\p{L}", ch) else 0) | (2 if regex.match(r"\p{N}", ch) else 0)
-            | (4 if regex.match(r"\p{M}", ch) else 0) | (8 if regex.match(r"\s", ch) else 0))
+            | (4 if regex.match(r"\p{M}", ch) else 0) | (8 if regex.match(r"\s", ch) else 0)
+            | (16 if regex.match(r"[\p{Lu}\p{Lt}]", ch) else 0) | (32 if regex.match(r"\p{Ll}", ch) else 0))
 
 
 class PreTokenizerTests:
@@ -269,15 +270,16 @@ class UnicodeClassTests:
     """The generated class table agrees with Python's unicodedata for every codepoint."""
 
     def test_every_codepoint(self):
-        """Letter, number and mark bits from the general category; space from White_Space."""
+        """Letter, number, mark and letter-case bits from the general category; space from White_Space."""
         white_space = set(range(9, 14)) | {0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
                                            0x205F, 0x3000}
         lib = clib.load()
         table_version = (ctypes.c_char * 16).in_dll(lib, "kr_unicode_version").value.decode()
         wrong, newer = [], []
         for cp in range(0x110000):
-            category = unicodedata.category(chr(cp))[0]
-            want = 8 if cp in white_space else {"L": 1, "N": 2, "M": 4}.get(category, 0)
+            category = unicodedata.category(chr(cp))
+            case = 16 if category in ("Lu", "Lt") else 32 if category == "Ll" else 0
+            want = 8 if cp in white_space else {"L": 1, "N": 2, "M": 4}.get(category[0], 0) | case
             got = lib.kr_unicode_class(cp)
             if got != want:
                 # a Python newer than the table's Unicode knows characters the table leaves unassigned
