@@ -3,6 +3,10 @@
 Independent references: llama.cpp's own test vectors (tests/support/testdata.py), the `regex`
 module running the pre-tokenizer patterns llama.cpp uses, plain-Python BPE and SentencePiece
 merges over vocabularies read straight from the GGUF with gguf-py, and Python's unicodedata.
+o200k (gpt-4o, gpt-oss) has no llama.cpp vectors: its split is checked against tiktoken's regex in
+the `regex` module and in Hugging Face's `tokenizers`, and its encode against `tokenizers` on a
+small vocabulary that library trains (tests/support/o200k_vocab.py; the real vocabulary against
+tiktoken is tests/reference/test_o200k.py).
 """
 
 import ctypes
@@ -15,13 +19,15 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import regex
+import tokenizers
 from hypothesis import HealthCheck, assume, example, given, settings
 
 from krafla_twisted.convert import tokenizer as convert
 from krafla_twisted.engine import clib, formats
 from krafla_twisted.engine.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
 from tests import strategies
-from tests.support import real_models, testdata
+from krafla_twisted.convert.tokenizer_json import container_from_folder
+from tests.support import o200k_vocab, real_models, testdata
 
 BPE_VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35")
 SPM_VOCABS = ("llama-spm", "phi-3")
@@ -221,7 +227,29 @@ PATTERNS = {
     "qwen35": [CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+"],
     "smollm": [r"\p{N}", GPT2],
+    "o200k": [o200k_vocab.REGEX],
 }
+# Where o200k's split differs from the llama3 family's: case changes inside words, letters that sit on
+# both sides of one (Lm, Lo, marks), contractions that stay on their word, '/' after punctuation.
+O200K_TEXTS = o200k_vocab.CORPUS + [
+    "HelloWorld's XMLHttpRequest iPhone eBay ABCdef abcDEF ǅungla ǅUNGLA ǈǈǈ ᾈᾈa",
+    "中A A中 中a a中B ʰA Aʰ aʰB \u0301A A\u0301 a\u0301 \u0301a \u0301\u0301 x \u0301'S \u0301'T",
+    "I'M YOU'RE it'S 'ſ it'ſ x'LL x'Ll 've 'VE 's 'S", "a/b !/ !\n/ ./.. //x \r\n/ ?\n\n//\r\n",
+    "1 12 123 1234 ١٢٣٤ Ⅻⅻ  \t\n  \n\n x  \u3000\u00a0y\u2028z",
+]
+
+
+@pytest.fixture(scope="module")
+def o200k_tiny(tmp_path_factory):
+    """The small o200k vocabulary three ways: krafla's .mlt from its GGUF (pre "gpt-4o") and from its
+    tokenizer.json, and Hugging Face's tokenizer itself."""
+    folder = o200k_vocab.tiny_folder(tmp_path_factory.mktemp("o200k"))
+    reader = gguf.GGUFReader(o200k_vocab.gguf_from_folder(folder, folder / "vocab.gguf"))
+    formats.write(folder / "gguf.mlt", convert.container_from_gguf(reader))
+    formats.write(folder / "json.mlt", container_from_folder(folder))
+    return {"gguf": Tokenizer(folder / "gguf.mlt"), "json": Tokenizer(folder / "json.mlt"),
+            "hf": tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
+            "hf_split": tokenizers.pre_tokenizers.Split(tokenizers.Regex(o200k_vocab.REGEX), behavior="isolated")}
 
 
 def reference_split(patterns, text):
@@ -264,6 +292,27 @@ class PreTokenizerTests:
         tok = pulled_tokenizer(name) if name in real_models.NAMES else vocab_tokenizer(name)
         assert tok.pre == pre
         assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS[pre], text)
+
+
+    @settings(max_examples=400, deadline=None)
+    @given(text=strategies.cased_tokenizer_texts)
+    def test_o200k_split_equals_both_regex_engines(self, o200k_tiny, text):
+        """o200k (from a GGUF with pre "gpt-4o"): pre-tokens of hypothesis text equal tiktoken's regex run
+        by the `regex` module and by `tokenizers` (Oniguruma), over characters whose class both
+        Unicode tables agree on."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        tok = o200k_tiny["gguf"]
+        assert tok.pre == "o200k"
+        pieces = [p.decode() for p in tok.pretokenize(text)]
+        assert pieces == reference_split(PATTERNS["o200k"], text)
+        assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
+
+    @pytest.mark.parametrize("text", O200K_TEXTS)
+    def test_o200k_split_of_the_fixed_corpus(self, o200k_tiny, text):
+        """The fixed corpus: the same two references, line by line."""
+        pieces = [p.decode() for p in o200k_tiny["gguf"].pretokenize(text)]
+        assert pieces == reference_split(PATTERNS["o200k"], text)
+        assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
 
 
 class UnicodeClassTests:
@@ -427,6 +476,25 @@ class ReferenceEncodeTests:
         tok = pulled_tokenizer("gemma3-270m")
         assert tok.kind == "spm" and tok.add_bos and not tok.add_space_prefix
         assert tok.encode(text, add_bos=False) == reference_spm_encode("gemma3-270m", text, add_space_prefix=False)
+
+    @settings(max_examples=150, deadline=None)
+    @given(text=strategies.cased_tokenizer_texts)
+    @example(text="Ain't HelloWorld/<|endoftext|>中A\r\n/ 12345<|return|>")
+    def test_o200k_equals_hugging_face_tokenizers(self, o200k_tiny, text):
+        """The small o200k vocabulary, converted from its GGUF and from its tokenizer.json: ids equal
+        what `tokenizers` encodes from the tokenizer.json (special tokens parsed, as it does)."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        expected = o200k_tiny["hf"].encode(text, add_special_tokens=False).ids
+        assert o200k_tiny["gguf"].encode(text, add_bos=False, special=True) == expected
+        assert o200k_tiny["json"].encode(text, add_bos=False, special=True) == expected
+
+    @pytest.mark.parametrize("text", O200K_TEXTS)
+    def test_o200k_fixed_corpus_equals_hugging_face_tokenizers(self, o200k_tiny, text):
+        """The fixed corpus, both files, against `tokenizers`."""
+        expected = o200k_tiny["hf"].encode(text, add_special_tokens=False).ids
+        assert len(expected) > 1
+        assert o200k_tiny["gguf"].encode(text, add_bos=False) == expected
+        assert o200k_tiny["json"].encode(text, add_bos=False) == expected
 
     def test_gemma3_end_of_turn(self):
         """Gemma's <end_of_turn> ends a generation and bos comes first by default."""
