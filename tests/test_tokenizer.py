@@ -229,14 +229,6 @@ PATTERNS = {
     "smollm": [r"\p{N}", GPT2],
     "o200k": [o200k_vocab.REGEX],
 }
-# Where o200k's split differs from the llama3 family's: case changes inside words, letters that sit on
-# both sides of one (Lm, Lo, marks), contractions that stay on their word, '/' after punctuation.
-O200K_TEXTS = o200k_vocab.CORPUS + [
-    "HelloWorld's XMLHttpRequest iPhone eBay ABCdef abcDEF ǅungla ǅUNGLA ǈǈǈ ᾈᾈa",
-    "中A A中 中a a中B ʰA Aʰ aʰB \u0301A A\u0301 a\u0301 \u0301a \u0301\u0301 x \u0301'S \u0301'T",
-    "I'M YOU'RE it'S 'ſ it'ſ x'LL x'Ll 've 'VE 's 'S", "a/b !/ !\n/ ./.. //x \r\n/ ?\n\n//\r\n",
-    "1 12 123 1234 ١٢٣٤ Ⅻⅻ  \t\n  \n\n x  \u3000\u00a0y\u2028z",
-]
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +299,7 @@ class PreTokenizerTests:
         assert pieces == reference_split(PATTERNS["o200k"], text)
         assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
 
-    @pytest.mark.parametrize("text", O200K_TEXTS)
+    @pytest.mark.parametrize("text", o200k_vocab.TEXTS)
     def test_o200k_split_of_the_fixed_corpus(self, o200k_tiny, text):
         """The fixed corpus: the same two references, line by line."""
         pieces = [p.decode() for p in o200k_tiny["gguf"].pretokenize(text)]
@@ -488,7 +480,7 @@ class ReferenceEncodeTests:
         assert o200k_tiny["gguf"].encode(text, add_bos=False, special=True) == expected
         assert o200k_tiny["json"].encode(text, add_bos=False, special=True) == expected
 
-    @pytest.mark.parametrize("text", O200K_TEXTS)
+    @pytest.mark.parametrize("text", o200k_vocab.TEXTS)
     def test_o200k_fixed_corpus_equals_hugging_face_tokenizers(self, o200k_tiny, text):
         """The fixed corpus, both files, against `tokenizers`."""
         expected = o200k_tiny["hf"].encode(text, add_special_tokens=False).ids

@@ -1,6 +1,6 @@
 """Vocabularies with OpenAI's o200k split (gpt-4o, gpt-oss), as the two files krafla converts.
 
-`tiny_folder(folder)`: a small byte-level BPE vocabulary that Hugging Face's `tokenizers` trains on
+TEXTS: a fixed corpus for the split and the encode. `tiny_folder(folder)`: a small byte-level BPE vocabulary that Hugging Face's `tokenizers` trains on
 CORPUS below with the o200k Split regex, saved as tokenizer.json (+ tokenizer_config.json). Training
 is deterministic, so every run gets the same merges; the test suite needs no stored vocabulary.
 
@@ -40,6 +40,15 @@ CORPUS = [
     "emoji 😀😃 👩\u200d💻 🦙 ✨ and marks e\u0301 a\u0308 o\u0302 गुणवत्ता ภาษาไทย",
     "DON'T YOU'LL WE'RE I'M SHE'S THEY'VE HE'D 'S 'T 'RE",
     "def f(x):\n    return x**2 // 3  # comment\n{\"key\": [1, 2, 3]}\n",
+]
+
+# Where o200k's split differs from the llama3 family's: case changes inside words, letters that sit on
+# both sides of one (Lm, Lo, marks), contractions that stay on their word, '/' after punctuation.
+TEXTS = CORPUS + [
+    "HelloWorld's XMLHttpRequest iPhone eBay ABCdef abcDEF ǅungla ǅUNGLA ǈǈǈ ᾈᾈa",
+    "中A A中 中a a中B ʰA Aʰ aʰB \u0301A A\u0301 a\u0301 \u0301a \u0301\u0301 x \u0301'S \u0301'T",
+    "I'M YOU'RE it'S 'ſ it'ſ x'LL x'Ll 've 'VE 's 'S", "a/b !/ !\n/ ./.. //x \r\n/ ?\n\n//\r\n",
+    "1 12 123 1234 ١٢٣٤ Ⅻⅻ  \t\n  \n\n x  \u3000\u00a0y\u2028z",
 ]
 
 
