@@ -20,7 +20,8 @@
 // Deliberate differences from llama.cpp, all on input it handles badly: plain text never turns
 // into a control or unknown token (llama.cpp's SPM lookups would let merges spell one); an
 // invalid UTF-8 lead byte in SPM text is one symbol, not one that swallows the next bytes; a
-// missing byte token falls back to unk (or is dropped) instead of throwing.
+// missing byte token falls back to unk (or is dropped) instead of throwing. The o200k split is
+// tiktoken's regex itself, where llama.cpp runs a rewrite that tells case by ASCII only.
 //
 // Input text is bytes. NUL is an ordinary character. An invalid UTF-8 byte stays in the text as
 // one symbol of its own with no letter/number/space class, and reaches the output through the
