@@ -306,6 +306,14 @@ class PreTokenizerTests:
         assert pieces == reference_split(PATTERNS["o200k"], text)
         assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
 
+    def test_o200k_long_runs_split_in_one_pass(self, o200k_tiny):
+        """200 kB runs on which the word alternatives give back characters (no lower case after an
+        upper-side run, marks as prefix and word): the splits equal the regex's."""
+        tok = o200k_tiny["gguf"]
+        for unit, head, tail in (("A", "中", " "), ("Aa", "", ""), ("中A", "", "!"), ("\u0301", "x", "'S"),
+                                 ("ʰ", "A", "B"), ("1", "", "")):
+            text = head + unit * (200_000 // len(unit)) + tail
+            assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS["o200k"], text), unit
 
 class UnicodeClassTests:
     """The generated class table agrees with Python's unicodedata for every codepoint."""
