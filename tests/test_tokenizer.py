@@ -23,10 +23,10 @@ import tokenizers
 from hypothesis import HealthCheck, assume, example, given, settings
 
 from krafla_twisted.convert import tokenizer as convert
+from krafla_twisted.convert.tokenizer_json import container_from_folder
 from krafla_twisted.engine import clib, formats
 from krafla_twisted.engine.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
 from tests import strategies
-from krafla_twisted.convert.tokenizer_json import container_from_folder
 from tests.support import o200k_vocab, real_models, testdata
 
 BPE_VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35")
@@ -216,7 +216,7 @@ class SpecialTokenTests:
         assert tok.encode("<|user|>   hi", special=True, add_bos=False) == [user] + tok.encode("hi", add_bos=False)
 
 
-# --- pre-tokenizers against the `regex` module running llama.cpp's patterns
+# --- pre-tokenizers against the `regex` module running llama.cpp's patterns (o200k: tiktoken's)
 
 CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -271,7 +271,8 @@ def regex_class(ch):
 
 
 class PreTokenizerTests:
-    """Each hand-written splitter equals llama.cpp's regex for it, run by the `regex` module."""
+    """Each hand-written splitter equals llama.cpp's regex for it (o200k: tiktoken's), run by the
+    `regex` module."""
 
     @pytest.mark.parametrize("pre,name", [("gpt2", "gpt-2"), ("llama3", "llama-bpe"), ("qwen2", "qwen2"),
                                           ("qwen35", "qwen35"), ("smollm", "smollm2-135m")])
@@ -284,7 +285,6 @@ class PreTokenizerTests:
         tok = pulled_tokenizer(name) if name in real_models.NAMES else vocab_tokenizer(name)
         assert tok.pre == pre
         assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS[pre], text)
-
 
     @settings(max_examples=400, deadline=None)
     @given(text=strategies.cased_tokenizer_texts)
@@ -314,6 +314,7 @@ class PreTokenizerTests:
                                  ("ʰ", "A", "B"), ("1", "", "")):
             text = head + unit * (200_000 // len(unit)) + tail
             assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS["o200k"], text), unit
+
 
 class UnicodeClassTests:
     """The generated class table agrees with Python's unicodedata for every codepoint."""
