@@ -5,8 +5,9 @@
 // each VNNI instruction does the work of two 256-bit ones; each chunk is unpacked once for all the
 // tokens. Every lane goes through legacy_ref.c's per-block sequence (quant_ref.c's for q4_0: exact
 // integer sums, then the fused multiply-adds), so the bits are those of every other build.
-// Measured for q4_0 at one thread: tg32 on SmolLM2 +15 to 25% over the 256-bit tiles; a step of
-// 4 or 8 Qwen2.5-Coder sequences about 20% less CPU time than the 256-bit 2 x 4 tiles.
+// Measured for q4_0 at one thread: a step of 4 or 8 Qwen2.5-Coder sequences about 20% less CPU time
+// than the 256-bit 2 x 4 tiles. One-token steps take the 256-bit tiles of one group instead
+// (kernels.h, KR_ONE_TOKEN_GROUPS): on a cold matrix they stream from memory twice as fast.
 #include "kernels/legacy.h"
 #include "krafla.h"
 
