@@ -40,6 +40,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from compare import log, markdown_table, requantized, run  # bench/compare.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,22 +50,33 @@ DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 DEFAULT_TEXT = ROOT / "bench" / "data" / "devils-dictionary.txt"
 TARGET = 1.01  # krafla's default / llama.cpp on the published file
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+RUNNING = re.compile(r"\[([0-9]+)\]([0-9.]+),")  # llama-perplexity's estimate after each chunk: [1]307.1846,
 
 
 def llama_perplexity(binaries, gguf, args):
-    """(PPL, error) from llama-perplexity's final estimate."""
+    """(PPL, error, the estimate after each chunk) from llama-perplexity's output."""
     cmd = [binaries / "llama-perplexity", "-m", gguf, "-f", args.text, "-c", args.ctx, "--chunks", args.chunks,
            "-t", args.threads, *args.llama_args]
     log("+", " ".join(str(c) for c in cmd))
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    match = FINAL.search(done.stdout + done.stderr)
-    if done.returncode or not match:
+    estimate = None if done.returncode else llama_estimate(done.stdout + done.stderr)
+    if estimate is None:
         raise SystemExit(f"llama-perplexity on {gguf} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
-    return float(match.group(1)), float(match.group(2))
+    return estimate
+
+
+def llama_estimate(output):
+    """(PPL, error, the estimate after each chunk) from llama-perplexity's output, or None
+    without its final estimate."""
+    match = FINAL.search(output)
+    if not match:
+        return None
+    running = [float(value) for _, value in sorted((int(i), value) for i, value in RUNNING.findall(output))]
+    return float(match.group(1)), float(match.group(2)), running
 
 
 def krafla_perplexity(pulled, args):
-    """(PPL, error, weight type) from `krafla perplexity --json`."""
+    """(PPL, error, weight type, the estimate after each chunk) from `krafla perplexity --json`."""
     from krafla_twisted.engine.model import Model
 
     with Model(pulled.mlb) as model:
@@ -75,7 +88,25 @@ def krafla_perplexity(pulled, args):
     if done.returncode:
         raise SystemExit(f"krafla perplexity on {pulled.mlb} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout)
-    return result["perplexity"], result["error"], weight_type
+    return result["perplexity"], result["error"], weight_type, result["running"]
+
+
+def chunk_log_perplexities(running):
+    """Each chunk's own mean negative log-likelihood, from the estimates after each chunk (every
+    chunk scores as many tokens): chunk i's is i log r_i - (i - 1) log r_(i-1)."""
+    logs = np.log(np.asarray(running, np.float64))
+    return np.diff(np.arange(1, len(logs) + 1) * logs, prepend=0.0)  # the running sums' steps
+
+
+def ratio_error(llama_running, krafla_running):
+    """The standard error of log(krafla / llama) over the chunks (their per-chunk differences'
+    standard deviation over the square root of their number), or None for fewer than 2 chunks:
+    how far the ratio moves with the text, since a quantized model's two evaluations differ
+    token by token (the rounding of the activations) far more than the final ratio shows."""
+    if len(llama_running) != len(krafla_running) or len(llama_running) < 2:
+        return None
+    differences = chunk_log_perplexities(krafla_running) - chunk_log_perplexities(llama_running)
+    return float(np.std(differences, ddof=1) / np.sqrt(len(differences)))
 
 
 def q4_0_gguf(binaries, source, vendor):
@@ -139,6 +170,7 @@ def measure_file(model, type_name, gguf_path, binaries, args):
     row["llama"] = llama_perplexity(binaries, gguf_path, args)
     row["krafla"] = krafla_perplexity(SimpleNamespace(mlb=mlb, mlt=mlt), args)
     row["ratio"] = row["krafla"][0] / row["llama"][0]
+    row["ratio_error"] = ratio_error(row["llama"][2], row["krafla"][3])
     return row
 
 
@@ -199,11 +231,12 @@ def print_low_bit_table(rows, args, recipes=LOW_BIT_QUANTIZE):
             for type_name, count in counts.items():
                 totals[type_name] = totals.get(type_name, 0) + count
         lines.append([row["model"], file_type + (" + MXFP4 layers" if options else ""), counted(totals),
-                      cell(row["llama"]), cell(row["krafla"]), f"{row['ratio']:.4f}",
+                      cell(row["llama"]), cell(row["krafla"]),
+                      f"{row['ratio']:.4f}" + (f" ± {row['ratio_error']:.4f}" if row.get("ratio_error") else ""),
                       "met" if within_target(row["ratio"]) else "NOT met"])
     markdown_table(head, lines)
     print(f"(perplexity ± its error, -c {args.ctx} --chunks {args.chunks}, -t {args.threads}, on "
-          f"{Path(args.text).name}; both on the same GGUF)")
+          f"{Path(args.text).name}; both on the same GGUF; the ratio ± the standard error of its log over the chunks)")
     roles = sorted({role for row in rows for role in row["roles"]})
     print()
     markdown_table(["file"] + roles, [[recipes.get(row["type"], ((), "f16"))[1]] +
