@@ -163,7 +163,6 @@ def write_gguf(out, layers, types, tokenizer_from, seed=0):
     return out
 
 
-
 # --- Upcycling: a dense llama GGUF made a mixture of experts that still predicts text
 
 SUPER_BLOCK = 256  # the k-quants' and iq4_xs' row unit: every width of the upcycled model is a multiple
@@ -274,10 +273,10 @@ def upcycle_gguf(out, dense, n_experts=4, n_experts_used=2, spread=0.1, seed=0):
     n_kv_heads = field("llama.attention.head_count_kv", n_heads)
     dim = field("llama.embedding_length")
     head_dim = field("llama.attention.key_length", dim // n_heads)
-    padded_heads_, padded_kv_heads = padded_heads(n_heads, n_kv_heads, head_dim)
+    q_heads, kv_heads = padded_heads(n_heads, n_kv_heads, head_dim)
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    shape = dict(dim=dim, padded_dim=round_up(dim), head_dim=head_dim, padded_heads=padded_heads_,
-                 padded_kv_heads=padded_kv_heads, padded_ffn_dim=round_up(field("llama.feed_forward_length")),
+    shape = dict(dim=dim, padded_dim=round_up(dim), head_dim=head_dim, padded_heads=q_heads, padded_kv_heads=kv_heads,
+                 padded_ffn_dim=round_up(field("llama.feed_forward_length")),
                  n_layers=field("llama.block_count"), n_vocab=int(embedding.shape[1]))
     epsilon = field("llama.attention.layer_norm_rms_epsilon") * dim / shape["padded_dim"]
 
@@ -288,8 +287,8 @@ def upcycle_gguf(out, dense, n_experts=4, n_experts_used=2, spread=0.1, seed=0):
     writer.add_context_length(field("llama.context_length"))
     writer.add_embedding_length(shape["padded_dim"])
     writer.add_feed_forward_length(shape["padded_ffn_dim"])
-    writer.add_head_count(padded_heads_)
-    writer.add_head_count_kv(padded_kv_heads)
+    writer.add_head_count(q_heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(field("llama.rope.dimension_count", head_dim))

@@ -292,8 +292,9 @@ def main(argv=None):
     parser.add_argument("--types", default=None, metavar="T,T",
                         help=f"instead, the low-bit types' requantizations ({', '.join(LOW_BIT_QUANTIZE)})")
     parser.add_argument("--moe", metavar="MODEL", default=None,
-                        help="instead, the known dense llama MODEL (smollm2-135m) upcycled into a mixture of experts "
-                             "(bench/moe_model.py --upcycle) and llama-quantize's files of it for --types (default all)")
+                        help="instead, the known dense llama MODEL (smollm2-135m) upcycled into a mixture of "
+                             "experts (bench/moe_model.py --upcycle) and llama-quantize's files of it for --types "
+                             "(default all)")
     parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
     parser.add_argument("--json", action="store_true", help="also print each row as JSON")
     parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
