@@ -200,13 +200,13 @@ def upcycled_gguf(name, vendor):
 
 
 def measure_moe(name, type_names, binaries, args):
-    """The rows of the MoE table: the upcycled f16 file, then its llama-quantize file per type."""
+    """The rows of the MoE table, one by one: the upcycled f16 file, then its llama-quantize file
+    per type."""
     upcycled = upcycled_gguf(name, args.vendor)
-    rows = [measure_file(f"{name} upcycled", "f16", upcycled, binaries, args)]
+    yield measure_file(f"{name} upcycled", "f16", upcycled, binaries, args)
     for type_name in type_names:
         quantized = low_bit_gguf(binaries, upcycled, args.vendor, type_name, MOE_QUANTIZE)
-        rows.append(measure_file(f"{name} upcycled", type_name, quantized, binaries, args))
-    return rows
+        yield measure_file(f"{name} upcycled", type_name, quantized, binaries, args)
 
 
 def within_target(ratio):
@@ -316,9 +316,11 @@ def main(argv=None):
         if unknown:
             parser.error(f"--types: {', '.join(unknown)} not among {', '.join(LOW_BIT_QUANTIZE)}")
     if args.moe:
-        rows = measure_moe(args.moe, (args.types or ",".join(MOE_QUANTIZE)).split(","), args.llama_bin.resolve(), args)
-        if args.json:
-            for row in rows:
+        for row in measure_moe(args.moe, (args.types or ",".join(MOE_QUANTIZE)).split(","), args.llama_bin.resolve(),
+                               args):
+            rows.append(row)
+            log(f"{row['model']} {row['type']}: {row}")
+            if args.json:
                 print(json.dumps(row), flush=True)
         print_low_bit_table(rows, args, MOE_QUANTIZE)
         return 0
