@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/perplexity.py --llama-bin /work/llama/build-native/bin
     .venv/bin/python bench/perplexity.py --llama-bin DIR --models smollm2-135m --q4_0 --chunks 4
+    .venv/bin/python bench/perplexity.py --llama-bin DIR --moe smollm2-135m --chunks 4 -t 1
 
 For each known model (`krafla pull`'s three published GGUFs), on one English text
 (bench/data/devils-dictionary.txt, public domain, by default):
@@ -20,8 +21,15 @@ For each known model (`krafla pull`'s three published GGUFs), on one English tex
   MXFP4_MOE does to a MoE model's experts), then llama.cpp and krafla on that same file (krafla
   through `krafla convert OUT`, which keeps its blocks). The table names the file's types.
 
+- with --moe MODEL (smollm2-135m) a mixture of experts that predicts text instead: the dense llama
+  MODEL upcycled into a Mixtral-style GGUF, f16, every width whole 256-value super-blocks
+  (bench/moe_model.py --upcycle), then llama-quantize's Q2_K, Q3_K_M, IQ4_NL, IQ4_XS and
+  MXFP4_MOE files of it (--types chooses among them), and llama.cpp and krafla on the f16 file
+  and on each of those, as for --types. A second table names each tensor role's types.
+
 It prints the table with krafla's default over llama.cpp on the published file, whose target is
-at most 1.01 (within 1%). Perplexity does not depend on the machine's load: one run suffices.
+at most 1.01 (within 1%); in the low-bit tables, where both programs read the same file, within
+1% either way (0.99 to 1.01). Perplexity does not depend on the machine's load: one run suffices.
 """
 
 import argparse
@@ -32,6 +40,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from compare import log, markdown_table, requantized, run  # bench/compare.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,22 +50,33 @@ DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 DEFAULT_TEXT = ROOT / "bench" / "data" / "devils-dictionary.txt"
 TARGET = 1.01  # krafla's default / llama.cpp on the published file
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+RUNNING = re.compile(r"\[([0-9]+)\]([0-9.]+),")  # llama-perplexity's estimate after each chunk: [1]307.1846,
 
 
 def llama_perplexity(binaries, gguf, args):
-    """(PPL, error) from llama-perplexity's final estimate."""
+    """(PPL, error, the estimate after each chunk) from llama-perplexity's output."""
     cmd = [binaries / "llama-perplexity", "-m", gguf, "-f", args.text, "-c", args.ctx, "--chunks", args.chunks,
            "-t", args.threads, *args.llama_args]
     log("+", " ".join(str(c) for c in cmd))
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    match = FINAL.search(done.stdout + done.stderr)
-    if done.returncode or not match:
+    estimate = None if done.returncode else llama_estimate(done.stdout + done.stderr)
+    if estimate is None:
         raise SystemExit(f"llama-perplexity on {gguf} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
-    return float(match.group(1)), float(match.group(2))
+    return estimate
+
+
+def llama_estimate(output):
+    """(PPL, error, the estimate after each chunk) from llama-perplexity's output, or None
+    without its final estimate."""
+    match = FINAL.search(output)
+    if not match:
+        return None
+    running = [float(value) for _, value in sorted((int(i), value) for i, value in RUNNING.findall(output))]
+    return float(match.group(1)), float(match.group(2)), running
 
 
 def krafla_perplexity(pulled, args):
-    """(PPL, error, weight type) from `krafla perplexity --json`."""
+    """(PPL, error, weight type, the estimate after each chunk) from `krafla perplexity --json`."""
     from krafla_twisted.engine.model import Model
 
     with Model(pulled.mlb) as model:
@@ -67,7 +88,25 @@ def krafla_perplexity(pulled, args):
     if done.returncode:
         raise SystemExit(f"krafla perplexity on {pulled.mlb} failed (status {done.returncode}):\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout)
-    return result["perplexity"], result["error"], weight_type
+    return result["perplexity"], result["error"], weight_type, result["running"]
+
+
+def chunk_log_perplexities(running):
+    """Each chunk's own mean negative log-likelihood, from the estimates after each chunk (every
+    chunk scores as many tokens): chunk i's is i log r_i - (i - 1) log r_(i-1)."""
+    logs = np.log(np.asarray(running, np.float64))
+    return np.diff(np.arange(1, len(logs) + 1) * logs, prepend=0.0)  # the running sums' steps
+
+
+def ratio_error(llama_running, krafla_running):
+    """The standard error of log(krafla / llama) over the chunks (their per-chunk differences'
+    standard deviation over the square root of their number), or None for fewer than 2 chunks:
+    how far the ratio moves with the text, since a quantized model's two evaluations differ
+    token by token (the rounding of the activations) far more than the final ratio shows."""
+    if len(llama_running) != len(krafla_running) or len(llama_running) < 2:
+        return None
+    differences = chunk_log_perplexities(krafla_running) - chunk_log_perplexities(llama_running)
+    return float(np.std(differences, ddof=1) / np.sqrt(len(differences)))
 
 
 def q4_0_gguf(binaries, source, vendor):
@@ -85,9 +124,16 @@ LOW_BIT_QUANTIZE = {
 }
 
 
-def low_bit_gguf(binaries, source, vendor, type_name):
-    """The published GGUF requantized by llama-quantize for `type_name` (made once under vendor/)."""
-    options, file_type = LOW_BIT_QUANTIZE[type_name]
+# the same for the upcycled MoE (--moe), from its f16: llama-quantize's own file types, MXFP4_MOE
+# putting the experts in MXFP4 and the other matrices in Q8_0
+MOE_QUANTIZE = {"q2_K": ((), "Q2_K"), "q3_K": ((), "Q3_K_M"), "iq4_nl": ((), "IQ4_NL"), "iq4_xs": ((), "IQ4_XS"),
+                "mxfp4": ((), "MXFP4_MOE")}
+
+
+def low_bit_gguf(binaries, source, vendor, type_name, recipes=LOW_BIT_QUANTIZE):
+    """The GGUF `source` quantized by llama-quantize for `type_name` as `recipes` says (made once
+    under vendor/)."""
+    options, file_type = recipes[type_name]
     out = vendor / "gguf" / f"{Path(source).stem}-requant-{type_name}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,44 +144,104 @@ def low_bit_gguf(binaries, source, vendor, type_name):
     return out
 
 
-def measure_low_bit(name, type_name, binaries, args):
-    """llama.cpp and krafla on one llama-quantize file: the row of the low-bit table."""
+def matrix_types(gguf_path):
+    """{role: {ggml type name: count}} of a GGUF's matrices (the router, kept f32, left out); a
+    role is the tensor name without its layer (`blk.3.attn_q.weight` -> `attn_q`)."""
     import gguf
 
-    from krafla_twisted.cli import models
+    roles = {}
+    for tensor in gguf.GGUFReader(gguf_path).tensors:
+        if len(tensor.shape) >= 2 and "ffn_gate_inp" not in tensor.name:
+            role = re.sub(r"^blk\.[0-9]+\.", "", tensor.name).removesuffix(".weight")
+            counts = roles.setdefault(role, {})
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return roles
+
+
+def measure_file(model, type_name, gguf_path, binaries, args):
+    """llama.cpp and krafla on one GGUF (krafla through `krafla convert`, which keeps its blocks):
+    a row of the low-bit tables."""
     from krafla_twisted.convert.gguf import convert_gguf
 
-    source = models.fetch_source(name)
-    requant = low_bit_gguf(binaries, source, args.vendor, type_name)
-    counts = {}
-    for tensor in gguf.GGUFReader(requant).tensors:
-        if len(tensor.shape) == 2:
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    mlb, mlt = requant.with_suffix(".mlb"), requant.with_suffix(".mlt")
+    mlb, mlt = gguf_path.with_suffix(".mlb"), gguf_path.with_suffix(".mlt")
     if not mlb.is_file() or not mlt.is_file():
-        convert_gguf(requant, mlb, mlt, progress=False)
-    row = {"model": name, "type": type_name, "types": counts}
-    row["llama"] = llama_perplexity(binaries, requant, args)
+        convert_gguf(gguf_path, mlb, mlt, progress=False)
+    row = {"model": model, "type": type_name, "roles": matrix_types(gguf_path)}
+    row["llama"] = llama_perplexity(binaries, gguf_path, args)
     row["krafla"] = krafla_perplexity(SimpleNamespace(mlb=mlb, mlt=mlt), args)
     row["ratio"] = row["krafla"][0] / row["llama"][0]
+    row["ratio_error"] = ratio_error(row["llama"][2], row["krafla"][3])
     return row
 
 
-def print_low_bit_table(rows, args):
+def measure_low_bit(name, type_name, binaries, args):
+    """llama.cpp and krafla on the known model's llama-quantize file for `type_name`."""
+    from krafla_twisted.cli import models
+
+    requant = low_bit_gguf(binaries, models.fetch_source(name), args.vendor, type_name)
+    return measure_file(name, type_name, requant, binaries, args)
+
+
+def upcycled_gguf(name, vendor):
+    """The known dense llama model made a mixture of experts, f16 (bench/moe_model.py's
+    upcycle_gguf, its defaults; made once under vendor/moe/)."""
+    from moe_model import upcycle_gguf  # bench/moe_model.py, beside this script
+
+    from krafla_twisted.cli import models
+
+    out = vendor / "moe" / f"{name}-upcycled.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        log(f"upcycling {name} into {out}")
+        upcycle_gguf(partial, models.fetch_source(name))
+        partial.rename(out)
+    return out
+
+
+def measure_moe(name, type_names, binaries, args):
+    """The rows of the MoE table, one by one: the upcycled f16 file, then its llama-quantize file
+    per type."""
+    upcycled = upcycled_gguf(name, args.vendor)
+    yield measure_file(f"{name} upcycled", "f16", upcycled, binaries, args)
+    for type_name in type_names:
+        quantized = low_bit_gguf(binaries, upcycled, args.vendor, type_name, MOE_QUANTIZE)
+        yield measure_file(f"{name} upcycled", type_name, quantized, binaries, args)
+
+
+def within_target(ratio):
+    """Both programs read the same file: krafla's perplexity within 1% of llama.cpp's either way."""
+    return 2 - TARGET <= ratio <= TARGET
+
+
+def print_low_bit_table(rows, args, recipes=LOW_BIT_QUANTIZE):
     def cell(value):
         return f"{value[0]:.2f} ± {value[1]:.2f}"
 
+    def counted(counts):
+        return ", ".join(f"{count} {t}" for t, count in sorted(counts.items(), key=lambda item: -item[1]))
+
     head = ["model", "llama-quantize", "the file's matrices", "llama.cpp", "krafla", "krafla / llama.cpp",
-            f"target <= {TARGET:.2f}"]
+            f"target {2 - TARGET:.2f}..{TARGET:.2f}"]
     lines = []
     for row in rows:
-        options, file_type = LOW_BIT_QUANTIZE[row["type"]]
-        types = ", ".join(f"{count} {t}" for t, count in sorted(row["types"].items(), key=lambda item: -item[1]))
-        lines.append([row["model"], file_type + (" + MXFP4 layers" if options else ""), types, cell(row["llama"]),
-                      cell(row["krafla"]), f"{row['ratio']:.4f}", "met" if row["ratio"] <= TARGET else "NOT met"])
+        options, file_type = recipes.get(row["type"], ((), "none (f16 as written)"))
+        totals = {}
+        for counts in row["roles"].values():
+            for type_name, count in counts.items():
+                totals[type_name] = totals.get(type_name, 0) + count
+        lines.append([row["model"], file_type + (" + MXFP4 layers" if options else ""), counted(totals),
+                      cell(row["llama"]), cell(row["krafla"]),
+                      f"{row['ratio']:.4f}" + (f" ± {row['ratio_error']:.4f}" if row.get("ratio_error") else ""),
+                      "met" if within_target(row["ratio"]) else "NOT met"])
     markdown_table(head, lines)
     print(f"(perplexity ± its error, -c {args.ctx} --chunks {args.chunks}, -t {args.threads}, on "
-          f"{Path(args.text).name}; both on the same requantized GGUF)")
+          f"{Path(args.text).name}; both on the same GGUF; the ratio ± the standard error of its log over the chunks)")
+    roles = sorted({role for row in rows for role in row["roles"]})
+    print()
+    markdown_table(["file"] + roles, [[recipes.get(row["type"], ((), "f16"))[1]] +
+                                      [counted(row["roles"].get(role, {})) for role in roles] for row in rows])
+    print("(each role's matrices by type; the router ffn_gate_inp and the norms stay f32)")
 
 
 def measure(name, binaries, args):
@@ -185,13 +291,17 @@ def main(argv=None):
     parser.add_argument("--q4_0", action="store_true", help="also the Q4_0 requantizations (llama.cpp and krafla)")
     parser.add_argument("--types", default=None, metavar="T,T",
                         help=f"instead, the low-bit types' requantizations ({', '.join(LOW_BIT_QUANTIZE)})")
+    parser.add_argument("--moe", metavar="MODEL", default=None,
+                        help="instead, the known dense llama MODEL (smollm2-135m) upcycled into a mixture of "
+                             "experts (bench/moe_model.py --upcycle) and llama-quantize's files of it for --types "
+                             "(default all)")
     parser.add_argument("--vendor", type=Path, default=ROOT / "vendor", help="where requantized GGUFs are kept")
     parser.add_argument("--json", action="store_true", help="also print each row as JSON")
     parser.add_argument("--llama-arg", dest="llama_args", action="append", default=[],
                         help="extra option for llama-perplexity, e.g. --llama-arg=-nr where the CPU reports AMX "
                              "but the system does not let a process use it (repeatable)")
     args = parser.parse_args(argv)
-    needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 or args.types else [])
+    needed = ["llama-perplexity"] + (["llama-quantize"] if args.q4_0 or args.types or args.moe else [])
     missing = [tool for tool in needed if not (args.llama_bin / tool).is_file()]
     if missing:
         parser.error(f"--llama-bin {args.llama_bin}: no {', '.join(missing)} there")
@@ -205,6 +315,16 @@ def main(argv=None):
         unknown = [t for t in args.types.split(",") if t not in LOW_BIT_QUANTIZE]
         if unknown:
             parser.error(f"--types: {', '.join(unknown)} not among {', '.join(LOW_BIT_QUANTIZE)}")
+    if args.moe:
+        for row in measure_moe(args.moe, (args.types or ",".join(MOE_QUANTIZE)).split(","), args.llama_bin.resolve(),
+                               args):
+            rows.append(row)
+            log(f"{row['model']} {row['type']}: {row}")
+            if args.json:
+                print(json.dumps(row), flush=True)
+        print_low_bit_table(rows, args, MOE_QUANTIZE)
+        return 0
+    if args.types:
         for name in args.models.split(","):
             for type_name in args.types.split(","):
                 rows.append(measure_low_bit(name, type_name, args.llama_bin.resolve(), args))
