@@ -216,6 +216,19 @@ _tokenizer_pieces = st.one_of(
 )
 tokenizer_texts = st.lists(_tokenizer_pieces, max_size=10).map("".join)
 
+# o200k splits words where the case changes: upper, title and lower case letters of several scripts,
+# modifier and other letters (on both sides of a case change), marks before and after letters,
+# contractions in any case (U+017F matches s), and the '/' that its punctuation run keeps.
+_cased_pieces = st.one_of(
+    st.sampled_from(["HelloWorld", "XMLHttp", "camelCase", "ǅungla", "ǈ", "ᾈa", "ʰa", "aʰB", "Aʰ", "中A", "A中",
+                     "\u0301A", "a\u0301B", "A\u0301", " \u0301", "'S", "'Re", "n'T", "'ſ", "x'll", "/", "!\n/", "a/b",
+                     "\r\n/", ".//", "ΣΊΣ", "Σίσ", "ẞ", "々", "ー"]),
+    st.text(st.characters(categories=("Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No", "Zs", "Po",
+                                      "Sm", "So")), max_size=6),
+    st.text(alphabet="aAbBǅʰ中\u0301'sStT/!1 \r\n", max_size=12),
+)
+cased_tokenizer_texts = st.lists(st.one_of(_tokenizer_pieces, _cased_pieces), max_size=10).map("".join)
+
 # ------------------------------------------------------------------------------------------
 # Weights for the quantizers (krafla_twisted/convert/quantize.py)
 

@@ -3,6 +3,10 @@
 Independent references: llama.cpp's own test vectors (tests/support/testdata.py), the `regex`
 module running the pre-tokenizer patterns llama.cpp uses, plain-Python BPE and SentencePiece
 merges over vocabularies read straight from the GGUF with gguf-py, and Python's unicodedata.
+o200k (gpt-4o, gpt-oss) has no llama.cpp vectors: its split is checked against tiktoken's regex in
+the `regex` module and in Hugging Face's `tokenizers`, and its encode against `tokenizers` on a
+small vocabulary that library trains (tests/support/o200k_vocab.py; the real vocabulary against
+tiktoken is tests/reference/test_o200k.py).
 """
 
 import ctypes
@@ -15,13 +19,15 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import regex
+import tokenizers
 from hypothesis import HealthCheck, assume, example, given, settings
 
 from krafla_twisted.convert import tokenizer as convert
+from krafla_twisted.convert.tokenizer_json import container_from_folder
 from krafla_twisted.engine import clib, formats
 from krafla_twisted.engine.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer, unicode_class
 from tests import strategies
-from tests.support import real_models, testdata
+from tests.support import o200k_vocab, real_models, testdata
 
 BPE_VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35")
 SPM_VOCABS = ("llama-spm", "phi-3")
@@ -210,7 +216,7 @@ class SpecialTokenTests:
         assert tok.encode("<|user|>   hi", special=True, add_bos=False) == [user] + tok.encode("hi", add_bos=False)
 
 
-# --- pre-tokenizers against the `regex` module running llama.cpp's patterns
+# --- pre-tokenizers against the `regex` module running llama.cpp's patterns (o200k: tiktoken's)
 
 CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -221,7 +227,21 @@ PATTERNS = {
     "qwen35": [CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+"],
     "smollm": [r"\p{N}", GPT2],
+    "o200k": [o200k_vocab.REGEX],
 }
+
+
+@pytest.fixture(scope="module")
+def o200k_tiny(tmp_path_factory):
+    """The small o200k vocabulary three ways: krafla's .mlt from its GGUF (pre "gpt-4o") and from its
+    tokenizer.json, and Hugging Face's tokenizer itself."""
+    folder = o200k_vocab.tiny_folder(tmp_path_factory.mktemp("o200k"))
+    reader = gguf.GGUFReader(o200k_vocab.gguf_from_folder(folder, folder / "vocab.gguf"))
+    formats.write(folder / "gguf.mlt", convert.container_from_gguf(reader))
+    formats.write(folder / "json.mlt", container_from_folder(folder))
+    return {"gguf": Tokenizer(folder / "gguf.mlt"), "json": Tokenizer(folder / "json.mlt"),
+            "hf": tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
+            "hf_split": tokenizers.pre_tokenizers.Split(tokenizers.Regex(o200k_vocab.REGEX), behavior="isolated")}
 
 
 def reference_split(patterns, text):
@@ -246,11 +266,13 @@ def reference_split(patterns, text):
 
 def regex_class(ch):
     return ((1 if regex.match(r"\p{L}", ch) else 0) | (2 if regex.match(r"\p{N}", ch) else 0)
-            | (4 if regex.match(r"\p{M}", ch) else 0) | (8 if regex.match(r"\s", ch) else 0))
+            | (4 if regex.match(r"\p{M}", ch) else 0) | (8 if regex.match(r"\s", ch) else 0)
+            | (16 if regex.match(r"[\p{Lu}\p{Lt}]", ch) else 0) | (32 if regex.match(r"\p{Ll}", ch) else 0))
 
 
 class PreTokenizerTests:
-    """Each hand-written splitter equals llama.cpp's regex for it, run by the `regex` module."""
+    """Each hand-written splitter equals llama.cpp's regex for it (o200k: tiktoken's), run by the
+    `regex` module."""
 
     @pytest.mark.parametrize("pre,name", [("gpt2", "gpt-2"), ("llama3", "llama-bpe"), ("qwen2", "qwen2"),
                                           ("qwen35", "qwen35"), ("smollm", "smollm2-135m")])
@@ -264,20 +286,50 @@ class PreTokenizerTests:
         assert tok.pre == pre
         assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS[pre], text)
 
+    @settings(max_examples=400, deadline=None)
+    @given(text=strategies.cased_tokenizer_texts)
+    def test_o200k_split_equals_both_regex_engines(self, o200k_tiny, text):
+        """o200k (from a GGUF with pre "gpt-4o"): pre-tokens of hypothesis text equal tiktoken's regex run
+        by the `regex` module and by `tokenizers` (Oniguruma), over characters whose class both
+        Unicode tables agree on."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        tok = o200k_tiny["gguf"]
+        assert tok.pre == "o200k"
+        pieces = [p.decode() for p in tok.pretokenize(text)]
+        assert pieces == reference_split(PATTERNS["o200k"], text)
+        assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
+
+    @pytest.mark.parametrize("text", o200k_vocab.TEXTS)
+    def test_o200k_split_of_the_fixed_corpus(self, o200k_tiny, text):
+        """The fixed corpus: the same two references, line by line."""
+        pieces = [p.decode() for p in o200k_tiny["gguf"].pretokenize(text)]
+        assert pieces == reference_split(PATTERNS["o200k"], text)
+        assert pieces == [piece for piece, _ in o200k_tiny["hf_split"].pre_tokenize_str(text)]
+
+    def test_o200k_long_runs_split_in_one_pass(self, o200k_tiny):
+        """200 kB runs on which the word alternatives give back characters (no lower case after an
+        upper-side run, marks as prefix and word): the splits equal the regex's."""
+        tok = o200k_tiny["gguf"]
+        for unit, head, tail in (("A", "中", " "), ("Aa", "", ""), ("中A", "", "!"), ("\u0301", "x", "'S"),
+                                 ("ʰ", "A", "B"), ("1", "", "")):
+            text = head + unit * (200_000 // len(unit)) + tail
+            assert [p.decode() for p in tok.pretokenize(text)] == reference_split(PATTERNS["o200k"], text), unit
+
 
 class UnicodeClassTests:
     """The generated class table agrees with Python's unicodedata for every codepoint."""
 
     def test_every_codepoint(self):
-        """Letter, number and mark bits from the general category; space from White_Space."""
+        """Letter, number, mark and letter-case bits from the general category; space from White_Space."""
         white_space = set(range(9, 14)) | {0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
                                            0x205F, 0x3000}
         lib = clib.load()
         table_version = (ctypes.c_char * 16).in_dll(lib, "kr_unicode_version").value.decode()
         wrong, newer = [], []
         for cp in range(0x110000):
-            category = unicodedata.category(chr(cp))[0]
-            want = 8 if cp in white_space else {"L": 1, "N": 2, "M": 4}.get(category, 0)
+            category = unicodedata.category(chr(cp))
+            case = 16 if category in ("Lu", "Lt") else 32 if category == "Ll" else 0
+            want = 8 if cp in white_space else {"L": 1, "N": 2, "M": 4}.get(category[0], 0) | case
             got = lib.kr_unicode_class(cp)
             if got != want:
                 # a Python newer than the table's Unicode knows characters the table leaves unassigned
@@ -425,6 +477,25 @@ class ReferenceEncodeTests:
         tok = pulled_tokenizer("gemma3-270m")
         assert tok.kind == "spm" and tok.add_bos and not tok.add_space_prefix
         assert tok.encode(text, add_bos=False) == reference_spm_encode("gemma3-270m", text, add_space_prefix=False)
+
+    @settings(max_examples=150, deadline=None)
+    @given(text=strategies.cased_tokenizer_texts)
+    @example(text="Ain't HelloWorld/<|endoftext|>中A\r\n/ 12345<|return|>")
+    def test_o200k_equals_hugging_face_tokenizers(self, o200k_tiny, text):
+        """The small o200k vocabulary, converted from its GGUF and from its tokenizer.json: ids equal
+        what `tokenizers` encodes from the tokenizer.json (special tokens parsed, as it does)."""
+        assume(all(regex_class(ch) == unicode_class(ord(ch)) for ch in text))
+        expected = o200k_tiny["hf"].encode(text, add_special_tokens=False).ids
+        assert o200k_tiny["gguf"].encode(text, add_bos=False, special=True) == expected
+        assert o200k_tiny["json"].encode(text, add_bos=False, special=True) == expected
+
+    @pytest.mark.parametrize("text", o200k_vocab.TEXTS)
+    def test_o200k_fixed_corpus_equals_hugging_face_tokenizers(self, o200k_tiny, text):
+        """The fixed corpus, both files, against `tokenizers`."""
+        expected = o200k_tiny["hf"].encode(text, add_special_tokens=False).ids
+        assert len(expected) > 1
+        assert o200k_tiny["gguf"].encode(text, add_bos=False) == expected
+        assert o200k_tiny["json"].encode(text, add_bos=False) == expected
 
     def test_gemma3_end_of_turn(self):
         """Gemma's <end_of_turn> ends a generation and bos comes first by default."""

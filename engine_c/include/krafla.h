@@ -173,7 +173,7 @@ int32_t kr_tokenizer_token_type(const kr_tokenizer *tok, int32_t id);  // kr_tok
 int kr_tokenizer_pretokenize(const kr_tokenizer *tok, const char *text, int64_t n_text, int64_t *ends,
                              int64_t capacity, int64_t *n_words, kr_error *err);
 // Class bits of a codepoint as the pre-tokenizers see it: 1 letter \p{L}, 2 number \p{N}, 4 mark
-// \p{M}, 8 White_Space \s.
+// \p{M}, 8 White_Space \s, 16 upper-case letter \p{Lu} or \p{Lt}, 32 lower-case letter \p{Ll}.
 int32_t kr_unicode_class(uint32_t codepoint);
 // --- end Tokenizer
 

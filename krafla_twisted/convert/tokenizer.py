@@ -32,6 +32,8 @@ BPE_PRE_TOKENIZERS = {
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
                     ("smollm", False, False)),
     "qwen35": ("qwen35", False, False),
+    # OpenAI's o200k split (gpt-4o, gpt-oss); llama.cpp gives llama4, kanana2, talkie and minimax-m2 the same regex
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], ("o200k", False, False)),
 }
 
 # Spellings llama.cpp treats as end of generation (and forces to control type).
@@ -71,7 +73,7 @@ class TokenizerTables:
     """Everything a .mlt holds, before it is packed into tensors."""
 
     kind: str                    # "bpe" or "spm"
-    pre: str                     # krafla pre-tokenizer: gpt2 llama3 qwen2 smollm qwen35, or "none" for spm
+    pre: str                     # krafla pre-tokenizer: gpt2 llama3 qwen2 smollm qwen35 o200k, or "none" for spm
     tokens: list                 # bytes: each token's spelling
     types: list                  # int: GGUF token type
     scores: list | None = None   # spm: float per token

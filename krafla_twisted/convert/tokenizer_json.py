@@ -1,6 +1,6 @@
 """The tokenizer file (.mlt) from a Hugging Face folder: tokenizer.json + tokenizer_config.json.
 
-Byte-level BPE (the tokenizers of llama 3, qwen2, qwen3.5, SmolLM, GPT-2): the vocabulary in
+Byte-level BPE (the tokenizers of llama 3, qwen2, qwen3.5, SmolLM, GPT-2, gpt-oss): the vocabulary in
 tokenizer.json is already spelled in GPT-2's byte alphabet, as the .mlt stores it. The
 pre-tokenizer is recognised from its split regex (or GPT-2's ByteLevel regex, or SmolLM's
 individual digits), added tokens become control (special) or user-defined tokens, ids missing
@@ -25,6 +25,12 @@ from krafla_twisted.convert.tokenizer import (
     end_of_generation_ids)
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# OpenAI's o200k split regex (tiktoken's o200k_base, as gpt-oss's tokenizer.json spells it), matched
+# whole: a variant would need its own splitter.
+O200K_REGEX = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
 
 
 def _pre_tokenizer(pre):
@@ -42,14 +48,17 @@ def _pre_tokenizer(pre):
             return ("smollm", False) if digits else ("gpt2", False)
         raise TokenizerConversionError("tokenizer.json: ByteLevel without a split regex is not supported")
     regex = regexes[0]
-    if "\\p{M}" in regex:
-        return "qwen35", False
-    if "\\p{N}{1,3}" in regex:
-        return "llama3", True
-    if "(?i:'s|'t|'re|'ve|'m|'ll|'d)" in regex and "\\p{N}|" in regex:
-        return "qwen2", False
+    if regex == O200K_REGEX:
+        return "o200k", False
+    if "\\p{Lu}" not in regex:  # the others' words ignore case; another case-splitting regex is refused below
+        if "\\p{M}" in regex:
+            return "qwen35", False
+        if "\\p{N}{1,3}" in regex:
+            return "llama3", True
+        if "(?i:'s|'t|'re|'ve|'m|'ll|'d)" in regex and "\\p{N}|" in regex:
+            return "qwen2", False
     raise TokenizerConversionError(f"tokenizer.json split regex {regex[:80]!r} is not one krafla knows "
-                                   "(gpt2, llama3, qwen2, qwen35, smollm)")
+                                   "(gpt2, llama3, qwen2, qwen35, smollm, o200k)")
 
 
 def _token_text(value):

@@ -226,5 +226,6 @@ class StreamingDecoder:
 
 
 def unicode_class(codepoint):
-    """Class bits the pre-tokenizers give a codepoint: 1 letter, 2 number, 4 mark, 8 space."""
+    """Class bits the pre-tokenizers give a codepoint: 1 letter, 2 number, 4 mark, 8 space,
+    16 upper-case letter (Lu, Lt), 32 lower-case letter (Ll)."""
     return clib.load().kr_unicode_class(codepoint & 0xFFFFFFFF)

@@ -38,6 +38,7 @@ KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signe
     return is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 }
 #define Q5_FLUSH 8
+#define KQ_WIDE_PARTS 1  // parts are int32: q4_K's high nibbles can be multiplied in place
 #define Q6_FLUSH 4
 // Tokens per tile: AVX-512 gives 32 vector registers.
 #ifndef KR_KQUANT_TOKENS

@@ -12,6 +12,10 @@
 //   down     per (expert, 64 rows): o = g Wd_e^T on its run                    (split by items)
 //   combine  proj_t = sum over r of weight_{t,r} * o_{t,r}, r = 0, 1, ...       (split by tokens)
 //
+// The matmul phases cut their items into tapered parts (threads.h, kr_split_tapered), and a part's
+// items of one expert are one call over their rows, so the tiles fetch ahead across them (one
+// token's step reads 64-row items, which alone would each start cold).
+//
 // Each product is the kernels' value for one row alone (kernels.h: it does not depend on how many
 // rows are multiplied together), and the combine follows the token's own rank order, so a token's
 // result does not depend on the other tokens of the step, nor on the thread count.
@@ -25,7 +29,6 @@
 #include <string.h>
 
 #define ITEM_ROWS 64      // rows of one expert per matmul item (a multiple of the kernels' 16-row tiles)
-#define MAX_CHUNKS 65535  // kr_pool_run's limit
 
 // --- Binding
 
@@ -221,6 +224,20 @@ static void gather_job(void *arg, int chunk, int n_chunks, int thread) {
     }
 }
 
+// The items from `item` on (before end_item) that are one expert's: its rows [begin, end) of
+// `rows`, multiplied in one call so the kernels fetch each tile's successor ahead across the items;
+// returns the first item after them.
+static int64_t expert_run(const kr_experts_scratch *x, int64_t item, int64_t end_item, int64_t rows, int32_t *expert,
+                          int32_t *begin, int32_t *end) {
+    *expert = x->items[2 * item];
+    *begin = x->items[2 * item + 1];
+    int64_t next = item + 1;
+    while (next < end_item && x->items[2 * next] == *expert) next++;
+    int64_t last = x->items[2 * (next - 1) + 1] + ITEM_ROWS;
+    *end = (int32_t)(last < rows ? last : rows);
+    return next;
+}
+
 // act(x Wg^T) * (x Wu^T) of 64 rows of one expert over its run of slots. Split by items.
 static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
     experts_job *j = arg;
@@ -228,10 +245,10 @@ static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
     const kr_experts *e = j->e;
     int64_t first_item, end_item, ffn = j->m->info.ffn_dim, dim = j->m->info.dim;
     bool gelu = j->m->info.activation == KR_ACT_GELU_TANH;
-    kr_split(j->n_items, 1, chunk, n_chunks, &first_item, &end_item);
-    for (int64_t item = first_item; item < end_item; item++) {
-        int32_t expert = x->items[2 * item], begin = x->items[2 * item + 1];
-        int32_t end = begin + ITEM_ROWS < ffn ? begin + ITEM_ROWS : (int32_t)ffn;
+    kr_split_tapered(j->n_items, 1, chunk, n_chunks, &first_item, &end_item);
+    for (int64_t item = first_item, next; item < end_item; item = next) {
+        int32_t expert, begin, end;
+        next = expert_run(x, item, end_item, ffn, &expert, &begin, &end);
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *g = &e->gate[expert], *u = &e->up[expert];
         float *gate = x->gate + (size_t)slot * (size_t)ffn, *up = x->up + (size_t)slot * (size_t)ffn;
@@ -266,10 +283,10 @@ static void down_job(void *arg, int chunk, int n_chunks, int thread) {
     kr_experts_scratch *x = j->x;
     const kr_experts *e = j->e;
     int64_t first_item, end_item, ffn = j->m->info.ffn_dim, dim = j->m->info.dim;
-    kr_split(j->n_items, 1, chunk, n_chunks, &first_item, &end_item);
-    for (int64_t item = first_item; item < end_item; item++) {
-        int32_t expert = x->items[2 * item], begin = x->items[2 * item + 1];
-        int32_t end = begin + ITEM_ROWS < dim ? begin + ITEM_ROWS : (int32_t)dim;
+    kr_split_tapered(j->n_items, 1, chunk, n_chunks, &first_item, &end_item);
+    for (int64_t item = first_item, next; item < end_item; item = next) {
+        int32_t expert, begin, end;
+        next = expert_run(x, item, end_item, dim, &expert, &begin, &end);
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *d = &e->down[expert];
         const char *hidden = (const char *)x->hidden_prepared[d->type] + (size_t)slot * kr_activation_row_bytes(d->type, ffn);
@@ -309,11 +326,6 @@ static int64_t plan_items(kr_experts_scratch *x, const kr_experts *e, int64_t ro
     return n;
 }
 
-static int item_chunks(const kr_pool *pool, int64_t items) {
-    if (kr_pool_size(pool) == 1) return 1;
-    return (int)(items < MAX_CHUNKS ? items : MAX_CHUNKS);
-}
-
 void kr_experts_block(kr_model *m, kr_scratch *s, kr_experts_scratch *x, const kr_batch *b, const kr_experts *e) {
     kr_pool *pool = m->pool;
     experts_job j = {.m = m, .s = s, .x = x, .e = e, .n_tokens = b->n, .n_slots = b->n * e->n_used};
@@ -335,9 +347,9 @@ void kr_experts_block(kr_model *m, kr_scratch *s, kr_experts_scratch *x, const k
     x->first[0] = 0;
     kr_pool_run(pool, gather_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.ffn_dim);
-    kr_pool_run(pool, gate_up_job, &j, item_chunks(pool, j.n_items));
+    kr_pool_run(pool, gate_up_job, &j, kr_pool_tapered_chunks(pool, j.n_items));
     kr_pool_run(pool, prepare_hidden_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.dim);
-    kr_pool_run(pool, down_job, &j, item_chunks(pool, j.n_items));
+    kr_pool_run(pool, down_job, &j, kr_pool_tapered_chunks(pool, j.n_items));
     kr_pool_run(pool, combine_job, &j, kr_pool_chunks(pool, b->n));
 }

@@ -44,8 +44,9 @@ typedef struct {
     const int32_t *out_tokens;  // output job: the batch tokens whose logits are wanted
 } job;
 
+// Matmuls are split by rows in tapered parts (threads.h), so no thread waits long for the last.
 static int row_chunks(const kr_pool *pool, int64_t rows) {
-    return kr_pool_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN);
+    return kr_pool_tapered_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN);
 }
 
 // out = x / rms(x) * weight over n values; sum of squares in kr_dot_f32's fixed order.
@@ -148,7 +149,7 @@ static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
     int64_t begin[4], end[4];
     for (int32_t i = 0; i < j->n_w; i++) {
         const kr_matrix *w = j->w[i];
-        kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin[i], &end[i]);
+        kr_split_tapered(w->rows, ROW_ALIGN, chunk, n_chunks, &begin[i], &end[i]);
         if (begin[i] >= end[i]) continue;
         kr_matrix_matmul(w, s->prepared[w->type], j->n, j->out[i], begin[i], end[i]);
         if (j->bias[i])
@@ -373,7 +374,7 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
     const kr_model *m = j->m;
     const kr_matrix *w = &m->output;
     int64_t begin, end;
-    kr_split(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
+    kr_split_tapered(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
     if (begin >= end) return;
     size_t row = kr_activation_row_bytes(w->type, m->info.dim);
     float cap = m->info.final_softcap;

@@ -192,3 +192,22 @@ void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begi
     *begin = first * align < total ? first * align : total;
     *end = (first + count) * align < total ? (first + count) * align : total;
 }
+
+int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items) {
+    if (pool->n_threads == 1 || items <= 1) return 1;
+    int64_t chunks = 8 * (int64_t)pool->n_threads;
+    return (int)(items < chunks ? items : chunks);
+}
+
+// The first block of part p of n: blocks * p(2n - p) / n^2, rounded down (0 at p = 0, blocks at
+// p = n, increasing in p).
+static int64_t tapered_first(int64_t blocks, int64_t part, int64_t n_parts) {
+    return blocks * (part * (2 * n_parts - part)) / (n_parts * n_parts);
+}
+
+void kr_split_tapered(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end) {
+    int64_t blocks = (total + align - 1) / align;
+    int64_t first = tapered_first(blocks, part, n_parts), last = tapered_first(blocks, part + 1, n_parts);
+    *begin = first * align < total ? first * align : total;
+    *end = last * align < total ? last * align : total;
+}

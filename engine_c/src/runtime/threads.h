@@ -21,4 +21,13 @@ void kr_pool_free(kr_pool *pool);
 // [begin, end) of `total` items for one part of n_parts; boundaries are multiples of `align`.
 void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end);
 
+// Chunks for a job whose work is memory reads of `items` equal units (a matmul's row tiles, a
+// mixture's expert rows), split with kr_split_tapered: 1 on one thread, else 8 per thread.
+int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items);
+// As kr_split, but the parts shrink as the job goes: part p of n starts at the fraction
+// p(2n - p)/n^2 of the blocks, so the first part is 2/n of the work and the last 1/n^2. Threads
+// claim parts in order, so the big ones go first and the last few, claimed while the other
+// threads finish theirs, are small: a thread waits at the job's end for at most a small part.
+void kr_split_tapered(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end);
+
 #endif

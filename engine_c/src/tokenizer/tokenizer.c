@@ -20,7 +20,8 @@
 // Deliberate differences from llama.cpp, all on input it handles badly: plain text never turns
 // into a control or unknown token (llama.cpp's SPM lookups would let merges spell one); an
 // invalid UTF-8 lead byte in SPM text is one symbol, not one that swallows the next bytes; a
-// missing byte token falls back to unk (or is dropped) instead of throwing.
+// missing byte token falls back to unk (or is dropped) instead of throwing. The o200k split is
+// tiktoken's regex itself, where llama.cpp runs a rewrite that tells case by ASCII only.
 //
 // Input text is bytes. NUL is an ordinary character. An invalid UTF-8 byte stays in the text as
 // one symbol of its own with no letter/number/space class, and reaches the output through the
@@ -36,8 +37,8 @@
 #include <string.h>
 
 enum { KIND_BPE = 1, KIND_SPM = 2 };
-enum { PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_SMOLLM, PRE_QWEN35 };
-static const char *const PRE_NAMES[] = {"none", "gpt2", "llama3", "qwen2", "smollm", "qwen35"};
+enum { PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_SMOLLM, PRE_QWEN35, PRE_O200K };
+static const char *const PRE_NAMES[] = {"none", "gpt2", "llama3", "qwen2", "smollm", "qwen35", "o200k"};
 
 enum { STRIP_LEFT = 1, STRIP_RIGHT = 2 };
 
@@ -739,11 +740,17 @@ static void word_end(splitter *s, int64_t end) {
     s->last = end;
 }
 
-// 's|'t|'re|'ve|'m|'ll|'d (case-insensitive when `fold`): the length matched at pos, or 0.
-static int contraction(const splitter *s, int64_t pos, bool fold) {
+// How a contraction's letters compare: exactly; ASCII case folded (llama.cpp's '[sS]|'[tT]...);
+// Unicode simple case folding, as (?i:...) in the regex engines, where U+017F LATIN SMALL LETTER LONG
+// S also matches s (the only non-ASCII codepoint that folds to one of s t r e v m l d).
+enum { CASE_EXACT, CASE_ASCII, CASE_UNICODE };
+
+// 's|'t|'re|'ve|'m|'ll|'d compared by `fold`: the length matched at pos, or 0.
+static int contraction(const splitter *s, int64_t pos, int fold) {
     if (cp_at(s, pos) != '\'') return 0;
     uint32_t a = cp_at(s, pos + 1), b = cp_at(s, pos + 2);
-    if (fold) a = ascii_lower(a), b = ascii_lower(b);
+    if (fold != CASE_EXACT) a = ascii_lower(a), b = ascii_lower(b);
+    if (fold == CASE_UNICODE && a == 0x17F) a = 's';
     if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
     if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return 3;
     return 0;
@@ -751,7 +758,7 @@ static int contraction(const splitter *s, int64_t pos, bool fold) {
 
 // The regexes' first alternative: a contraction at *pos is a word of its own; true if there was one
 // (the word ended, *pos past it).
-static bool contraction_word(splitter *s, int64_t *pos, bool fold) {
+static bool contraction_word(splitter *s, int64_t *pos, int fold) {
     const int n = contraction(s, *pos, fold);
     if (n) word_end(s, *pos += n);
     return n != 0;
@@ -761,7 +768,7 @@ static bool contraction_word(splitter *s, int64_t *pos, bool fold) {
 static void split_gpt2(splitter *s, int64_t pos, int64_t end) {
     s->end = end;
     while (pos < end) {
-        if (contraction_word(s, &pos, false)) continue;
+        if (contraction_word(s, &pos, CASE_EXACT)) continue;
         uint32_t c = cp_at(s, pos);
         int64_t body = pos + (c == ' ');  // where the class run starts after an optional space
         uint8_t cls = class_at(s, body);
@@ -791,7 +798,7 @@ static void split_llama3_family(splitter *s, int64_t pos, int64_t end, int max_d
     const uint8_t word = marks ? (KR_CP_LETTER | KR_CP_MARK) : KR_CP_LETTER;
     const uint8_t not_symbol = KR_CP_SPACE | KR_CP_NUMBER | word;
     while (pos < end) {
-        if (contraction_word(s, &pos, true)) continue;
+        if (contraction_word(s, &pos, CASE_ASCII)) continue;
         uint32_t c = cp_at(s, pos);
         uint8_t cls = class_at(s, pos);
         // [^\r\n\p{L}\p{N}]?\p{L}+ : this character is a letter, or an allowed prefix before one
@@ -810,6 +817,76 @@ static void split_llama3_family(splitter *s, int64_t pos, int64_t end, int max_d
         if (body < end && !(class_at(s, body) & not_symbol)) {
             for (pos = body; pos < end && !(class_at(s, pos) & not_symbol);) pos++;
             while (cp_at(s, pos) == '\r' || cp_at(s, pos) == '\n') pos++;
+            word_end(s, pos);
+            continue;
+        }
+        int64_t spaces = 0, after_newline = -1;
+        for (; class_at(s, pos + spaces) & KR_CP_SPACE; spaces++)
+            if (cp_at(s, pos + spaces) == '\r' || cp_at(s, pos + spaces) == '\n') after_newline = pos + spaces + 1;
+        if (after_newline >= 0) pos = after_newline;                // \s*[\r\n]+
+        else if (spaces > 1 && pos + spaces < end) pos += spaces - 1;  // \s+(?!\S)
+        else pos += spaces ? spaces : 1;                          // \s+ (or one stray character)
+        word_end(s, pos);
+    }
+}
+
+// o200k (gpt-4o, gpt-oss): words split where lower case turns upper, contractions stay on the word.
+//   [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+//  |[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+//  |\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// The two bracket sets are "upper side" and "lower side"; Lm, Lo and marks belong to both.
+static inline bool upper_side(uint8_t cls) { return (cls & (KR_CP_LETTER | KR_CP_MARK)) && !(cls & KR_CP_LOWER); }
+static inline bool lower_side(uint8_t cls) { return (cls & (KR_CP_LETTER | KR_CP_MARK)) && !(cls & KR_CP_UPPER); }
+
+// upper* lower+ at start, as a backtracking regex settles it: the end, or -1 if it cannot match.
+// upper* takes the whole upper-side run first; if no lower-side character follows the run, it gives
+// back characters until one of its own (the last lower-side one in the run) can be lower+.
+static int64_t upper_then_lower(const splitter *s, int64_t start) {
+    int64_t pos = start, last_lower = -1;
+    for (; upper_side(class_at(s, pos)); pos++)
+        if (lower_side(class_at(s, pos))) last_lower = pos;
+    if (!lower_side(class_at(s, pos))) return last_lower >= 0 ? last_lower + 1 : -1;
+    while (lower_side(class_at(s, pos))) pos++;
+    return pos;
+}
+
+// upper+ lower* at start: the end, or -1.
+static int64_t upper_run_then_lower(const splitter *s, int64_t start) {
+    if (!upper_side(class_at(s, start))) return -1;
+    int64_t pos = start;
+    while (upper_side(class_at(s, pos))) pos++;
+    while (lower_side(class_at(s, pos))) pos++;
+    return pos;
+}
+
+static void split_o200k(splitter *s, int64_t pos, int64_t end) {
+    s->end = end;
+    const uint8_t not_symbol = KR_CP_SPACE | KR_CP_LETTER | KR_CP_NUMBER;
+    while (pos < end) {
+        uint32_t c = cp_at(s, pos);
+        uint8_t cls = class_at(s, pos);
+        // The two word alternatives in order, each first with its optional prefix character taken,
+        // then without (a mark is both a prefix and a word character).
+        bool prefix = c != '\r' && c != '\n' && !(cls & (KR_CP_LETTER | KR_CP_NUMBER));
+        int64_t word = prefix ? upper_then_lower(s, pos + 1) : -1;
+        if (word < 0) word = upper_then_lower(s, pos);
+        if (word < 0 && prefix) word = upper_run_then_lower(s, pos + 1);
+        if (word < 0) word = upper_run_then_lower(s, pos);
+        if (word >= 0) {
+            pos = word + contraction(s, word, CASE_UNICODE);
+            word_end(s, pos);
+            continue;
+        }
+        if (cls & KR_CP_NUMBER) {
+            for (int digits = 0; digits < 3 && (class_at(s, pos) & KR_CP_NUMBER); digits++) pos++;
+            word_end(s, pos);
+            continue;
+        }
+        //  ?[^\s\p{L}\p{N}]+[\r\n/]*
+        int64_t body = pos + (c == ' ');
+        if (body < end && !(class_at(s, body) & not_symbol)) {
+            for (pos = body; pos < end && !(class_at(s, pos) & not_symbol);) pos++;
+            while (cp_at(s, pos) == '\r' || cp_at(s, pos) == '\n' || cp_at(s, pos) == '/') pos++;
             word_end(s, pos);
             continue;
         }
@@ -854,6 +931,7 @@ static bool pretokenize(encoder *e, const uint8_t *text, int64_t n) {
     case PRE_LLAMA3: split_llama3_family(&s, 0, m, 3, false); break;
     case PRE_QWEN2: split_llama3_family(&s, 0, m, 1, false); break;
     case PRE_QWEN35: split_llama3_family(&s, 0, m, 1, true); break;
+    case PRE_O200K: split_o200k(&s, 0, m); break;
     case PRE_SMOLLM:
         // two regexes in turn: \p{N} isolates every digit, then gpt-2's split runs inside each piece
         for (int64_t i = 0; i < m;) {

@@ -4,7 +4,8 @@
 
 #include <stdint.h>
 
-enum { KR_CP_LETTER = 1, KR_CP_NUMBER = 2, KR_CP_MARK = 4, KR_CP_SPACE = 8 };
+// KR_CP_UPPER marks Lu and Lt letters, KR_CP_LOWER Ll letters (o200k splits words by case)
+enum { KR_CP_LETTER = 1, KR_CP_NUMBER = 2, KR_CP_MARK = 4, KR_CP_SPACE = 8, KR_CP_UPPER = 16, KR_CP_LOWER = 32 };
 
 typedef struct {
     uint32_t first;  // first codepoint of the run
