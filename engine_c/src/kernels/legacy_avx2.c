@@ -150,7 +150,8 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 // and. Each block ends with one fused multiply-add (two with a minimum) for 8 outputs.
 
 // A group block of the tile after this one, fetched ahead: the grid types' into L2 (kquant_tile.h's
-// prefetch_group says why), the others' into L1, as they were measured.
+// prefetch_group says why), the others' into L1, as they were measured (the avx512 build's pair
+// tiles fetch every type's into L2: tiles_avx512.h).
 KR_INLINE void prefetch_block(const int32_t type, const char *at, size_t bytes) {
     for (size_t line = 0; line < bytes; line += 64) {
         if (kr_legacy_grid_type(type))

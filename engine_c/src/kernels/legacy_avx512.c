@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t type, 
         const kr_block_q8_sum *ab[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-        if (next) kr_prefetch_pair(next, group_stride, group_block_bytes, b, with_grid);
+        if (next) kr_prefetch_pair(next, group_stride, group_block_bytes, b);
         const __m512i bits = with_fifth ? kr_load_pair(first + fifth_at, second + fifth_at) : _mm512_setzero_si512();
         // One token: low and high quants in two accumulators, two short dependency chains instead of
         // one long; several tokens are chains enough, and their registers are needed.

@@ -30,7 +30,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int T, const c
     __m512 acc[8] = {0};  // T of them used
     for (int64_t b = 0; b < n_blocks; b++) {
         const char *first = w + (size_t)b * GROUP_BLOCK, *second = first + group_stride;
-        if (next) kr_prefetch_pair(next, group_stride, GROUP_BLOCK, b, 0);
+        if (next) kr_prefetch_pair(next, group_stride, GROUP_BLOCK, b);
         __m512i weight_sums = _mm512_setzero_si512(), sums[8];
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) sums[t] = _mm512_setzero_si512();

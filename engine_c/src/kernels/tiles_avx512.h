@@ -29,19 +29,18 @@ static inline __m512 kr_e8m0_pair(const char *first, const char *second) {
     return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
 }
 
-// Block b of the pair of groups at `next` (the tile after this one), fetched ahead of use: into L1,
-// or into L2 when `to_l2` (kquant_tile.h's prefetch_group says why L2 is the better place).
+// Block b of the pair of groups at `next` (the tile after this one), fetched into L2 ahead of use
+// (kquant_tile.h's prefetch_group says why not L1). Always inlined: as a plain static inline the
+// 512-bit tiles called it out of line, and GCC deleted the calls, a function of prefetches alone
+// having no effect it must keep, so until 4 Dec these tiles fetched nothing ahead. Made real, an
+// L1 fetch slowed one-token q8_0 tiles of long rows by a third (bench/kernels.py --packed --types
+// q8_0 --tokens 1, 896x4864: 63-71 -> 94 us), an L2 fetch gives 71-72 us, as none did, and 4864x896
+// q4_0 51 us against 54.
 static inline __attribute__((always_inline)) void kr_prefetch_pair(const char *next, size_t group_stride,
-                                                                    size_t block_bytes, int64_t b, const int to_l2) {
+                                                                    size_t block_bytes, int64_t b) {
     for (size_t line = 0; line < block_bytes; line += 64) {
-        const char *first = next + (size_t)b * block_bytes + line;
-        if (to_l2) {
-            _mm_prefetch(first, _MM_HINT_T1);
-            _mm_prefetch(first + group_stride, _MM_HINT_T1);
-        } else {
-            _mm_prefetch(first, _MM_HINT_T0);
-            _mm_prefetch(first + group_stride, _MM_HINT_T0);
-        }
+        _mm_prefetch(next + (size_t)b * block_bytes + line, _MM_HINT_T1);
+        _mm_prefetch(next + group_stride + (size_t)b * block_bytes + line, _MM_HINT_T1);
     }
 }
 
