@@ -339,9 +339,8 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 // several tokens, 2 x 2 for AVX2 (2 x 2 ran 1.04x faster than 2 x 3 and 1.03x faster than 1 x 4;
 // 1 x 4 spills registers) and 2 x 8 for ISA=avx512 (q8_avx512.c's 512-bit tiles: a step of 4 or 8
 // Qwen2.5-Coder sequences, whose output head is q8_0, 6 to 8% less CPU time than 2 x 4 in 256-bit
-// tiles), 2 x 1 for one token (two independent chains of fused multiply-adds while the weights
-// stream in). The build can override them to measure others; the results are the same bits
-// whatever the tile.
+// tiles), KR_ONE_TOKEN_GROUPS x 1 for one token (kernels.h: one stream from memory). The build can
+// override them to measure others; the results are the same bits whatever the tile.
 #ifndef KR_PACKED_GROUPS
 #define KR_PACKED_GROUPS 2
 #endif
@@ -390,7 +389,7 @@ void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int
         kr_matmul_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    const int max_groups = n_tokens == 1 ? 2 : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
+    const int max_groups = n_tokens == 1 ? KR_ONE_TOKEN_GROUPS : KR_PACKED_GROUPS, max_tokens = n_tokens == 1 ? 1 : KR_PACKED_TOKENS;
     kr_matmul_group_tiles(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups,
                           max_tokens, packed_tile, kr_matmul_avx2);
 }

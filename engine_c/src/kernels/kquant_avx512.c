@@ -39,6 +39,8 @@ KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signe
 }
 #define Q5_FLUSH 8
 #define KQ_WIDE_PARTS 1  // parts are int32: q4_K's high nibbles can be multiplied in place
+// One token: kquant_vnni256.c's tiles of one group, which read a matrix as one stream
+#define KQ_ONE_TOKEN(name) name##_vnni256
 #define Q6_FLUSH 4
 // Tokens per tile: AVX-512 gives 32 vector registers.
 #ifndef KR_KQUANT_TOKENS

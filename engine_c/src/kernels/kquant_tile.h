@@ -10,7 +10,8 @@
 //   (tokens per tile),
 // and gets the matmuls kr_matmul_kquant_avx2 (file layout) and kr_matmul_packed_kquant_avx2
 // (packed) of kernels.h: an ISA=avx2 build takes them from kquant_avx2.c, an ISA=avx512 build from
-// kquant_avx512.c.
+// kquant_avx512.c. A file may name them otherwise with KQ_NAME (kquant_vnni256.c's _vnni256), and
+// hand one-token matmuls to other ones with KQ_ONE_TOKEN (the avx512 build's to the _vnni256).
 //
 // Each computes what kquant_ref.c computes, in its order of float operations: per output and
 // super-block the exact integer sums isum (and msum), then the same fused multiply-adds. The
@@ -36,6 +37,9 @@
 #include "kernels/tile_loops.h"
 
 #define GROUPS (ROWS / KR_PACK_ROWS)  // groups of 8 rows per tile
+#ifndef KQ_NAME
+#define KQ_NAME(name) name##_avx2
+#endif
 #ifndef KQ_WIDE_PARTS
 #define KQ_WIDE_PARTS 0  // the including file's parts hold int32 sums (VNNI), not int16 (maddubs)
 #endif
@@ -284,8 +288,14 @@ static int tile_tokens(int64_t n_tokens) { return n_tokens == 1 ? 1 : KR_KQUANT_
 
 // File layout: ROWS rows at a time packed into a buffer (rows past the matrix's end as zero blocks,
 // whose outputs are not stored), then the packed tile.
-void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
-                           int64_t out_stride, int64_t row_begin, int64_t row_end) {
+void KQ_NAME(kr_matmul_kquant)(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
+                               float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+#ifdef KQ_ONE_TOKEN
+    if (n_tokens == 1) {
+        KQ_ONE_TOKEN(kr_matmul_kquant)(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
+#endif
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_bytes = ROWS * row_bytes;
     char *rows = malloc(group_bytes ? 2 * group_bytes : 1);
     if (!rows) {  // no memory for a buffer: the reference computes the same bits
@@ -304,15 +314,22 @@ void kr_matmul_kquant_avx2(int32_t weight_type, const void *w, int64_t cols, con
         memset(rows + (size_t)count * row_bytes, 0, (size_t)(ROWS - count) * row_bytes);
         kr_pack_rows_kquant(weight_type, rows, packed, ROWS, cols);
         kr_matmul_group_tiles(weight_type, packed, ROWS, cols, prepared, n_tokens, out + first, out_stride, 0, count, GROUPS,
-                              tile_tokens(n_tokens), tile, kr_matmul_kquant_avx2);
+                              tile_tokens(n_tokens), tile, KQ_NAME(kr_matmul_kquant));
     }
     free(rows);
 }
 
-void kr_matmul_packed_kquant_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
-                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+void KQ_NAME(kr_matmul_packed_kquant)(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
+                                      int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+#ifdef KQ_ONE_TOKEN
+    if (n_tokens == 1) {
+        KQ_ONE_TOKEN(kr_matmul_packed_kquant)(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin,
+                                              row_end);
+        return;
+    }
+#endif
     kr_matmul_group_tiles(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, GROUPS,
-                          tile_tokens(n_tokens), tile, kr_matmul_kquant_avx2);
+                          tile_tokens(n_tokens), tile, KQ_NAME(kr_matmul_kquant));
 }
 
 #endif

@@ -273,7 +273,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 // the bits are the same whatever the tile): q4_0 and q4_1, 2 x 2 in AVX2; the 5-bit types 1 x 4 in
 // AVX2 (their sums take twice the int16 registers, and unpacking the fifth bits is shared by more
 // tokens: 1.3x 2 x 2 at 512 tokens); every type 2 x 8 in the avx512 build (legacy_avx512.c's
-// 512-bit tiles; a lone group, 1 x 4 at a time). One token: 2 x 1.
+// 512-bit tiles; a lone group, 1 x 4 at a time). One token: KR_ONE_TOKEN_GROUPS x 1 (kernels.h).
 #ifndef KR_LEGACY_Q4_GROUPS
 #define KR_LEGACY_Q4_GROUPS 2
 #endif
@@ -342,7 +342,7 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
 void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                   int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const int q5 = kr_legacy_has_fifth(type);
-    const int max_groups = n_tokens == 1 ? 2 : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
+    const int max_groups = n_tokens == 1 ? KR_ONE_TOKEN_GROUPS : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
     kr_matmul_group_tiles(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups, max_tokens,
                           packed_tile, kr_legacy_grid_type(type) ? kr_matmul_lowbit_avx2 : kr_matmul_legacy_avx2);

@@ -8,8 +8,9 @@
 // lowbit_ref.c's for the grid types: exact integer sums, then the fused multiply-adds), so the bits
 // are those of every other build. The grid types' quants are their grid's values + 128, looked up
 // by one byte shuffle, and 128 * sum(a) is subtracted as q4_0's 8 * sum(a).
-// Measured for q4_0 at one thread: tg32 on SmolLM2 +15 to 25% over the 256-bit tiles; a step of
-// 4 or 8 Qwen2.5-Coder sequences about 20% less CPU time than the 256-bit 2 x 4 tiles.
+// Measured for q4_0 at one thread: a step of 4 or 8 Qwen2.5-Coder sequences about 20% less CPU time
+// than the 256-bit 2 x 4 tiles. One-token steps take the 256-bit tiles of one group instead
+// (kernels.h, KR_ONE_TOKEN_GROUPS): on a cold matrix they stream from memory twice as fast.
 #include "kernels/legacy.h"
 #include "krafla.h"
 

@@ -35,7 +35,8 @@ static inline __m512 kr_e8m0_pair(const char *first, const char *second) {
 // having no effect it must keep, so until 4 Dec these tiles fetched nothing ahead. Made real, an
 // L1 fetch slowed one-token q8_0 tiles of long rows by a third (bench/kernels.py --packed --types
 // q8_0 --tokens 1, 896x4864: 63-71 -> 94 us), an L2 fetch gives 71-72 us, as none did, and 4864x896
-// q4_0 51 us against 54.
+// q4_0 51 us against 54 (measured while one-token steps still took these tiles; they now take
+// KR_ONE_TOKEN_GROUPS' 256-bit tiles).
 static inline __attribute__((always_inline)) void kr_prefetch_pair(const char *next, size_t group_stride,
                                                                     size_t block_bytes, int64_t b) {
     for (size_t line = 0; line < block_bytes; line += 64) {
