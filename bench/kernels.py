@@ -5,13 +5,13 @@
 Shapes are the projections of SmolLM2-135M (576x1536) and Qwen2.5-0.5B (896x4864, as rows x cols
 4864x896 and 896x4864), for 1 token (generation: should be bound by memory bandwidth) and 32
 tokens (prompt processing: bound by arithmetic). Times include preparing the activations (q8_0
-quantization), timed in C in thread CPU time: the best of --repeat runs. --packed multiplies quantized
-weights (q4_0, q8_0, q4_1, q5_0, q5_1 and the k-quants) in the packed layout the engine uses after
-loading a model (kernels.h, legacy.h).
+quantization), timed in C in thread CPU time: the best of --repeat runs. --packed multiplies the
+packable weights (kernels.PACKABLE: q4_0, q8_0, q4_1, q5_0, q5_1, the k-quants, iq4_nl and mxfp4) in
+the packed layout the engine uses after loading a model (kernels.h, legacy.h).
 k-quants (--types q4_K,q5_K,q6_K) need rows of whole 256-wide super-blocks: they run the shapes of
 Qwen2.5-0.5B's down projection (896x4864), Gemma-3-270M's (640x2048) and its up projection (2048x640
 has 640 columns, so 2048x1024 stands in for it). The low-bit types (--types q2_K,q3_K,iq4_xs,iq4_nl,mxfp4)
-run the same shapes, in the file layout (they are not packed).
+run the same shapes; q2_K, q3_K and iq4_xs always in the file layout (they are not packed).
 """
 
 import argparse
@@ -58,7 +58,7 @@ def random_weights(type_name, rows, cols, rng):
 
 def measure(type_name, rows, cols, n_tokens, impl, repeat, rng, packed):
     weights = random_weights(type_name, rows, cols, rng)
-    packed = packed and (type_name in kernels.BLOCK_BYTES or type_name in kernels.KQUANTS)
+    packed = packed and type_name in kernels.PACKABLE
     if packed:
         weights = kernels.pack(type_name, weights, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--types", default="q4_0,q8_0", help="comma-separated weight types")
     parser.add_argument("--tokens", default="1,32", help="comma-separated token counts")
     parser.add_argument("--repeat", type=int, default=100)
-    parser.add_argument("--packed", action="store_true", help="quantized weights (k-quants too) in the packed layout")
+    parser.add_argument("--packed", action="store_true", help="the packable weights in the packed layout")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"library ISA {kernels.isa()}, implementation {args.impl}, {'packed' if args.packed else 'file'} layout, "

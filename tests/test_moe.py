@@ -11,8 +11,8 @@
   others share its experts. Checked at zero tolerance across step widths, thread counts, packed
   and file-layout weights, several sequences in one step (kr_batch_eval, `--parallel`) and the
   generic/avx2/avx512 builds, on the tiny files and on synthetic qwen3moe models whose experts
-  are q8_0, or q4_K with q6_K down matrices (Q4_K_M's mix), 256 wide so the k-quant kernels and
-  several 64-row work items per expert run.
+  are q8_0, q4_K with q6_K down matrices (Q4_K_M's mix), or mxfp4 (MXFP4_MOE's, the packed mxfp4
+  tiles), 256 wide so the k-quant kernels and several 64-row work items per expert run.
 """
 
 import json
@@ -53,9 +53,9 @@ def tiny_file(arch):
 # --- synthetic quantized models
 
 
-def write_quantized_moe(path, weight_type, *, seed=5, n_experts=4, n_used=2, down_type=None):
+def write_quantized_moe(path, weight_type, *, seed=5, n_experts=4, n_used=2, down_type=None, expert_type=None):
     """A random qwen3moe model (dim and expert width 256, 2 layers) whose matrices are `weight_type`
-    (the expert down matrices `down_type`), router and norms f32."""
+    (the experts' `expert_type`, their down matrices `down_type`), router and norms f32."""
     rng = np.random.default_rng(seed)
     dim, ffn, n_heads, n_kv, head_dim, n_vocab, n_layers = 256, 256, 4, 2, 64, 64, 2
     metadata = {"arch": "qwen3moe", "name": f"synthetic-moe-{weight_type}", "n_vocab": n_vocab, "dim": dim,
@@ -85,9 +85,9 @@ def write_quantized_moe(path, weight_type, *, seed=5, n_experts=4, n_used=2, dow
         vector(blk + "ffn_norm.weight", dim)
         router = (3 * rng.standard_normal((n_experts, dim)) / np.sqrt(dim)).astype(np.float32)
         container.add(blk + "ffn_gate_inp.weight", formats.F32, router.shape, router)
-        matrix(blk + "ffn_gate_exps.weight", (n_experts, ffn, dim))
-        matrix(blk + "ffn_up_exps.weight", (n_experts, ffn, dim))
-        matrix(blk + "ffn_down_exps.weight", (n_experts, dim, ffn), down_type or weight_type)
+        matrix(blk + "ffn_gate_exps.weight", (n_experts, ffn, dim), expert_type or weight_type)
+        matrix(blk + "ffn_up_exps.weight", (n_experts, ffn, dim), expert_type or weight_type)
+        matrix(blk + "ffn_down_exps.weight", (n_experts, dim, ffn), down_type or expert_type or weight_type)
     vector("output_norm.weight", dim)
     matrix("output.weight", (n_vocab, dim), "q8_0")
     formats.write(path, container)
@@ -96,15 +96,16 @@ def write_quantized_moe(path, weight_type, *, seed=5, n_experts=4, n_used=2, dow
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> .mlb path: the three tiny f32 files and two synthetic quantized ones."""
+    """name -> .mlb path: the tiny f32 files and three synthetic quantized ones."""
     folder = tmp_path_factory.mktemp("moe")
     found = {arch: tiny_file(arch) for arch in ARCHS}
     found["q8_0"] = write_quantized_moe(folder / "q8_0.mlb", "q8_0")
     found["q4_K_M"] = write_quantized_moe(folder / "q4_K_M.mlb", "q4_K", down_type="q6_K", n_experts=5, n_used=3)
+    found["mxfp4"] = write_quantized_moe(folder / "mxfp4.mlb", "q8_0", expert_type="mxfp4", n_experts=6, n_used=3)
     return found
 
 
-MODELS = ARCHS + ("q8_0", "q4_K_M")
+MODELS = ARCHS + ("q8_0", "q4_K_M", "mxfp4")
 
 
 class TransformersLogitsTests:

@@ -23,9 +23,11 @@ from krafla_twisted.engine.model import Model
 from tests.support import kquants
 from tests.support.tiny_models import write_tiny_model, write_tiny_models
 from tests.test_kernels import avx2_or_skip, make_problem, random_float32, same_bits
+from tests.test_quant_types import PACKED as LOW_BIT
+from tests.test_quant_types import random_blocks as low_bit_blocks
 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-PACKABLE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
+PACKABLE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K", "iq4_nl", "mxfp4")
 PACK_ROWS = 8
 HEADER_BYTES = 4096
 
@@ -98,11 +100,15 @@ class PackedKernelTests:
         if type_name.endswith("_K"):
             cols = 256 * blocks
             weights = kquants.random_blocks(rng, type_name, rows, cols)
+        elif type_name in LOW_BIT:  # random bytes with sane scales (gguf-py has no iq4_nl quantizer)
+            cols = 32 * blocks
+            weights = low_bit_blocks(rng, type_name, rows, cols)
         else:
             cols = 32 * blocks
             weights = gguf_quantize(random_float32(rng, (rows, cols)), gguf_type)
         weights = np.ascontiguousarray(weights, np.uint8).reshape(rows, -1)
-        want = gguf_dequantize(weights, gguf_type).astype(np.float32)
+        with np.errstate(over="ignore"):  # mxfp4's largest exponents overflow float32, in both
+            want = gguf_dequantize(weights, gguf_type).astype(np.float32)
         packed = kernels.pack(type_name, weights.reshape(-1), rows, cols)
         for row in range(rows):
             assert same_bits(kernels.dequantize_packed(type_name, packed, rows, cols, row), want[row]), row
@@ -114,7 +120,7 @@ class PackedKernelTests:
                 kernels.dequantize_packed("q4_0", packed, 9, 32, row)
 
     def test_float_weights_are_refused(self):
-        """Only q8_0 and q4_0 have a packed layout: packing f32 is an error, not a silent copy."""
+        """Only the PACKABLE types have a packed layout: packing f32 is an error, not a silent copy."""
         with pytest.raises(Exception, match="q8_0"):
             kernels.pack("f32", np.zeros(4 * 8 * 4, np.uint8), 4, 8)
 

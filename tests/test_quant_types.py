@@ -7,7 +7,10 @@ What is pinned, and against what:
   within FLOAT32_SUM_TOLERANCE.
 - The AVX2 (in an ISA=avx512 build, the 512-bit and VNNI) matmul equals the reference at zero
   tolerance, for any number of tokens and any row range, also with every quant, scale and
-  activation at its extreme; the low-bit types are not packed (kr_test_pack refuses them).
+  activation at its extreme. iq4_nl and mxfp4 are packed (legacy.h's layout, built independently
+  here in numpy): every implementation on packed weights gives the file layout reference's bits,
+  mxfp4's extreme exponents included, and a packed row looks up as gguf-py's dequantized row; the
+  super-block types are not packed (kr_test_pack refuses them).
 - The quantizers of `krafla convert --type` write blocks gguf-py decodes close to the weights
   (mxfp4: gguf-py's own quantizer's bytes), and a GGUF holding these types converts with its
   blocks kept, then loads and runs, giving logits close to its f32 dequantization's.
@@ -35,6 +38,10 @@ GGML = gguf.GGMLQuantizationType
 GGUF_TYPES = {"q2_K": GGML.Q2_K, "q3_K": GGML.Q3_K, "iq4_nl": GGML.IQ4_NL, "iq4_xs": GGML.IQ4_XS, "mxfp4": GGML.MXFP4}
 TYPES = tuple(GGUF_TYPES)
 SUPER = ("q2_K", "q3_K", "iq4_xs")
+PACKED = ("iq4_nl", "mxfp4")
+PACK_ROWS = 8
+# mxfp4's exponents at their edges (e < 2 subnormal scales, 254 and 255 the largest) and in the middle
+EDGE_EXPONENTS = np.array([0, 1, 2, 3, 100, 127, 128, 129, 140, 253, 254, 255], np.uint8)
 # Where each block keeps its f16 scales (ggml-common.h); mxfp4's first byte is its E8M0 exponent.
 F16_SCALES = {"q2_K": (80, 82), "q3_K": (108,), "iq4_nl": (0,), "iq4_xs": (0,), "mxfp4": ()}
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -161,6 +168,10 @@ class MatmulTests:
         assert np.allclose(reference, x64 @ w64.T, rtol=1e-5)
         for impl in implementations():
             assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, impl), reference), impl
+        if type_name in PACKED:  # the packed tiles' int16 pairs (plain AVX2) at the same extremes
+            packed = kernels.pack(type_name, weights, rows, cols)
+            for impl in implementations():
+                assert same_bits(kernels.matmul_packed(type_name, packed, rows, cols, x, impl), reference), impl
 
     @pytest.mark.parametrize("type_name, rows, cols, n_tokens", [
         ("q2_K", 37, 2304, 21), ("q3_K", 18, 1536, 9), ("iq4_xs", 23, 4864, 6), ("iq4_nl", 29, 896, 40),
@@ -174,12 +185,106 @@ class MatmulTests:
         for impl in implementations():
             assert same_bits(kernels.matmul(type_name, weights, rows, cols, x, impl), reference), impl
 
-    @pytest.mark.parametrize("type_name", TYPES)
+    @pytest.mark.parametrize("type_name", SUPER)
     def test_not_packed(self, type_name):
-        """The low-bit types keep the file layout: kr_test_pack refuses them with a message."""
+        """The super-block low-bit types keep the file layout: kr_test_pack refuses them with a message."""
         weights = random_blocks(np.random.default_rng(4), type_name, 8, 256)
         with pytest.raises(clib.KraflaError, match="packed"):
             kernels.pack(type_name, weights, 8, 256)
+
+
+def numpy_packed(type_name, data, rows, cols):
+    """legacy.h's packed layout of iq4_nl and mxfp4, built with numpy: whole groups of 8 rows where
+    they are in the file, the rows past the last group as they are; in a group, block by block, the
+    8 rows' scales (iq4_nl: 2 bytes each, mxfp4: its exponent byte), then 4 chunks of nibbles, chunk i
+    holding bytes 4i..4i+3 of each row's 16."""
+    size = formats.TENSOR_TYPES_BY_NAME[type_name].block_bytes
+    scale = size - 16
+    blocks = np.asarray(data, np.uint8).reshape(rows, cols // 32, size)
+    grouped = rows - rows % PACK_ROWS
+    out = []
+    for first in range(0, grouped, PACK_ROWS):
+        for b in range(cols // 32):
+            block = blocks[first:first + PACK_ROWS, b, :]  # (8, size)
+            out.append(block[:, :scale].reshape(-1))
+            out.append(block[:, scale:].reshape(PACK_ROWS, 4, 4).transpose(1, 0, 2).reshape(-1))
+    out.append(blocks[grouped:].reshape(-1))
+    return np.concatenate(out)
+
+
+@st.composite
+def packed_problems(draw):
+    """(type, rows, cols, n_tokens, row_begin, row_end, seed) for the packed types: rows 1 to 40 (whole
+    groups of 8, pairs of groups of 16 and the rows past them), 1 to 12 blocks, 1 to 9 tokens."""
+    type_name = draw(st.sampled_from(PACKED))
+    rows = draw(st.integers(1, 40))
+    row_begin = draw(st.integers(0, rows - 1))
+    return (type_name, rows, 32 * draw(st.integers(1, 12)), draw(st.integers(1, 9)), row_begin,
+            draw(st.integers(row_begin + 1, rows)), draw(st.integers(0, 2**32 - 1)))
+
+
+def packable_blocks(rng, type_name, rows, cols):
+    """random_blocks with mxfp4's exponents drawn from EDGE_EXPONENTS."""
+    weights = random_blocks(rng, type_name, rows, cols)
+    if type_name == "mxfp4":
+        weights.reshape(-1, 17)[:, 0] = rng.choice(EDGE_EXPONENTS, rows * cols // 32)
+    return weights
+
+
+class PackedTests:
+    @SETTINGS
+    @given(problem=packed_problems())
+    def test_layout_matches_the_documented_one(self, problem):
+        """kr_pack_rows writes exactly the layout legacy.h describes, at the file layout's size."""
+        type_name, rows, cols, _, _, _, seed = problem
+        weights = packable_blocks(np.random.default_rng(seed), type_name, rows, cols)
+        got = kernels.pack(type_name, weights, rows, cols).reshape(-1)
+        assert got.size == weights.size
+        assert np.array_equal(got, numpy_packed(type_name, weights, rows, cols))
+
+    @SETTINGS
+    @given(problem=packed_problems())
+    def test_packed_matmul_equals_the_reference(self, problem):
+        """Every implementation on packed weights, any row range, several tokens and one (the one-token
+        tiles differ): the file layout reference's bits, mxfp4's extreme exponents included."""
+        type_name, rows, cols, n_tokens, row_begin, row_end, seed = problem
+        rng = np.random.default_rng(seed)
+        weights = packable_blocks(rng, type_name, rows, cols)
+        x = random_float32(rng, (n_tokens, cols))
+        want = kernels.matmul(type_name, weights, rows, cols, x, "reference")
+        packed = kernels.pack(type_name, weights, rows, cols)
+        for impl in implementations():
+            for tokens in (x, x[:1]):
+                got = kernels.matmul_packed(type_name, packed, rows, cols, tokens, impl, row_begin, row_end)
+                assert same_bits(got[:, row_begin:row_end], want[:len(tokens), row_begin:row_end]), (impl, len(tokens))
+                assert np.isnan(got[:, :row_begin]).all() and np.isnan(got[:, row_end:]).all()
+
+    @pytest.mark.parametrize("type_name, rows, cols, n_tokens", [("iq4_nl", 61, 4864, 21), ("mxfp4", 37, 2880, 9),
+                                                                 ("mxfp4", 768, 2048, 1)])
+    def test_large_shapes_agree(self, type_name, rows, cols, n_tokens):
+        """Projection-sized problems (several L2 blocks of activations, an expert's 768 rows): packed
+        gives the reference's bits in every implementation."""
+        rng = np.random.default_rng(8)
+        weights = random_blocks(rng, type_name, rows, cols, exponents=(110, 130))
+        x = random_float32(rng, (n_tokens, cols))
+        want = kernels.matmul(type_name, weights, rows, cols, x, "reference")
+        packed = kernels.pack(type_name, weights, rows, cols)
+        for impl in implementations():
+            assert same_bits(kernels.matmul_packed(type_name, packed, rows, cols, x, impl), want), impl
+
+    @SETTINGS
+    @given(type_name=st.sampled_from(PACKED), rows=st.integers(1, 27), blocks=st.integers(1, 4),
+           seed=st.integers(0, 2**32 - 1))
+    def test_packed_row_is_the_dequantized_row(self, type_name, rows, blocks, seed):
+        """Every row of a packed matrix, in a group of 8 or past the last one: gguf-py's dequantized
+        file row, bit for bit."""
+        cols = 32 * blocks
+        weights = packable_blocks(np.random.default_rng(seed), type_name, rows, cols)
+        with np.errstate(over="ignore"):
+            want = gguf_dequantize(weights.reshape(rows * blocks, -1), GGUF_TYPES[type_name]).reshape(rows, cols)
+        packed = kernels.pack(type_name, weights, rows, cols)
+        for row in range(rows):
+            assert same_bits(kernels.dequantize_packed(type_name, packed, rows, cols, row), want[row].astype(np.float32)), row
 
 
 class QuantizerTests:
@@ -232,8 +337,8 @@ def evaluate(path, tokens):
 class ModelFileTests:
     def test_kept_loaded_and_run(self, tmp_path, monkeypatch):
         """`convert` keeps every low-bit matrix's blocks byte for byte and `krafla info` lists their
-        types; the model loads (packed: the
-        low-bit matrices stay in the file layout) and its logits are close to those of the same GGUF
+        types; the model loads (packed: iq4_nl and mxfp4 packed, the
+        super-block types in the file layout) and its logits are close to those of the same GGUF
         converted to f32 (gguf-py's dequantization), the first tokens' bits the same alone."""
         types = {"blk.0.attn_q.weight": "q2_K", "blk.0.attn_k.weight": "q3_K", "blk.0.attn_v.weight": "iq4_xs",
                  "blk.0.ffn_gate.weight": "iq4_nl", "blk.0.ffn_up.weight": "mxfp4"}

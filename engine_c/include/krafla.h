@@ -381,7 +381,8 @@ int kr_logits_mask(float *logits, int32_t n, const uint32_t *allowed, kr_error *
 // KR_ERR_ARGUMENT. Weight types: KR_F32, KR_F16, KR_BF16, KR_Q8_0, KR_Q4_0, KR_Q4_1, KR_Q5_0,
 // KR_Q5_1, KR_Q4_K, KR_Q5_K, KR_Q6_K, KR_Q2_K, KR_Q3_K, KR_IQ4_NL, KR_IQ4_XS, KR_MXFP4;
 // q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl/mxfp4 rows are whole blocks of 32, k-quant and iq4_xs rows of 256.
-// q2_K, q3_K, iq4_nl, iq4_xs and mxfp4 (kernels/lowbit.h) are not packed: kr_test_pack refuses them.
+// q2_K, q3_K and iq4_xs (kernels/lowbit.h) are not packed: kr_test_pack refuses them (iq4_nl and
+// mxfp4 are: kernels/legacy.h).
 
 #define KR_KERNEL_DISPATCH 0
 #define KR_KERNEL_REFERENCE 1

@@ -23,6 +23,8 @@ BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in 
 SUPER_BLOCK = formats.Q4_K.block
 SUPER_BLOCK_BYTES = {name: formats.TENSOR_TYPES_BY_NAME[name].block_bytes for name in ("q4_K", "q5_K", "q6_K")}
 KQUANTS = tuple(SUPER_BLOCK_BYTES)
+# The types with a packed layout (`pack`; types.c's packable column).
+PACKABLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K", "iq4_nl", "mxfp4")
 # A q8_K activation block, as kernels.h's kr_block_q8_K lays it out (292 bytes).
 Q8_K_BLOCK = np.dtype([("d", "<f4"), ("q", "i1", (256,)), ("bsums", "<i2", (16,))])
 
@@ -205,8 +207,8 @@ def matmul(type_name, weights, rows, cols, x, impl="dispatch", row_begin=0, row_
 
 
 def pack(type_name, weights, rows, cols):
-    """A q8_0/q4_0/q4_1/q5_0/q5_1/k-quant (rows, cols) matrix (raw bytes, file layout) in the packed
-    layout (uint8, same size)."""
+    """A (rows, cols) matrix of a PACKABLE type (raw bytes, file layout) in the packed layout (uint8,
+    same size)."""
     w = _weight_bytes(type_name, weights, rows, cols)
     out = np.empty_like(w)
     _call(clib.load().kr_test_pack, _weight_type(type_name), _ptr(w), rows, cols, _ptr(out))

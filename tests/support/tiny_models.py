@@ -88,6 +88,8 @@ def encode(weights, type_name):
         return tensor_type, quantize.QUANTIZERS[type_name](weights.reshape(-1, weights.shape[-1])).reshape(-1)
     if type_name in KQUANTS:
         return tensor_type, kquants.encode(weights.reshape(-1, weights.shape[-1]), type_name).reshape(-1)
+    if type_name in quantize.QUANTIZERS:  # the low-bit types: `krafla convert --type`'s quantizers
+        return tensor_type, quantize.QUANTIZERS[type_name](weights.reshape(-1, weights.shape[-1])).reshape(-1)
     raise ValueError(f"cannot store weights as {type_name}")
 
 

@@ -216,7 +216,7 @@ static int check_weight_type(int32_t type, int64_t cols, kr_error *err) {
 
 static int check_packable(int32_t type, kr_error *err) {
     if (kr_packable(type)) return KR_OK;
-    return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights are packed, not type %d",
+    return kr_fail(err, KR_ERR_ARGUMENT, "only q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, iq4_nl and mxfp4 weights are packed, not type %d",
                    type);
 }
 

@@ -200,8 +200,9 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // 4 bytes: a vector whose lanes are rows, so a kernel multiplies it by 4 activation bytes
 // broadcast to every lane and adds the block's integer sums of 8 rows in the lanes, and 8 outputs
 // take their per-block fused multiply-add in one instruction. For q4_0, chunk i's low nibbles are
-// elements 4i..4i+3 of the rows and its high nibbles elements 16+4i..16+4i+3. Version of this
-// layout (packed caches carry it): KR_PACK_LAYOUT.
+// elements 4i..4i+3 of the rows and its high nibbles elements 16+4i..16+4i+3. q4_1, q5_0, q5_1,
+// iq4_nl and mxfp4 extend q4_0's layout (legacy.h), the k-quants have their own (kquant_ref.c).
+// Version of this layout (packed caches carry it): KR_PACK_LAYOUT (3: iq4_nl and mxfp4 packed too).
 #define KR_PACK_ROWS 8
 // Groups per tile in one-token packed matmuls (q8_0, q4_0 and its family; the k-quants through
 // kquant_vnni256.c): one. Generation is bound by memory, and tiles of one group read a matrix as one
@@ -212,7 +213,7 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 #ifndef KR_ONE_TOKEN_GROUPS
 #define KR_ONE_TOKEN_GROUPS 1
 #endif
-#define KR_PACK_LAYOUT 2
+#define KR_PACK_LAYOUT 3
 // The packable types: types.h's kr_packable.
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);

@@ -316,16 +316,16 @@ static int tile_rows(int32_t weight_type, int64_t n_tokens) {
 
 void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                     float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
+    if (kr_is_lowbit(weight_type)) {  // q2_K, q3_K, iq4_nl, iq4_xs, mxfp4: lowbit_avx2.c
+        kr_matmul_lowbit_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
+        return;
+    }
     if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1: legacy_avx2.c
         kr_matmul_legacy_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
     if (kr_is_kquant(weight_type)) {  // kquant_avx2.c
         kr_matmul_kquant_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
-        return;
-    }
-    if (kr_is_lowbit(weight_type)) {  // q2_K, q3_K, iq4_nl, iq4_xs, mxfp4: lowbit_avx2.c
-        kr_matmul_lowbit_avx2(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
     kr_matmul_row_tiles(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end,
@@ -377,7 +377,7 @@ static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t
 
 void kr_matmul_packed_avx2(int32_t weight_type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                            int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
-    if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1: legacy_avx2.c
+    if (kr_legacy_tiled(weight_type)) {  // q4_0, q4_1, q5_0, q5_1, iq4_nl, mxfp4: legacy_avx2.c
         kr_matmul_packed_legacy_avx2(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }

@@ -1,4 +1,5 @@
-// legacy_avx2.c: the q4_0, q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2).
+// legacy_avx2.c: the q4_0, q4_1, q5_0 and q5_1 matmuls with AVX2/FMA/F16C intrinsics (suffix _avx2),
+// and the packed iq4_nl and mxfp4 ones (legacy.h, the grid types).
 //
 // Each output goes through legacy_ref.c's sequence of float operations (legacy.h; for q4_0
 // quant_ref.c's, the same with no minimum and an offset of 8): per block, the exact integer sum of
@@ -27,6 +28,32 @@ KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) {
     return _mm256_add_epi32(wide, _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
 }
 #endif
+
+// The grid types (legacy.h). VNNI takes their quants as unsigned bytes q + 128, the offset then
+// subtracted as q4_0's 8: |sum((q + 128) * a)| <= 32 * 255 * 127, exact in int32. Plain AVX2's
+// maddubs adds its pairs in int16, where (q + 128) * a overflows (2 * 255 * 127 > 32767); it takes
+// |q| times a with q's sign instead, so the grid is looked up signed and the offset is 0. A pair is
+// then at most 2 * 127 * 127 = 32258 for iq4_nl, which is widened to int32 after every step, and
+// 2 * 12 * 127 = 3048 for mxfp4, whose 8 steps of a block (24384) stay in int16 as q4_0's nibbles.
+#if defined(KR_HAVE_AVX512)
+#define GRID_OFFSET 128
+#else
+#define GRID_OFFSET 0
+#endif
+KR_INLINE int32_t tile_offset(const int32_t type) { return kr_legacy_grid_type(type) ? GRID_OFFSET : kr_legacy_offset(type); }
+// The grid as the tiles look it up: in both 128-bit lanes, as unsigned bytes q + 128 with VNNI.
+KR_INLINE __m256i grid_lanes(const int32_t type) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kr_legacy_grid(type)));
+    return GRID_OFFSET ? _mm256_xor_si256(grid, _mm256_set1_epi8((char)0x80)) : grid;
+}
+// A step's sums are int32 lanes already (VNNI, and plain AVX2's iq4_nl), else int16 pairs.
+KR_INLINE int sums_are_wide(const int32_t type) { return GRID_OFFSET || type == KR_IQ4_NL; }
+// sums += the products of a chunk of quants q and 4 activation bytes s in each lane.
+KR_INLINE __m256i step_add(const int32_t type, __m256i sums, __m256i q, __m256i s) {
+    if (GRID_OFFSET || !kr_legacy_grid_type(type)) return isum_add(sums, q, s);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
+    return type == KR_IQ4_NL ? widen_add(sums, pairs) : _mm256_add_epi16(sums, pairs);
+}
 
 // ---------------------------------------------------------------------------------------------
 // File layout: R <= 4 rows x T <= 4 tokens. Per block each row's 32 quants are unpacked into
@@ -122,12 +149,25 @@ void kr_matmul_legacy_avx2(int32_t type, const void *w, int64_t cols, const void
 // (high) of each byte of the group's 32 bytes of fifth bits, moved to bit 4 with one shift and one
 // and. Each block ends with one fused multiply-add (two with a minimum) for 8 outputs.
 
+// A group block of the tile after this one, fetched ahead: the grid types' into L2 (kquant_tile.h's
+// prefetch_group says why), the others' into L1, as they were measured (the avx512 build's pair
+// tiles fetch every type's into L2: tiles_avx512.h).
+KR_INLINE void prefetch_block(const int32_t type, const char *at, size_t bytes) {
+    for (size_t line = 0; line < bytes; line += 64) {
+        if (kr_legacy_grid_type(type))
+            _mm_prefetch(at + line, _MM_HINT_T1);
+        else
+            _mm_prefetch(at + line, _MM_HINT_T0);
+    }
+}
+
 // Chunk i's low (high = 0) or high (high = 1) quants of one group, 8 rows x 4 bytes.
 KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, const int i, const int high) {
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
     if (high) chunk = _mm256_srli_epi16(chunk, 4);
+    if (kr_legacy_grid_type(type)) return _mm256_shuffle_epi8(grid_lanes(type), _mm256_and_si256(chunk, low4));
     if (!kr_legacy_has_fifth(type)) return _mm256_and_si256(chunk, low4);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
     const int p = 4 * high + i;  // bit p of each byte -> bit 4
@@ -152,7 +192,7 @@ KR_INLINE void packed_half(const int32_t type, const int G, const int T, const c
         for (int t = 0; t < T; t++) {
             const __m256i av = broadcast4(ab[t]->q + 16 * high + 4 * i);
 #pragma GCC unroll 2
-            for (int g = 0; g < G; g++) sums[g][t] = isum_add(sums[g][t], q[g], av);
+            for (int g = 0; g < G; g++) sums[g][t] = step_add(type, sums[g][t], q[g], av);
         }
     }
 }
@@ -171,8 +211,7 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         const kr_block_q8_sum *ab[4];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) ab[t] = (const kr_block_q8_sum *)(a + t * a_stride) + b;
-        if (next)
-            for (size_t line = 0; line < group_block_bytes; line += 64) _mm_prefetch(next + (size_t)b * group_block_bytes + line, _MM_HINT_T0);
+        if (next) prefetch_block(type, next + (size_t)b * group_block_bytes, group_block_bytes);
         __m256i sums[2][4], wide[2][4];
 #pragma GCC unroll 2
         for (int g = 0; g < G; g++)
@@ -183,7 +222,11 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
         packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
         (void)wide;
 #else
-        if (!kr_legacy_has_fifth(type)) {  // 8 steps of nibbles fit int16
+        if (sums_are_wide(type)) {
+            packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
+            packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
+            (void)wide;
+        } else if (!kr_legacy_has_fifth(type)) {  // 8 steps of nibbles (mxfp4: of its grid) fit int16
             packed_half(type, G, T, group_block, group_stride, ab, 0, sums);
             packed_half(type, G, T, group_block, group_stride, ab, 1, sums);
 #pragma GCC unroll 2
@@ -209,14 +252,14 @@ KR_INLINE void group_tile(const int32_t type, const int G, const int T, const ch
 #pragma GCC unroll 2
         for (int g = 0; g < G; g++) {
             const char *gb = group_block + g * group_stride;
-            const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
+            const __m256 w_scale = type == KR_MXFP4 ? e8m0_half_8(gb) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
             const __m256 w_min =
                 kr_legacy_has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + KR_LEGACY_PACKED_MINS))) : w_scale;
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 const __m256 a_scale = _mm256_set1_ps(ab[t]->d);
                 __m256i s = sums[g][t];
-                if (kr_legacy_offset(type)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(kr_legacy_offset(type) * ab[t]->sum));
+                if (tile_offset(type)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(tile_offset(type) * ab[t]->sum));
                 acc[g][t] = _mm256_fmadd_ps(_mm256_mul_ps(w_scale, a_scale), _mm256_cvtepi32_ps(s), acc[g][t]);
                 if (kr_legacy_has_min(type))
                     acc[g][t] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(ab[t]->d * (float)ab[t]->sum), acc[g][t]);
@@ -290,7 +333,9 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
     case KR_Q4_0: TYPE_GROUP_TILES(KR_Q4_0); break;
     case KR_Q4_1: TYPE_GROUP_TILES(KR_Q4_1); break;
     case KR_Q5_0: TYPE_GROUP_TILES(KR_Q5_0); break;
-    default: TYPE_GROUP_TILES(KR_Q5_1); break;
+    case KR_Q5_1: TYPE_GROUP_TILES(KR_Q5_1); break;
+    case KR_IQ4_NL: TYPE_GROUP_TILES(KR_IQ4_NL); break;
+    default: TYPE_GROUP_TILES(KR_MXFP4); break;
     }
 }
 
@@ -300,7 +345,7 @@ void kr_matmul_packed_legacy_avx2(int32_t type, const void *w, int64_t rows, int
     const int max_groups = n_tokens == 1 ? KR_ONE_TOKEN_GROUPS : q5 ? KR_LEGACY_Q5_GROUPS : KR_LEGACY_Q4_GROUPS;
     const int max_tokens = n_tokens == 1 ? 1 : q5 ? KR_LEGACY_Q5_TOKENS : KR_LEGACY_Q4_TOKENS;
     kr_matmul_group_tiles(type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end, max_groups, max_tokens,
-                          packed_tile, kr_matmul_legacy_avx2);
+                          packed_tile, kr_legacy_grid_type(type) ? kr_matmul_lowbit_avx2 : kr_matmul_legacy_avx2);
 }
 
 #else

@@ -1,4 +1,5 @@
-// legacy_ref.c: the plain-C reference of the q4_1, q5_0 and q5_1 kernels (legacy.h; suffix _ref).
+// legacy_ref.c: the plain-C reference of the q4_1, q5_0 and q5_1 kernels (legacy.h; suffix _ref),
+// and the packed layout of these and of iq4_nl and mxfp4.
 //
 // These define what the kernels compute, down to the order of the float operations: the AVX2 and
 // AVX-512 tiles in legacy_avx2.c and legacy_avx512.c follow the same per-block sequence, so all of
@@ -99,6 +100,12 @@ float kr_dot_legacy_ref(int32_t type, const void *w_row, const kr_block_q8_sum *
 // Row r's block `block` (file form) into its place in the group's block (legacy.h's offsets).
 static void pack_block(int32_t type, const char *block, int r, char *group_block) {
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
+    if (kr_legacy_grid_type(type)) {  // iq4_nl, mxfp4: the scale's 2 or 1 bytes, then q4_0's nibbles
+        const size_t scale_bytes = kr_legacy_scale_bytes(type);
+        memcpy(group_block + scale_bytes * (size_t)r, block, scale_bytes);
+        for (int i = 0; i < 4; i++) memcpy(group_block + nibbles_at + 32 * i + 4 * r, block + scale_bytes + 4 * i, 4);
+        return;
+    }
     const block_parts p = parts_of(type, block);
     memcpy(group_block + 2 * r, &p.d, 2);
     if (p.has_min) memcpy(group_block + KR_LEGACY_PACKED_MINS + 2 * r, &p.m, 2);
@@ -116,6 +123,12 @@ static void pack_block(int32_t type, const char *block, int r, char *group_block
 // The inverse: row r's block back in file form.
 static void unpack_block(int32_t type, const char *group_block, int r, void *block) {
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
+    if (kr_legacy_grid_type(type)) {
+        const size_t scale_bytes = kr_legacy_scale_bytes(type);
+        memcpy(block, group_block + scale_bytes * (size_t)r, scale_bytes);
+        for (int i = 0; i < 4; i++) memcpy((char *)block + scale_bytes + 4 * i, group_block + nibbles_at + 32 * i + 4 * r, 4);
+        return;
+    }
     kr_f16 d, m = 0;
     uint8_t nibbles[KR_QK / 2], qh[4] = {0};
     memcpy(&d, group_block + 2 * r, 2);
@@ -166,7 +179,7 @@ void kr_packed_block_legacy(int32_t type, const void *w, int64_t rows, int64_t c
     unpack_block(type, group + (size_t)b * kr_legacy_group_block_bytes(type), (int)(r % KR_PACK_ROWS), block);
 }
 
-// Each row's blocks back in file form, then the reference's block steps.
+// Each row's blocks back in file form, then the reference's block steps (lowbit_ref.c's for the grid types).
 void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int64_t cols, const void *prepared,
                                  int64_t n_tokens, float *out, int64_t out_stride, int64_t row_begin, int64_t row_end) {
     const size_t a_row_bytes = kr_activation_row_bytes(type, cols);
@@ -175,9 +188,9 @@ void kr_matmul_packed_legacy_ref(int32_t type, const void *w, int64_t rows, int6
             const kr_block_q8_sum *a = (const kr_block_q8_sum *)((const char *)prepared + (size_t)t * a_row_bytes);
             float acc = 0.0f;
             for (int64_t b = 0; b < cols / KR_QK; b++) {
-                union { kr_block_q4_1 q4_1; kr_block_q5_0 q5_0; kr_block_q5_1 q5_1; } block;
+                union { kr_block_q4_1 q4_1; kr_block_q5_0 q5_0; kr_block_q5_1 q5_1; kr_block_iq4_nl iq4_nl; kr_block_mxfp4 mxfp4; } block;
                 kr_packed_block_legacy(type, w, rows, cols, r, b, &block);
-                acc = block_step(type, &block, a + b, acc);
+                acc = kr_legacy_grid_type(type) ? kr_lowbit_step_ref(type, &block, a + b, acc) : block_step(type, &block, a + b, acc);
             }
             out[t * out_stride + r] = acc;
         }

@@ -84,8 +84,12 @@ void kr_dequantize_row_lowbit(int32_t weight_type, const void *row, float *out, 
 // One output in the order above: a row of cols weights against one token's prepared activations
 // (kr_block_q8_K for the super-block types, kr_block_q8_sum for iq4_nl and mxfp4).
 float kr_dot_lowbit_ref(int32_t weight_type, const void *row, const void *activations, int64_t cols);
+// One block of 32 of iq4_nl or mxfp4 in that order: acc after the block's fused multiply-add
+// (the packed reference, legacy_ref.c, takes its blocks through it too).
+float kr_lowbit_step_ref(int32_t weight_type, const void *block, const kr_block_q8_sum *a, float acc);
 // The file-layout matmul (kernels.h's kr_matmul) with AVX2 tiles (the ISA=avx512 build: 512-bit
 // sums for the decoded super-blocks of several tokens, 256-bit VNNI for the blocks of 32); lowbit_avx2.c.
+// iq4_nl and mxfp4 are also packed: legacy.h's layout and tiles (the super-block types are not).
 void kr_matmul_lowbit_avx2(int32_t weight_type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens,
                            float *out, int64_t out_stride, int64_t row_begin, int64_t row_end);
 

@@ -128,18 +128,20 @@ void kr_dequantize_row_lowbit(int32_t weight_type, const void *row, float *out, 
 // ---------------------------------------------------------------------------------------------
 // Dot products in the order of lowbit.h
 
+float kr_lowbit_step_ref(int32_t weight_type, const void *block, const kr_block_q8_sum *a, float acc) {
+    kr_lowbit_block w;
+    kr_lowbit_decode_ref(weight_type, block, &w);
+    int32_t sum = 0;
+    for (int e = 0; e < KR_QK; e++) sum += (int32_t)w.q[e] * (int32_t)a->q[e];
+    return fmaf(w.d * a->d, (float)sum, acc);
+}
+
 float kr_dot_lowbit_ref(int32_t weight_type, const void *row, const void *activations, int64_t cols) {
     const size_t block_bytes = kr_lowbit_block_bytes(weight_type);
     float acc = 0.0f;
     if (!kr_lowbit_is_super(weight_type)) {
         const kr_block_q8_sum *a = activations;
-        for (int64_t b = 0; b < cols / KR_QK; b++) {
-            kr_lowbit_block w;
-            kr_lowbit_decode_ref(weight_type, (const char *)row + (size_t)b * block_bytes, &w);
-            int32_t sum = 0;
-            for (int e = 0; e < KR_QK; e++) sum += (int32_t)w.q[e] * (int32_t)a[b].q[e];
-            acc = fmaf(w.d * a[b].d, (float)sum, acc);
-        }
+        for (int64_t b = 0; b < cols / KR_QK; b++) acc = kr_lowbit_step_ref(weight_type, (const char *)row + (size_t)b * block_bytes, a + b, acc);
         return acc;
     }
     const kr_block_q8_K *a = activations;

@@ -311,7 +311,7 @@ static void pack_block(int32_t weight_type, const char *block, int r, char *grou
 }
 
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {
-    if (kr_legacy_type(weight_type)) {
+    if (kr_legacy_packs(weight_type)) {
         kr_pack_rows_legacy(weight_type, src, dst, rows, cols);
         return;
     }
@@ -324,7 +324,7 @@ void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows,
 }
 
 void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t cols, int64_t r, int64_t b, void *out) {
-    if (kr_legacy_type(weight_type)) {
+    if (kr_legacy_packs(weight_type)) {
         kr_packed_block_legacy(weight_type, w, rows, cols, r, b, out);
         return;
     }
@@ -353,7 +353,7 @@ void kr_matmul_packed_ref(int32_t weight_type, const void *w, int64_t rows, int6
         kr_matmul_ref(weight_type, w, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }
-    if (kr_legacy_type(weight_type)) {
+    if (kr_legacy_packs(weight_type)) {
         kr_matmul_packed_legacy_ref(weight_type, w, rows, cols, prepared, n_tokens, out, out_stride, row_begin, row_end);
         return;
     }

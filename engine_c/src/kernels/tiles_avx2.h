@@ -1,5 +1,5 @@
 // tiles_avx2.h: the pieces the AVX2 matmul tiles of kernels_avx2.c (q8_0, float weights) and
-// legacy_avx2.c (q4_0, q4_1, q5_0, q5_1) share: scalar f16, activation broadcast, the horizontal
+// legacy_avx2.c (q4_0, q4_1, q5_0, q5_1, iq4_nl, mxfp4) share: scalar f16 and E8M0 scales, activation broadcast, the horizontal
 // sums of 4 rows, the switches that pick one instance of a tile per shape, and the stores that end
 // a tile (the loops around the tiles are tile_loops.h's). None of them does float arithmetic, so
 // they decide no bits. Internal; only included where KR_HAVE_AVX2 is defined.
@@ -14,6 +14,16 @@
 #define KR_INLINE static inline __attribute__((always_inline))
 
 KR_INLINE float f16_to_f32(kr_f16 h) { return _cvtsh_ss(h); }
+
+// 8 E8M0 bytes (mxfp4's exponents e) as 8 floats, lowbit.h's kr_e8m0_half lane by lane: the bits
+// (e - 1) << 23, or 0x00200000 << e for the subnormal e < 2. Exact: no rounding.
+KR_INLINE __m256 e8m0_half_8(const char *bytes) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+}
 
 // 4 activation bytes (elements at..at+3) in every int32 lane.
 KR_INLINE __m256i broadcast4(const int8_t *q) {

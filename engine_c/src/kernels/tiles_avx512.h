@@ -1,6 +1,6 @@
-// tiles_avx512.h: loads, prefetches and stores the avx512 build's 512-bit packed tiles (legacy_avx512.c, q8_avx512.c)
+// tiles_avx512.h: loads, scales, prefetches and stores the avx512 build's 512-bit packed tiles (legacy_avx512.c, q8_avx512.c)
 // share: two packed groups of 8 rows side by side, the first in the low 256 bits and the second in
-// the high 256, so the 16 lanes are 16 rows. No arithmetic, so they decide no bits. Internal; only
+// the high 256, so the 16 lanes are 16 rows. No float arithmetic, so they decide no bits. Internal; only
 // included where KR_HAVE_AVX512 is defined.
 #ifndef KRAFLA_KERNELS_TILES_AVX512_H
 #define KRAFLA_KERNELS_TILES_AVX512_H
@@ -19,11 +19,29 @@ static inline __m512 kr_scales_pair(const char *first, const char *second) {
                                                    _mm_loadu_si128((const __m128i *)second), 1));
 }
 
-// Block b of the pair of groups at `next` (the tile after this one), fetched into L1 ahead of use.
-static inline void kr_prefetch_pair(const char *next, size_t group_stride, size_t block_bytes, int64_t b) {
+// Two groups' 8 E8M0 exponents each (mxfp4, 8 bytes each) as 16 floats 2^(e - 128): tiles_avx2.h's
+// e8m0_half_8 in 16 lanes.
+static inline __m512 kr_e8m0_pair(const char *first, const char *second) {
+    const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first), _mm_loadl_epi64((const __m128i *)second));
+    const __m512i e = _mm512_cvtepu8_epi32(bytes);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
+}
+
+// Block b of the pair of groups at `next` (the tile after this one), fetched into L2 ahead of use
+// (kquant_tile.h's prefetch_group says why not L1). Always inlined: as a plain static inline the
+// 512-bit tiles called it out of line, and GCC deleted the calls, a function of prefetches alone
+// having no effect it must keep, so until 4 Dec these tiles fetched nothing ahead. Made real, an
+// L1 fetch slowed one-token q8_0 tiles of long rows by a third (bench/kernels.py --packed --types
+// q8_0 --tokens 1, 896x4864: 63-71 -> 94 us), an L2 fetch gives 71-72 us, as none did, and 4864x896
+// q4_0 51 us against 54 (measured while one-token steps still took these tiles; they now take
+// KR_ONE_TOKEN_GROUPS' 256-bit tiles).
+static inline __attribute__((always_inline)) void kr_prefetch_pair(const char *next, size_t group_stride,
+                                                                    size_t block_bytes, int64_t b) {
     for (size_t line = 0; line < block_bytes; line += 64) {
-        _mm_prefetch(next + (size_t)b * block_bytes + line, _MM_HINT_T0);
-        _mm_prefetch(next + group_stride + (size_t)b * block_bytes + line, _MM_HINT_T0);
+        _mm_prefetch(next + (size_t)b * block_bytes + line, _MM_HINT_T1);
+        _mm_prefetch(next + group_stride + (size_t)b * block_bytes + line, _MM_HINT_T1);
     }
 }
 

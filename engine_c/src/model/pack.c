@@ -1,8 +1,9 @@
 // pack.c: weight repacking at load, and the packed-weight cache file (owner: speed).
 //
-// kr_model_pack rewrites every packable (kr_packable: q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K)
-// matrix of a loaded model (the layers' projections, a qwen35 model's attention, DeltaNet and MLP
-// matrices, and the output head) into the packed layout of kernels.h (legacy.h for q4_1/q5_0/q5_1),
+// kr_model_pack rewrites every packable (kr_packable: q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K,
+// iq4_nl, mxfp4) matrix of a loaded model (the layers' projections, a qwen35 model's attention,
+// DeltaNet and MLP matrices, each expert's, and the output head) into the packed layout of
+// kernels.h (legacy.h for q4_1/q5_0/q5_1/iq4_nl/mxfp4, kquant_ref.c for the k-quants),
 // where the lanes of a vector are 8 rows. The arithmetic per output does not change (kr_matmul_packed equals kr_matmul bit for
 // bit), so packing only moves bytes.
 //

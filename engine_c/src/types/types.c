@@ -19,9 +19,9 @@ const kr_type_traits kr_types[KR_TYPE_COUNT] = {
     [KR_Q6_K] = {"q6_K", 256, 210, true, true},
     [KR_Q2_K] = {"q2_K", 256, 84, true, false},
     [KR_Q3_K] = {"q3_K", 256, 110, true, false},
-    [KR_IQ4_NL] = {"iq4_nl", 32, 18, true, false},
+    [KR_IQ4_NL] = {"iq4_nl", 32, 18, true, true},
     [KR_IQ4_XS] = {"iq4_xs", 256, 136, true, false},
-    [KR_MXFP4] = {"mxfp4", 32, 17, true, false},
+    [KR_MXFP4] = {"mxfp4", 32, 17, true, true},
 };
 
 uint64_t kr_type_size(int32_t type, uint64_t n_elements) {
