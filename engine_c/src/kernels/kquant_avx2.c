@@ -77,14 +77,7 @@ void kr_quantize_row_q8_K_avx2(const float *x, kr_block_q8_K *y, int64_t n) {
 // pairs of a sub-block in int16 and multiplies by the scales with madd (each 32-bit lane holds the
 // scale twice), so a part holds at most 32767: 2 * 15 * 127 = 3810 a step for q4_K (8 steps),
 // 2 * 31 * 127 = 7874 for q5_K (4 steps), 2 * 63 * 127 = 16002 for q6_K (2 steps) before a flush.
-#define ROWS 8
-typedef __m256i vec;
-typedef __m256 vecf;
-#define V(name) _mm256_##name
-#define V_SI(name) _mm256_##name##_si256
-KR_INLINE vec v_load(const char *p, size_t stride) { return _mm256_loadu_si256((const __m256i *)p); }
-KR_INLINE vec v_join(__m256i low, __m256i high) { return low; }
-KR_INLINE vecf vf_half(const char *p, size_t stride) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#include "kernels/kquant_width256.h"
 KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s)); }
 KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, scale)); }
 KR_INLINE vec scale_vector(const char *low, const char *high, const int is_signed) {

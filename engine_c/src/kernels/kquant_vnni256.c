@@ -12,14 +12,7 @@
 
 #define KR_INLINE static inline __attribute__((always_inline))
 
-#define ROWS 8
-typedef __m256i vec;
-typedef __m256 vecf;
-#define V(name) _mm256_##name
-#define V_SI(name) _mm256_##name##_si256
-KR_INLINE vec v_load(const char *p, size_t stride) { return _mm256_loadu_si256((const __m256i *)p); }
-KR_INLINE vec v_join(__m256i low, __m256i high) { return low; }
-KR_INLINE vecf vf_half(const char *p, size_t stride) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#include "kernels/kquant_width256.h"
 KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm256_dpbusd_epi32(part, u, s); }
 KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm256_add_epi32(isum, _mm256_mullo_epi32(part, scale)); }
 // The scales of one sub-block: 8 bytes at `low`, as int32 lanes.

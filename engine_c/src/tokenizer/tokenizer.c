@@ -791,6 +791,27 @@ static void split_gpt2(splitter *s, int64_t pos, int64_t end) {
     }
 }
 
+// The alternatives after the words and numbers, from pos, shared by llama3's family and o200k:
+//  ?[^\s\p{L}\p{N}]+[\r\n]* (o200k, `slash`: [\r\n/]*) | \s*[\r\n]+ | \s+(?!\S) | \s+
+// Ends the pre-token and returns where the next one starts.
+static int64_t symbols_or_spaces(splitter *s, int64_t pos, int64_t end, uint8_t not_symbol, bool slash) {
+    int64_t body = pos + (cp_at(s, pos) == ' ');
+    if (body < end && !(class_at(s, body) & not_symbol)) {
+        for (pos = body; pos < end && !(class_at(s, pos) & not_symbol);) pos++;
+        for (uint32_t c = cp_at(s, pos); c == '\r' || c == '\n' || (slash && c == '/'); c = cp_at(s, pos)) pos++;
+        word_end(s, pos);
+        return pos;
+    }
+    int64_t spaces = 0, after_newline = -1;
+    for (; class_at(s, pos + spaces) & KR_CP_SPACE; spaces++)
+        if (cp_at(s, pos + spaces) == '\r' || cp_at(s, pos + spaces) == '\n') after_newline = pos + spaces + 1;
+    if (after_newline >= 0) pos = after_newline;                // \s*[\r\n]+
+    else if (spaces > 1 && pos + spaces < end) pos += spaces - 1;  // \s+(?!\S)
+    else pos += spaces ? spaces : 1;                          // \s+ (or one stray character)
+    word_end(s, pos);
+    return pos;
+}
+
 // llama3 (digits 3 at a time), qwen2 (1 at a time), qwen35 (1 at a time, marks join letters):
 // (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
 static void split_llama3_family(splitter *s, int64_t pos, int64_t end, int max_digits, bool marks) {
@@ -812,21 +833,7 @@ static void split_llama3_family(splitter *s, int64_t pos, int64_t end, int max_d
             word_end(s, pos);
             continue;
         }
-        //  ?[^\s\p{L}\p{N}]+[\r\n]*
-        int64_t body = pos + (c == ' ');
-        if (body < end && !(class_at(s, body) & not_symbol)) {
-            for (pos = body; pos < end && !(class_at(s, pos) & not_symbol);) pos++;
-            while (cp_at(s, pos) == '\r' || cp_at(s, pos) == '\n') pos++;
-            word_end(s, pos);
-            continue;
-        }
-        int64_t spaces = 0, after_newline = -1;
-        for (; class_at(s, pos + spaces) & KR_CP_SPACE; spaces++)
-            if (cp_at(s, pos + spaces) == '\r' || cp_at(s, pos + spaces) == '\n') after_newline = pos + spaces + 1;
-        if (after_newline >= 0) pos = after_newline;                // \s*[\r\n]+
-        else if (spaces > 1 && pos + spaces < end) pos += spaces - 1;  // \s+(?!\S)
-        else pos += spaces ? spaces : 1;                          // \s+ (or one stray character)
-        word_end(s, pos);
+        pos = symbols_or_spaces(s, pos, end, not_symbol, false);
     }
 }
 
@@ -882,21 +889,7 @@ static void split_o200k(splitter *s, int64_t pos, int64_t end) {
             word_end(s, pos);
             continue;
         }
-        //  ?[^\s\p{L}\p{N}]+[\r\n/]*
-        int64_t body = pos + (c == ' ');
-        if (body < end && !(class_at(s, body) & not_symbol)) {
-            for (pos = body; pos < end && !(class_at(s, pos) & not_symbol);) pos++;
-            while (cp_at(s, pos) == '\r' || cp_at(s, pos) == '\n' || cp_at(s, pos) == '/') pos++;
-            word_end(s, pos);
-            continue;
-        }
-        int64_t spaces = 0, after_newline = -1;
-        for (; class_at(s, pos + spaces) & KR_CP_SPACE; spaces++)
-            if (cp_at(s, pos + spaces) == '\r' || cp_at(s, pos + spaces) == '\n') after_newline = pos + spaces + 1;
-        if (after_newline >= 0) pos = after_newline;                // \s*[\r\n]+
-        else if (spaces > 1 && pos + spaces < end) pos += spaces - 1;  // \s+(?!\S)
-        else pos += spaces ? spaces : 1;                          // \s+ (or one stray character)
-        word_end(s, pos);
+        pos = symbols_or_spaces(s, pos, end, not_symbol, true);
     }
 }
 
