@@ -7,6 +7,8 @@
 
 #include <immintrin.h>
 
+#include "kernels/tiles_avx2.h"  // e8m0_half_8
+
 // Two 256-bit loads, `first` in the low half and `second` in the high half.
 static inline __m512i kr_load_pair(const char *first, const char *second) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
@@ -20,13 +22,10 @@ static inline __m512 kr_scales_pair(const char *first, const char *second) {
 }
 
 // Two groups' 8 E8M0 exponents each (mxfp4, 8 bytes each) as 16 floats 2^(e - 128): tiles_avx2.h's
-// e8m0_half_8 in 16 lanes.
+// e8m0_half_8 of each group, the first in the low half.
 static inline __m512 kr_e8m0_pair(const char *first, const char *second) {
-    const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first), _mm_loadl_epi64((const __m128i *)second));
-    const __m512i e = _mm512_cvtepu8_epi32(bytes);
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
+    const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(e8m0_half_8(first)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(e8m0_half_8(second)), 1));
 }
 
 // Block b of the pair of groups at `next` (the tile after this one), fetched into L2 ahead of use

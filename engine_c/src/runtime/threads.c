@@ -178,11 +178,14 @@ void kr_pool_free(kr_pool *pool) {
     free(pool);
 }
 
-int kr_pool_chunks(const kr_pool *pool, int64_t items) {
+// 1 on one thread, else per_thread chunks per thread, at most one per item.
+static int chunks_of(const kr_pool *pool, int64_t items, int64_t per_thread) {
     if (pool->n_threads == 1 || items <= 1) return 1;
-    int64_t chunks = 4 * (int64_t)pool->n_threads;
+    int64_t chunks = per_thread * (int64_t)pool->n_threads;
     return (int)(items < chunks ? items : chunks);
 }
+
+int kr_pool_chunks(const kr_pool *pool, int64_t items) { return chunks_of(pool, items, 4); }
 
 void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begin, int64_t *end) {
     int64_t blocks = (total + align - 1) / align;
@@ -193,11 +196,7 @@ void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begi
     *end = (first + count) * align < total ? (first + count) * align : total;
 }
 
-int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items) {
-    if (pool->n_threads == 1 || items <= 1) return 1;
-    int64_t chunks = 8 * (int64_t)pool->n_threads;
-    return (int)(items < chunks ? items : chunks);
-}
+int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items) { return chunks_of(pool, items, 8); }
 
 // The first block of part p of n: blocks * p(2n - p) / n^2, rounded down (0 at p = 0, blocks at
 // p = n, increasing in p).
