@@ -8,6 +8,8 @@
 
 #include "kernels/kernels.h"
 
+#include <immintrin.h>
+
 // Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each tile
 // finds them there; the weights are read once per block.
 #define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
@@ -72,6 +74,27 @@ static inline void kr_group_tile_by_fours(kr_group_tile *tile, int32_t type, int
              out + t0 * out_stride, out_stride, keep_begin, keep_end, t0 ? NULL : next);
 }
 
+// One token's matmul reads each weight once, straight from memory, group after group as one
+// stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes
+// KR_STREAM_AHEAD past its own (its `next`), and the call first fetches the first KR_STREAM_AHEAD
+// bytes of its rows at once, so no part of the stream waits for the hardware prefetchers to find
+// it. Fetching the next tile instead (one tile ahead: 7 KiB for a q4_K row of 1536 columns, 59 KiB
+// for a q6_K one of 8960) left a cold one-token matmul at 24-27 GB/s on this machine (AMD EPYC,
+// AVX-512) where the memory gives 28 to one thread (bench/stream_read.c); 16 KiB ahead gives 28-31,
+// and Qwen2.5-Coder-1.5B Q4_K_M generates 10% faster at one thread and 8.6% at two (16 KiB was best
+// at two threads of 12, 16, 24 and 32; docs/kernels.md, "One token reads one stream"). Nothing is
+// fetched past the rows of the call: at two threads those belong to the other thread's parts.
+#define KR_STREAM_AHEAD (16 * 1024)
+
+static inline void kr_stream_start(const char *first, const char *end) {
+    for (const char *line = first; line < first + KR_STREAM_AHEAD && line < end; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+}
+
+// A one-token tile at `tile_w` of rows that end at `end`: where to fetch ahead (NULL: nothing left).
+static inline const char *kr_stream_next(const char *tile_w, const char *end) {
+    return end - tile_w > KR_STREAM_AHEAD ? tile_w + KR_STREAM_AHEAD : NULL;
+}
+
 // The file layout's matmul of the same type, for the rows past the last whole group of 8.
 typedef void kr_file_rows(int32_t type, const void *w, int64_t cols, const void *prepared, int64_t n_tokens, float *out,
                           int64_t out_stride, int64_t row_begin, int64_t row_end);
@@ -91,6 +114,8 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
     const size_t a_stride = kr_activation_row_bytes(type, cols);
     const int64_t n_blocks = kr_row_blocks(type, cols), block_tokens = kr_token_block(a_stride, n_tokens, max_tokens);
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
+    const char *rows_end = (const char *)w + (size_t)group_end * group_stride;
+    if (n_tokens == 1) kr_stream_start((const char *)w + (size_t)group_begin * group_stride, rows_end);
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
         for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
@@ -99,7 +124,9 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
             const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
             const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
             const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = g0 + G < group_end ? tile_w + (size_t)G * group_stride : NULL;
+            const char *next = n_tokens == 1      ? kr_stream_next(tile_w, rows_end)
+                               : g0 + G < group_end ? tile_w + (size_t)G * group_stride
+                                                    : NULL;
             for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
                 const int T = (int)(b1 - t0 < max_tokens ? b1 - t0 : max_tokens);
                 tile(type, G, T, tile_w, group_stride, (const char *)prepared + (size_t)t0 * a_stride, a_stride, n_blocks,
