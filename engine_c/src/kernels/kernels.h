@@ -214,6 +214,26 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 #define KR_ONE_TOKEN_GROUPS 1
 #endif
 #define KR_PACK_LAYOUT 3
+
+// One token's matmul reads each weight once, straight from memory, group after group as one
+// stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes
+// KR_STREAM_AHEAD past its own (its `next`), and the call first fetches the first KR_STREAM_AHEAD
+// bytes of its rows at once, so no part of the stream waits for the hardware prefetchers to find
+// it. Fetching the next tile instead (one tile ahead: 7 KiB for a q4_K row of 1536 columns, 59 KiB
+// for a q6_K one of 8960) left a cold one-token matmul at 24-27 GB/s on this machine (AMD EPYC,
+// AVX-512, where one thread's plain read gives 32-35: bench/stream_read.c); 16 KiB ahead gives
+// 28-31, and Qwen2.5-Coder-1.5B Q4_K_M generates 10% faster at one thread and 9% at two (16 KiB was
+// best at two threads of 12, 16, 24 and 32; docs/kernels.md, "A fixed distance ahead"). Nothing is
+// fetched past the rows of the call: at two threads those belong to the other thread's parts.
+#define KR_STREAM_AHEAD (16 * 1024)
+
+// The first KR_STREAM_AHEAD bytes from `first`, up to `end`, fetched into L2 (prefetcht1): what a
+// one-token matmul over them reads first. experts.c also fetches the next expert's rows so.
+static inline void kr_stream_start(const void *first, const void *end) {
+    const char *line = first, *stop = (const char *)first + KR_STREAM_AHEAD;
+    for (; line < stop && line < (const char *)end; line += 64) __builtin_prefetch(line, 0, 2);
+}
+
 // The packable types: types.h's kr_packable.
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).
 void kr_pack_rows(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols);

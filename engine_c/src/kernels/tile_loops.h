@@ -8,8 +8,6 @@
 
 #include "kernels/kernels.h"
 
-#include <immintrin.h>
-
 // Tokens are taken in blocks whose prepared activations fit in L2 (about 256 KiB), so each tile
 // finds them there; the weights are read once per block.
 #define KR_ACTIVATION_BLOCK_BYTES (256 * 1024)
@@ -72,22 +70,6 @@ static inline void kr_group_tile_by_fours(kr_group_tile *tile, int32_t type, int
     for (int t0 = 0; t0 < T; t0 += 4)
         tile(type, G, T - t0 < 4 ? T - t0 : 4, w, group_stride, a + t0 * a_stride, a_stride, n_blocks,
              out + t0 * out_stride, out_stride, keep_begin, keep_end, t0 ? NULL : next);
-}
-
-// One token's matmul reads each weight once, straight from memory, group after group as one
-// stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes
-// KR_STREAM_AHEAD past its own (its `next`), and the call first fetches the first KR_STREAM_AHEAD
-// bytes of its rows at once, so no part of the stream waits for the hardware prefetchers to find
-// it. Fetching the next tile instead (one tile ahead: 7 KiB for a q4_K row of 1536 columns, 59 KiB
-// for a q6_K one of 8960) left a cold one-token matmul at 24-27 GB/s on this machine (AMD EPYC,
-// AVX-512) where the memory gives 28 to one thread (bench/stream_read.c); 16 KiB ahead gives 28-31,
-// and Qwen2.5-Coder-1.5B Q4_K_M generates 10% faster at one thread and 8.6% at two (16 KiB was best
-// at two threads of 12, 16, 24 and 32; docs/kernels.md, "One token reads one stream"). Nothing is
-// fetched past the rows of the call: at two threads those belong to the other thread's parts.
-#define KR_STREAM_AHEAD (16 * 1024)
-
-static inline void kr_stream_start(const char *first, const char *end) {
-    for (const char *line = first; line < first + KR_STREAM_AHEAD && line < end; line += 64) _mm_prefetch(line, _MM_HINT_T1);
 }
 
 // A one-token tile at `tile_w` of rows that end at `end`: where to fetch ahead (NULL: nothing left).

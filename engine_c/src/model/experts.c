@@ -14,7 +14,9 @@
 //
 // The matmul phases cut their items into tapered parts (threads.h, kr_split_tapered), and a part's
 // items of one expert are one call over their rows, so the tiles fetch ahead across them (one
-// token's step reads 64-row items, which alone would each start cold).
+// token's step reads 64-row items, which alone would each start cold). Before each call, the
+// rows of the call after it (up's after gate's, the next expert's after the last) are fetched
+// ahead too, so they do not start cold either.
 //
 // Each product is the kernels' value for one row alone (kernels.h: it does not depend on how many
 // rows are multiplied together), and the combine follows the token's own rank order, so a token's
@@ -238,6 +240,12 @@ static int64_t expert_run(const kr_experts_scratch *x, int64_t item, int64_t end
     return next;
 }
 
+// Fetch the first rows of the run that starts at `item` in `stack` (gate, up or down) ahead.
+static void prefetch_run(const kr_experts_scratch *x, const kr_matrix *stack, int64_t item, int64_t rows) {
+    int32_t begin = x->items[2 * item + 1];
+    kr_matrix_prefetch(&stack[x->items[2 * item]], begin, begin + ITEM_ROWS < rows ? begin + ITEM_ROWS : rows);
+}
+
 // act(x Wg^T) * (x Wu^T) of 64 rows of one expert over its run of slots. Split by items.
 static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
     experts_job *j = arg;
@@ -252,8 +260,10 @@ static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *g = &e->gate[expert], *u = &e->up[expert];
         float *gate = x->gate + (size_t)slot * (size_t)ffn, *up = x->up + (size_t)slot * (size_t)ffn;
+        kr_matrix_prefetch(u, begin, end);
         kr_matrix_matmul(g, (const char *)x->inputs[g->type] + (size_t)slot * kr_activation_row_bytes(g->type, dim), n,
                          gate, begin, end);
+        if (next < end_item) prefetch_run(x, e->gate, next, ffn);
         kr_matrix_matmul(u, (const char *)x->inputs[u->type] + (size_t)slot * kr_activation_row_bytes(u->type, dim), n,
                          up, begin, end);
         if (e->gate_bias) add_bias(gate, ffn, n, e->gate_bias + (size_t)expert * (size_t)ffn, begin, end);
@@ -290,6 +300,7 @@ static void down_job(void *arg, int chunk, int n_chunks, int thread) {
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *d = &e->down[expert];
         const char *hidden = (const char *)x->hidden_prepared[d->type] + (size_t)slot * kr_activation_row_bytes(d->type, ffn);
+        if (next < end_item) prefetch_run(x, e->down, next, dim);
         kr_matrix_matmul(d, hidden, n, x->out + (size_t)slot * (size_t)dim, begin, end);
         if (e->down_bias)
             add_bias(x->out + (size_t)slot * (size_t)dim, dim, n, e->down_bias + (size_t)expert * (size_t)dim, begin, end);

@@ -33,6 +33,9 @@ typedef struct {
 // (kr_prepare_activations for w->type): the packed kernels when pack.c repacked w, else the file
 // layout's; the same bits either way (pack.c).
 void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens, float *out, int64_t begin, int64_t end);
+// Fetch the first bytes of w's rows [begin, end) (begin a multiple of 8) ahead of a matmul over
+// them (kernels.h, kr_stream_start).
+void kr_matrix_prefetch(const kr_matrix *w, int64_t begin, int64_t end);
 
 // --- Layers the architectures share (layers.c runs them)
 

@@ -56,6 +56,11 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
     else kr_matmul(w->type, w->data, w->cols, prepared, n_tokens, out, w->rows, begin, end);
 }
 
+// Packed or not, rows [begin, end) are the bytes from begin * row_bytes when begin starts a group.
+void kr_matrix_prefetch(const kr_matrix *w, int64_t begin, int64_t end) {
+    kr_stream_start((const char *)w->data + (size_t)begin * w->row_bytes, (const char *)w->data + (size_t)end * w->row_bytes);
+}
+
 // --- The matrices, in the cache's order
 
 // The architecture's packable matrices in its order (m->matrices), then the output head.

@@ -1,0 +1,118 @@
+// ab_generate.c: generation speed of several builds of libkrafla, interleaved in one process, so a
+// shared machine's moods fall on every build alike. Each library is loaded on its own (RTLD_LOCAL)
+// with its own copy of the model, packed as `krafla bench` packs it; then for ROUNDS rounds each
+// generates TOKENS tokens one step at a time from an empty cache (the order reversed every other
+// round, after one warm-up round). Per build: the median tokens/s and its range, and the median of
+// its per-round ratio to the first build. A round's builds run seconds apart, so the ratios say
+// much more than separate `krafla bench` runs minutes apart (docs/kernels.md, "One token reads one
+// stream"):
+//     gcc -O2 bench/ab_generate.c -o ab_generate -ldl
+//     ./ab_generate MODEL.mlb THREADS TOKENS ROUNDS build/avx512/libkrafla.so /tmp/other/avx512/libkrafla.so
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../engine_c/include/krafla.h"
+
+#define MAX_BUILDS 16
+#define MAX_ROUNDS 256
+
+typedef struct {
+    const char *path;
+    kr_session *session;
+    int (*eval)(kr_session *, const int32_t *, int32_t, float *, kr_error *);
+    int (*truncate)(kr_session *, int32_t, kr_error *);
+    double tokens_per_s[MAX_ROUNDS];
+} build;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void *symbol(void *library, const char *path, const char *name) {
+    void *found = dlsym(library, name);
+    if (!found) {
+        fprintf(stderr, "%s has no %s\n", path, name);
+        exit(1);
+    }
+    return found;
+}
+
+// Open the model with the library at b->path, packed in memory, and a session for `tokens` steps.
+static void load(build *b, const char *model, int threads, int tokens) {
+    void *library = dlopen(b->path, RTLD_NOW | RTLD_LOCAL);
+    if (!library) {
+        fprintf(stderr, "%s\n", dlerror());
+        exit(1);
+    }
+    kr_model *(*open)(const char *, int32_t, kr_error *) = symbol(library, b->path, "kr_model_open");
+    int (*pack)(kr_model *, int32_t, const char *, kr_error *) = symbol(library, b->path, "kr_model_pack");
+    kr_session *(*session_new)(kr_model *, int32_t, int32_t, int32_t, kr_error *) =
+        symbol(library, b->path, "kr_session_new");
+    b->eval = symbol(library, b->path, "kr_session_eval");
+    b->truncate = symbol(library, b->path, "kr_session_truncate");
+    kr_error err = {0};
+    kr_model *m = open(model, threads, &err);
+    if (!m || pack(m, KR_PACK_ON, NULL, &err) || !(b->session = session_new(m, tokens + 1, KR_KV_F32, 512, &err))) {
+        fprintf(stderr, "%s: %s\n", b->path, err.message);
+        exit(1);
+    }
+}
+
+// Seconds for `tokens` one-token steps from an empty cache.
+static double generate(build *b, int tokens, float *logits) {
+    kr_error err = {0};
+    if (b->truncate(b->session, 0, &err)) goto failed;
+    double start = now();
+    for (int t = 0; t < tokens; t++) {
+        int32_t token = 100 + 7 * t;
+        if (b->eval(b->session, &token, 1, logits, &err)) goto failed;
+    }
+    return now() - start;
+failed:
+    fprintf(stderr, "%s: %s\n", b->path, err.message);
+    exit(1);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s MODEL.mlb THREADS TOKENS ROUNDS LIBRARY...\n", argv[0]);
+        return 2;
+    }
+    const char *model = argv[1];
+    int threads = atoi(argv[2]), tokens = atoi(argv[3]), rounds = atoi(argv[4]), n = argc - 5;
+    if (threads < 1 || tokens < 1 || rounds < 1 || rounds > MAX_ROUNDS || n > MAX_BUILDS) {
+        fprintf(stderr, "threads, tokens >= 1; 1 <= rounds <= %d; at most %d libraries\n", MAX_ROUNDS, MAX_BUILDS);
+        return 2;
+    }
+    static build builds[MAX_BUILDS];
+    for (int i = 0; i < n; i++) builds[i].path = argv[5 + i], load(&builds[i], model, threads, tokens);
+    float *logits = malloc(sizeof(float) * (1 << 20));  // more than any vocabulary
+    for (int round = -1; round < rounds; round++)  // round -1: the warm-up
+        for (int k = 0; k < n; k++) {
+            build *b = &builds[round % 2 ? n - 1 - k : k];
+            double seconds = generate(b, tokens, logits);
+            if (round >= 0) b->tokens_per_s[round] = tokens / seconds;
+        }
+    for (int i = 0; i < n; i++) {
+        double speed[MAX_ROUNDS], ratio[MAX_ROUNDS];
+        for (int r = 0; r < rounds; r++) speed[r] = builds[i].tokens_per_s[r], ratio[r] = speed[r] / builds[0].tokens_per_s[r];
+        qsort(speed, (size_t)rounds, sizeof *speed, by_value);
+        qsort(ratio, (size_t)rounds, sizeof *ratio, by_value);
+        printf("%s: %.2f t/s (%.2f-%.2f), %.3fx the first (%.3f-%.3f), -t %d, %d tokens, %d rounds\n", builds[i].path,
+               speed[rounds / 2], speed[0], speed[rounds - 1], ratio[rounds / 2], ratio[0], ratio[rounds - 1], threads,
+               tokens, rounds);
+    }
+    free(logits);
+    return 0;
+}

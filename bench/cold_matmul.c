@@ -1,0 +1,66 @@
+// cold_matmul.c: how fast a one-token packed matmul streams its weights from memory, as generation
+// does: one thread multiplies one token by distinct (rows, cols) matrices of a weight type, one
+// after the other, over far more bytes than the caches hold (1 GiB by default, on huge pages as the
+// engine's packed copy is), and gives the weight bytes per second of the best of 6 passes. Compare
+// it with bench/stream_read.c's plain read of the same memory (`stream_read 1`). A total of a few
+// MiB keeps the matrices in L3 instead: the tile's speed without memory stalls (bench/kernels.py
+// measures that too). It calls the engine's internal kernels (kernels.h), which the library
+// exports:
+//     make build/avx512/libkrafla.so
+//     gcc -O2 -D_GNU_SOURCE -Iengine_c/include -Iengine_c/src bench/cold_matmul.c -Lbuild/avx512 -lkrafla
+//         -Wl,-rpath,$PWD/build/avx512 -o cold_matmul          (one command)
+//     ./cold_matmul TYPE ROWS COLS [MiB]     # TYPE a kr_type number: 4 q4_0, 10 q4_K, 12 q6_K (krafla.h)
+// The weights are arbitrary bytes: the kernels' speed does not depend on the values.
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "kernels/kernels.h"
+
+#define PASSES 6
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s TYPE ROWS COLS [MiB]\n", argv[0]);
+        return 2;
+    }
+    const int32_t type = atoi(argv[1]);
+    const int64_t rows = atol(argv[2]), cols = atol(argv[3]), mib = argc > 4 ? atol(argv[4]) : 1024;
+    if (!kr_weight_type_supported(type) || rows < 8 || cols < 256 || cols % 256 || mib < 1) {
+        fprintf(stderr, "a packable kr_type, rows >= 8 and cols a multiple of 256, MiB >= 1\n");
+        return 2;
+    }
+    const size_t matrix = kr_weight_row_bytes(type, cols) * (size_t)rows, huge_page = (size_t)2 << 20;
+    const int count = (size_t)mib << 20 > matrix ? (int)(((size_t)mib << 20) / matrix) : 1;
+    const size_t bytes = (matrix * (size_t)count + huge_page - 1) / huge_page * huge_page;
+    char *weights = aligned_alloc(huge_page, bytes);
+    float *x = malloc(sizeof(float) * (size_t)cols), *out = malloc(sizeof(float) * (size_t)rows);
+    void *prepared = aligned_alloc(64, (kr_activation_bytes(type, 1, cols) + 63) / 64 * 64);
+    if (!weights || !x || !out || !prepared) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
+    madvise(weights, bytes, MADV_HUGEPAGE);
+    for (size_t i = 0; i < bytes; i++) weights[i] = (char)(i * 2654435761u >> 24);  // every page resident
+    for (int64_t i = 0; i < cols; i++) x[i] = 0.1f * (float)(i % 7 - 3);
+    kr_prepare_activations(type, x, cols, prepared, 0, 1);
+    double best = 1e30;
+    for (int pass = 0; pass < PASSES; pass++) {
+        double start = now();
+        for (int i = 0; i < count; i++)
+            kr_matmul_packed(type, weights + (size_t)i * matrix, rows, cols, prepared, 1, out, rows, 0, rows);
+        double seconds = now() - start;
+        if (seconds < best) best = seconds;
+    }
+    printf("%s %lldx%lld, %d matrices (%.0f MiB): %.2f GB/s\n", kr_type_name(type), (long long)rows, (long long)cols,
+           count, (double)(matrix * (size_t)count) / (1 << 20), (double)(matrix * (size_t)count) / best / 1e9);
+    free(weights), free(x), free(out), free(prepared);
+    return 0;
+}
