@@ -32,7 +32,8 @@ What it does, caching every product under vendor/ (gitignored; nothing there is 
    measured in every round just before and just after each model's pair of runs, the better
    reading counting; its buffer on huge pages, as krafla's packed weights) and each model's bytes read per
    generated token (every weight but the token embedding, of which one row is read; a tied
-   embedding is the output head and counts): tg / (bandwidth / bytes) is the share of the roofline
+   embedding is the output head and counts; of a mixture's experts, the ones a token uses, so
+   --moe takes --roofline too): tg / (bandwidth / bytes) is the share of the roofline
    each program reaches, issue 29's target being 90% for krafla on a 1B+ model.
 6. End to end through the server (--no-server skips it): `twistd -n krafla MODEL.mlb --metrics`,
    then streamed chat requests (each with a fresh prompt, so nothing comes from the KV cache):
@@ -197,10 +198,14 @@ def read_bandwidth(reader, threads):
 
 def bytes_per_token(mlb):
     """The weight bytes one generated token reads: every tensor but the token embedding, of which
-    one row is read, unless the embedding is also the output head (tied), which reads it whole."""
+    one row is read, unless the embedding is also the output head (tied), which reads it whole; of
+    a mixture's stacked expert tensors (`*_exps`), the n_experts_used experts of a token."""
     from krafla_twisted.engine.container import ContainerFile
 
-    sizes = {name: n_bytes for name, _type, _shape, n_bytes in ContainerFile(str(mlb)).tensors}
+    container = ContainerFile(str(mlb))
+    used = container.metadata.get("n_experts_used", 0) / container.metadata.get("n_experts", 1)
+    sizes = {name: n_bytes * used if "_exps." in name else n_bytes
+             for name, _type, _shape, n_bytes in container.tensors}
     total = sum(sizes.values())
     return total - sizes["token_embd.weight"] if "output.weight" in sizes else total
 
