@@ -358,9 +358,9 @@ void kr_experts_block(kr_model *m, kr_scratch *s, kr_experts_scratch *x, const k
     x->first[0] = 0;
     kr_pool_run(pool, gather_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.ffn_dim);
-    kr_pool_run(pool, gate_up_job, &j, kr_pool_tapered_chunks(pool, j.n_items));
+    kr_pool_run(pool, gate_up_job, &j, kr_pool_tapered_chunks(pool, j.n_items, b->n == 1));
     kr_pool_run(pool, prepare_hidden_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.dim);
-    kr_pool_run(pool, down_job, &j, kr_pool_tapered_chunks(pool, j.n_items));
+    kr_pool_run(pool, down_job, &j, kr_pool_tapered_chunks(pool, j.n_items, b->n == 1));
     kr_pool_run(pool, combine_job, &j, kr_pool_chunks(pool, b->n));
 }

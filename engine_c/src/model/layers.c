@@ -44,9 +44,10 @@ typedef struct {
     const int32_t *out_tokens;  // output job: the batch tokens whose logits are wanted
 } job;
 
-// Matmuls are split by rows in tapered parts (threads.h), so no thread waits long for the last.
-static int row_chunks(const kr_pool *pool, int64_t rows) {
-    return kr_pool_tapered_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN);
+// Matmuls of n tokens are split by rows in tapered parts (threads.h), so no thread waits long for
+// the last; fewer for one token, whose parts each start a stream from memory.
+static int row_chunks(const kr_pool *pool, int64_t rows, int32_t n) {
+    return kr_pool_tapered_chunks(pool, (rows + ROW_ALIGN - 1) / ROW_ALIGN, n == 1);
 }
 
 // out = x / rms(x) * weight over n values; sum of squares in kr_dot_f32's fixed order.
@@ -182,7 +183,7 @@ static void matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, i
     job j = {.m = m, .s = s, .n = n, .input = input, .input_cols = cols, .n_w = n_w, .gated = gated};
     for (int32_t i = 0; i < n_w; i++) j.w[i] = w[i], j.out[i] = out[i], j.bias[i] = bias ? bias[i] : NULL;
     if (input) kr_pool_run(m->pool, prepare_job, &j, kr_pool_chunks(m->pool, n));
-    kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows));
+    kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows, n));
 }
 
 void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64_t cols, int32_t n_w,
@@ -416,5 +417,5 @@ void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const 
     if (!n_out) return;
     kr_prepare_activations(m->output.type, s->xb, dim, s->prepared[m->output.type], 0, n_out);
     job j = {.m = m, .s = s, .b = b, .n = n_out, .out_tokens = wanted};
-    kr_pool_run(m->pool, output_job, &j, row_chunks(m->pool, m->output.rows));
+    kr_pool_run(m->pool, output_job, &j, row_chunks(m->pool, m->output.rows, n_out));
 }

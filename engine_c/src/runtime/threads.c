@@ -196,7 +196,9 @@ void kr_split(int64_t total, int64_t align, int part, int n_parts, int64_t *begi
     *end = (first + count) * align < total ? (first + count) * align : total;
 }
 
-int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items) { return chunks_of(pool, items, 8); }
+int kr_pool_tapered_chunks(const kr_pool *pool, int64_t items, bool streaming) {
+    return chunks_of(pool, items, streaming ? 4 : 8);
+}
 
 // The first block of part p of n: blocks * p(2n - p) / n^2, rounded down (0 at p = 0, blocks at
 // p = n, increasing in p).
