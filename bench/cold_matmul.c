@@ -49,7 +49,7 @@ static double now(void) {
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s TYPE ROWS COLS [MiB]\n", argv[0]);
+        fprintf(stderr, "usage: %s TYPE ROWS COLS [MiB [THREADS]]\n", argv[0]);
         return 2;
     }
     const int32_t type = atoi(argv[1]);
