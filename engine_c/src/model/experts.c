@@ -14,9 +14,9 @@
 //
 // The matmul phases cut their items into tapered parts (threads.h, kr_split_tapered), and a part's
 // items of one expert are one call over their rows, so the tiles fetch ahead across them (one
-// token's step reads 64-row items, which alone would each start cold). Before each call, the
-// rows of the call after it (up's after gate's, the next expert's after the last) are fetched
-// ahead too, so they do not start cold either.
+// token's step reads 64-row items, which alone would each start cold). In a one-token step, the
+// rows of the call after each call (up's after gate's, the next expert's after the last) are
+// fetched ahead too, so they do not start cold either.
 //
 // Each product is the kernels' value for one row alone (kernels.h: it does not depend on how many
 // rows are multiplied together), and the combine follows the token's own rank order, so a token's
@@ -175,6 +175,10 @@ typedef struct {
     int64_t n_items;
 } experts_job;
 
+// A one-token step streams the experts' rows from memory: its matmul phases take fewer parts
+// (threads.h) and fetch each call's successor ahead; a batch's are bound by arithmetic.
+static bool streaming(const experts_job *j) { return j->n_tokens == 1; }
+
 // Softmax over the router's logits, then the n_used most probable experts in rank order and their
 // weights. Split by tokens.
 static void route_job(void *arg, int chunk, int n_chunks, int thread) {
@@ -260,10 +264,10 @@ static void gate_up_job(void *arg, int chunk, int n_chunks, int thread) {
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *g = &e->gate[expert], *u = &e->up[expert];
         float *gate = x->gate + (size_t)slot * (size_t)ffn, *up = x->up + (size_t)slot * (size_t)ffn;
-        kr_matrix_prefetch(u, begin, end);
+        if (streaming(j)) kr_matrix_prefetch(u, begin, end);
         kr_matrix_matmul(g, (const char *)x->inputs[g->type] + (size_t)slot * kr_activation_row_bytes(g->type, dim), n,
                          gate, begin, end);
-        if (next < end_item) prefetch_run(x, e->gate, next, ffn);
+        if (streaming(j) && next < end_item) prefetch_run(x, e->gate, next, ffn);
         kr_matrix_matmul(u, (const char *)x->inputs[u->type] + (size_t)slot * kr_activation_row_bytes(u->type, dim), n,
                          up, begin, end);
         if (e->gate_bias) add_bias(gate, ffn, n, e->gate_bias + (size_t)expert * (size_t)ffn, begin, end);
@@ -300,7 +304,7 @@ static void down_job(void *arg, int chunk, int n_chunks, int thread) {
         int32_t slot = x->first[expert], n = x->first[expert + 1] - slot;
         const kr_matrix *d = &e->down[expert];
         const char *hidden = (const char *)x->hidden_prepared[d->type] + (size_t)slot * kr_activation_row_bytes(d->type, ffn);
-        if (next < end_item) prefetch_run(x, e->down, next, dim);
+        if (streaming(j) && next < end_item) prefetch_run(x, e->down, next, dim);
         kr_matrix_matmul(d, hidden, n, x->out + (size_t)slot * (size_t)dim, begin, end);
         if (e->down_bias)
             add_bias(x->out + (size_t)slot * (size_t)dim, dim, n, e->down_bias + (size_t)expert * (size_t)dim, begin, end);
@@ -358,9 +362,9 @@ void kr_experts_block(kr_model *m, kr_scratch *s, kr_experts_scratch *x, const k
     x->first[0] = 0;
     kr_pool_run(pool, gather_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.ffn_dim);
-    kr_pool_run(pool, gate_up_job, &j, kr_pool_tapered_chunks(pool, j.n_items, b->n == 1));
+    kr_pool_run(pool, gate_up_job, &j, kr_pool_tapered_chunks(pool, j.n_items, streaming(&j)));
     kr_pool_run(pool, prepare_hidden_job, &j, kr_pool_chunks(pool, j.n_slots));
     j.n_items = plan_items(x, e, m->info.dim);
-    kr_pool_run(pool, down_job, &j, kr_pool_tapered_chunks(pool, j.n_items, b->n == 1));
+    kr_pool_run(pool, down_job, &j, kr_pool_tapered_chunks(pool, j.n_items, streaming(&j)));
     kr_pool_run(pool, combine_job, &j, kr_pool_chunks(pool, b->n));
 }
