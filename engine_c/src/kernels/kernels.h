@@ -227,6 +227,16 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // fetched past the rows of the call: at two threads those belong to the other thread's parts.
 #define KR_STREAM_AHEAD (16 * 1024)
 
+// Whether a one-token matmul's tiles of `type` fetch KR_STREAM_AHEAD ahead, or leave the stream to
+// the hardware prefetchers after the call's first fetch. q4_K's tiles read each group super-block
+// front to back, which the prefetchers follow alone: without the tiles' fetches a cold q4_K matmul
+// streams as fast at one thread and at 100% of `stream_read 2` at two (36 GB/s, against 32-33 with
+// them), and Qwen2.5-Coder-1.5B Q4_K_M generates 5-7% faster at two threads when the host gives two
+// threads 36 GB/s (bench/ab_generate.c, docs/kernels.md, "Where the prefetchers suffice"). q6_K's
+// tiles read two regions of each super-block in turn, and without every line fetched its matmuls
+// fall to 7 GB/s; q5_K and the q4_0 family of long rows lose 10-25%.
+static inline bool kr_stream_fetches(int32_t type) { return type != KR_Q4_K; }
+
 // The first KR_STREAM_AHEAD bytes from `first`, up to `end`, fetched into L2 (prefetcht1): what a
 // one-token matmul over them reads first. experts.c also fetches the next expert's rows so.
 static inline void kr_stream_start(const void *first, const void *end) {

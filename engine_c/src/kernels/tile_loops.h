@@ -98,6 +98,7 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     const char *rows_end = (const char *)w + (size_t)group_end * group_stride;
     if (n_tokens == 1) kr_stream_start((const char *)w + (size_t)group_begin * group_stride, rows_end);
+    const bool fetches = kr_stream_fetches(type);  // one token: past the call's first KR_STREAM_AHEAD bytes
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
         for (int64_t g0 = group_begin; g0 < group_end; g0 += max_groups) {
@@ -106,7 +107,7 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
             const int keep_begin = (int)(row_begin > first ? row_begin - first : 0);
             const int keep_end = (int)(row_end - first < G * KR_PACK_ROWS ? row_end - first : G * KR_PACK_ROWS);
             const char *tile_w = (const char *)w + (size_t)g0 * group_stride;
-            const char *next = n_tokens == 1      ? kr_stream_next(tile_w, rows_end)
+            const char *next = n_tokens == 1      ? (fetches ? kr_stream_next(tile_w, rows_end) : NULL)
                                : g0 + G < group_end ? tile_w + (size_t)G * group_stride
                                                     : NULL;
             for (int64_t t0 = b0; t0 < b1; t0 += max_tokens) {
