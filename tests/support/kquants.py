@@ -155,7 +155,11 @@ def packed(type_name, data, rows, cols):
         for b in range(n_blocks):
             g = blocks[first:first + PACK_ROWS, b]  # (8, size)
             if type_name == "q6_K":
-                out += [g[:, 208:210].reshape(-1), g[:, 192:208].T.reshape(-1), chunks(g[:, 0:128]), chunks(g[:, 128:192])]
+                ql, qh = chunks(g[:, 0:128]).reshape(32, 32), chunks(g[:, 128:192]).reshape(16, 32)
+                out += [g[:, 208:210].reshape(-1), g[:, 192:208].T.reshape(-1)]
+                for h in range(2):  # per half: qh's chunks each followed by ql's of the same weights, then ql's other 8
+                    out += [chunk for i in range(8) for chunk in (qh[8 * h + i], ql[16 * h + i])]
+                    out += [ql[16 * h + 8 + i] for i in range(8)]
                 continue
             scales = g[:, 4:16]
             sc = np.concatenate([scales[:, 0:4] & 63, (scales[:, 8:12] & 15) | ((scales[:, 0:4] >> 6) << 4)], axis=1)

@@ -202,7 +202,8 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // take their per-block fused multiply-add in one instruction. For q4_0, chunk i's low nibbles are
 // elements 4i..4i+3 of the rows and its high nibbles elements 16+4i..16+4i+3. q4_1, q5_0, q5_1,
 // iq4_nl and mxfp4 extend q4_0's layout (legacy.h), the k-quants have their own (kquant_ref.c).
-// Version of this layout (packed caches carry it): KR_PACK_LAYOUT (3: iq4_nl and mxfp4 packed too).
+// Version of this layout (packed caches carry it): KR_PACK_LAYOUT (3: iq4_nl and mxfp4 packed too;
+// 4: q6_K's chunks in the order its tiles read them, kr_q6_K_ql_at).
 #define KR_PACK_ROWS 8
 // Groups per tile in one-token packed matmuls (q8_0, q4_0 and its family; the k-quants through
 // kquant_vnni256.c): one. Generation is bound by memory, and tiles of one group read a matrix as one
@@ -213,7 +214,21 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 #ifndef KR_ONE_TOKEN_GROUPS
 #define KR_ONE_TOKEN_GROUPS 1
 #endif
-#define KR_PACK_LAYOUT 3
+#define KR_PACK_LAYOUT 4
+
+// Where q6_K's chunks lie in a packed group super-block (kquant_ref.c; chunk i of 32 bytes holds
+// bytes 4i..4i+3 of each of the 8 rows): after d and the scales (144 bytes), one half of 768 bytes
+// per 128 weights h, which holds qh's chunks 8h..8h+7, each followed by ql's chunk 16h + i of the
+// same weights' low bits, then ql's chunks 16h + 8..16h + 15. A one-token tile then reads every
+// super-block front to back, which the hardware prefetchers follow; in the order of the file's
+// fields (all of ql, then all of qh) the tile read two regions in turn, and a cold q6_K matmul
+// streamed at 27-29 GB/s where it now streams at 30-31, and Qwen2.5-Coder-1.5B Q4_K_M generated 5%
+// slower at one thread and 3% at two (docs/kernels.md, "Where the prefetchers suffice").
+static inline size_t kr_q6_K_ql_at(int chunk) {
+    const int h = chunk / 16, i = chunk % 16;
+    return 144 + 768 * (size_t)h + (i < 8 ? 64 * (size_t)i + 32 : 512 + 32 * (size_t)(i - 8));
+}
+static inline size_t kr_q6_K_qh_at(int chunk) { return 144 + 768 * (size_t)(chunk / 8) + 64 * (size_t)(chunk % 8); }
 
 // One token's matmul reads each weight once, straight from memory, group after group as one
 // stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes
@@ -232,9 +247,9 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // front to back, which the prefetchers follow alone: without the tiles' fetches a cold q4_K matmul
 // streams as fast at one thread and at 100% of `stream_read 2` at two (36 GB/s, against 32-33 with
 // them), and Qwen2.5-Coder-1.5B Q4_K_M generates 5-7% faster at two threads when the host gives two
-// threads 36 GB/s (bench/ab_generate.c, docs/kernels.md, "Where the prefetchers suffice"). q6_K's
-// tiles read two regions of each super-block in turn, and without every line fetched its matmuls
-// fall to 7 GB/s; q5_K and the q4_0 family of long rows lose 10-25%.
+// threads 36 GB/s (bench/ab_generate.c, docs/kernels.md, "Where the prefetchers suffice"). The
+// others lose without theirs: q6_K 2% at one thread (and fell to 7 GB/s before its chunks were in
+// reading order, kr_q6_K_ql_at), q5_K and the q4_0 family of long rows 10-25%.
 static inline bool kr_stream_fetches(int32_t type) { return type != KR_Q4_K; }
 
 // The first KR_STREAM_AHEAD bytes from `first`, up to `end`, fetched into L2 (prefetcht1): what a

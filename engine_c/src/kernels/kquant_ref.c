@@ -170,8 +170,10 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 //     m[k+4] & 15 high), 128 quants: chunk (c, i) at 128 + 256c + 32i holds bytes 32c+4i..32c+4i+3 of
 //     each row's qs, row after row (low nibbles: weights 64c+4i.., high nibbles: 64c+32+4i..).
 //   q5_K (1408 bytes): q4_K's 1152, then chunk i at 1152 + 32i: bytes 4i..4i+3 of each row's qh.
-//   q6_K (1680 bytes): 0 the 8 rows' d, 16 scales (byte 8j + r: scales[j] of row r), 144 chunk i of
-//     ql at 144 + 32i (bytes 4i..4i+3 of each row), 1168 chunk i of qh at 1168 + 32i.
+//   q6_K (1680 bytes): 0 the 8 rows' d, 16 scales (byte 8j + r: scales[j] of row r), then chunk i
+//     of ql (bytes 4i..4i+3 of each row) at kr_q6_K_ql_at(i) and chunk i of qh at kr_q6_K_qh_at(i)
+//     (kernels.h): per half h of the weights, qh's chunks each followed by one of ql's, then the rest
+//     of ql's, the order in which the tiles read them.
 
 #define GROUP_ROWS KR_PACK_ROWS
 
@@ -181,8 +183,8 @@ static void pack_superblock(int32_t weight_type, const char *block, int r, char 
         const kr_block_q6_K *w = (const kr_block_q6_K *)block;
         memcpy(group + 2 * r, &w->d, 2);
         for (int j = 0; j < 16; j++) group[16 + 8 * j + r] = (char)w->scales[j];
-        for (int i = 0; i < 32; i++) memcpy(group + 144 + 32 * i + 4 * r, w->ql + 4 * i, 4);
-        for (int i = 0; i < 16; i++) memcpy(group + 1168 + 32 * i + 4 * r, w->qh + 4 * i, 4);
+        for (int i = 0; i < 32; i++) memcpy(group + kr_q6_K_ql_at(i) + 4 * r, w->ql + 4 * i, 4);
+        for (int i = 0; i < 16; i++) memcpy(group + kr_q6_K_qh_at(i) + 4 * r, w->qh + 4 * i, 4);
         return;
     }
     const kr_block_q4_K *w = (const kr_block_q4_K *)block;  // q5_K starts the same way
@@ -206,8 +208,8 @@ static void unpack_superblock(int32_t weight_type, const char *group, int r, cha
         kr_block_q6_K *w = (kr_block_q6_K *)block;
         memcpy(&w->d, group + 2 * r, 2);
         for (int j = 0; j < 16; j++) w->scales[j] = (int8_t)group[16 + 8 * j + r];
-        for (int i = 0; i < 32; i++) memcpy(w->ql + 4 * i, group + 144 + 32 * i + 4 * r, 4);
-        for (int i = 0; i < 16; i++) memcpy(w->qh + 4 * i, group + 1168 + 32 * i + 4 * r, 4);
+        for (int i = 0; i < 32; i++) memcpy(w->ql + 4 * i, group + kr_q6_K_ql_at(i) + 4 * r, 4);
+        for (int i = 0; i < 16; i++) memcpy(w->qh + 4 * i, group + kr_q6_K_qh_at(i) + 4 * r, 4);
         return;
     }
     kr_block_q4_K *w = (kr_block_q4_K *)block;

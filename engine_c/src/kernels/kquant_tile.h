@@ -208,8 +208,8 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, co
 #pragma GCC unroll 4
                 for (int step = 0; step < 4; step++) {
                     const int i = 4 * half + step;
-                    const vec ql = v_load(group + 144 + 32 * (16 * h + 8 * q + i), stride);
-                    const vec qh = v_load(group + 1168 + 32 * (8 * h + i), stride);
+                    const vec ql = v_load(group + kr_q6_K_ql_at(16 * h + 8 * q + i), stride);
+                    const vec qh = v_load(group + kr_q6_K_qh_at(8 * h + i), stride);
                     // bits 2q..2q+1 of qh are the top of the low nibble's weight, bits 4+2q..5+2q the high one's
                     const vec low = v_or(v_and(ql, low4), v_and(shift_bits(qh, 4 - 2 * q), top2));
                     const vec high = v_or(v_and(v_srli16(ql, 4), low4), v_and(shift_bits(qh, -2 * q), top2));
