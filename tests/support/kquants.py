@@ -167,10 +167,12 @@ def packed(type_name, data, rows, cols):
             scale_bytes = (sc | ((m >> 4) << 6)).T.reshape(-1)  # byte 8j + r
             min_nibbles = ((m[:, 0:4] & 15) | ((m[:, 4:8] & 15) << 4)).T.reshape(-1)  # byte 8k + r
             qs = g[:, 48:176] if type_name == "q5_K" else g[:, 16:144]
-            out += [g[:, 0:2].reshape(-1), g[:, 2:4].reshape(-1), scale_bytes.astype(np.uint8), min_nibbles.astype(np.uint8),
-                    chunks(qs)]
-            if type_name == "q5_K":
-                out.append(chunks(g[:, 16:48]))
+            out += [g[:, 0:2].reshape(-1), g[:, 2:4].reshape(-1), scale_bytes.astype(np.uint8), min_nibbles.astype(np.uint8)]
+            if type_name == "q5_K":  # each chunk of fifth bits followed by the first 64 weights' chunk, then the rest
+                qh, quants = chunks(g[:, 16:48]).reshape(8, 32), chunks(qs).reshape(32, 32)
+                out += [chunk for i in range(8) for chunk in (qh[i], quants[i])] + list(quants[8:])
+            else:
+                out.append(chunks(qs))
     out.append(blocks[grouped:].reshape(-1))
     return np.concatenate(out).astype(np.uint8)
 

@@ -203,7 +203,8 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // elements 4i..4i+3 of the rows and its high nibbles elements 16+4i..16+4i+3. q4_1, q5_0, q5_1,
 // iq4_nl and mxfp4 extend q4_0's layout (legacy.h), the k-quants have their own (kquant_ref.c).
 // Version of this layout (packed caches carry it): KR_PACK_LAYOUT (3: iq4_nl and mxfp4 packed too;
-// 4: q6_K's chunks in the order its tiles read them, kr_q6_K_ql_at).
+// 4: q6_K's chunks in the order the tiles read them, kr_q6_K_ql_at; 5: q5_K's fifth bits before its
+// quants, kr_q5_K_qh_at).
 #define KR_PACK_ROWS 8
 // Groups per tile in one-token packed matmuls (q8_0, q4_0 and its family; the k-quants through
 // kquant_vnni256.c): one. Generation is bound by memory, and tiles of one group read a matrix as one
@@ -214,7 +215,7 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 #ifndef KR_ONE_TOKEN_GROUPS
 #define KR_ONE_TOKEN_GROUPS 1
 #endif
-#define KR_PACK_LAYOUT 4
+#define KR_PACK_LAYOUT 5
 
 // Where q6_K's chunks lie in a packed group super-block (kquant_ref.c; chunk i of 32 bytes holds
 // bytes 4i..4i+3 of each of the 8 rows): after d and the scales (144 bytes), one half of 768 bytes
@@ -229,6 +230,16 @@ static inline size_t kr_q6_K_ql_at(int chunk) {
     return 144 + 768 * (size_t)h + (i < 8 ? 64 * (size_t)i + 32 : 512 + 32 * (size_t)(i - 8));
 }
 static inline size_t kr_q6_K_qh_at(int chunk) { return 144 + 768 * (size_t)(chunk / 8) + 64 * (size_t)(chunk % 8); }
+// q4_K's and q5_K's chunk (c, i) of quants (kquant_ref.c), and q5_K's chunk i of fifth bits, each
+// followed by the quants' chunk (0, i) it is first read with, for the same reason (the steps of every
+// later c read the fifth bits again, from L1). After all the quants, as until layout 5, a cold q5_K
+// matmul streamed at 25-26.5 GB/s at one thread, and now at 30-31 (bench/cold_matmul.c, 8960x1536
+// and 1536x8960; with the chunks of fifth bits all before the quants, 29.3-30.8); it keeps its
+// fetches ahead, without which it streams at 26.5-28.
+static inline size_t kr_q45_K_qs_at(int is_q5, int c, int i) {
+    return !is_q5 ? 128 + 256 * (size_t)c + 32 * (size_t)i : c == 0 ? 160 + 64 * (size_t)i : 384 + 256 * (size_t)c + 32 * (size_t)i;
+}
+static inline size_t kr_q5_K_qh_at(int i) { return 128 + 64 * (size_t)i; }
 
 // One token's matmul reads each weight once, straight from memory, group after group as one
 // stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes

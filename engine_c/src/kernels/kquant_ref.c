@@ -169,7 +169,9 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 //     row r in bits 0..5, bits 4..5 of m[j] in bits 6..7), 96 min nibbles (byte 8k + r: m[k] & 15 low,
 //     m[k+4] & 15 high), 128 quants: chunk (c, i) at 128 + 256c + 32i holds bytes 32c+4i..32c+4i+3 of
 //     each row's qs, row after row (low nibbles: weights 64c+4i.., high nibbles: 64c+32+4i..).
-//   q5_K (1408 bytes): q4_K's 1152, then chunk i at 1152 + 32i: bytes 4i..4i+3 of each row's qh.
+//   q5_K (1408 bytes): q4_K's first 128 bytes, then chunk i of qh (bytes 4i..4i+3 of each row's
+//     qh) at 128 + 64i, each followed by the quants' chunk (0, i), then the quants' chunk (c, i) of
+//     c >= 1 at 384 + 256c + 32i (kr_q45_K_qs_at, kr_q5_K_qh_at in kernels.h).
 //   q6_K (1680 bytes): 0 the 8 rows' d, 16 scales (byte 8j + r: scales[j] of row r), then chunk i
 //     of ql (bytes 4i..4i+3 of each row) at kr_q6_K_ql_at(i) and chunk i of qh at kr_q6_K_qh_at(i)
 //     (kernels.h): per half h of the weights, qh's chunks each followed by one of ql's, then the rest
@@ -196,9 +198,9 @@ static void pack_superblock(int32_t weight_type, const char *block, int r, char 
     for (int k = 0; k < 4; k++) group[96 + 8 * k + r] = (char)((m[k] & 15) | ((m[k + 4] & 15) << 4));
     const uint8_t *qs = weight_type == KR_Q4_K ? w->qs : ((const kr_block_q5_K *)block)->qs;
     for (int c = 0; c < 4; c++)
-        for (int i = 0; i < 8; i++) memcpy(group + 128 + 256 * c + 32 * i + 4 * r, qs + 32 * c + 4 * i, 4);
+        for (int i = 0; i < 8; i++) memcpy(group + kr_q45_K_qs_at(weight_type == KR_Q5_K, c, i) + 4 * r, qs + 32 * c + 4 * i, 4);
     if (weight_type == KR_Q5_K)
-        for (int i = 0; i < 8; i++) memcpy(group + 1152 + 32 * i + 4 * r, ((const kr_block_q5_K *)block)->qh + 4 * i, 4);
+        for (int i = 0; i < 8; i++) memcpy(group + kr_q5_K_qh_at(i) + 4 * r, ((const kr_block_q5_K *)block)->qh + 4 * i, 4);
 }
 
 // The inverse: row r's super-block in file form. Scales and mins are re-packed into ggml's 12 bytes
@@ -228,9 +230,9 @@ static void unpack_superblock(int32_t weight_type, const char *group, int r, cha
     }
     uint8_t *qs = weight_type == KR_Q4_K ? w->qs : ((kr_block_q5_K *)block)->qs;
     for (int c = 0; c < 4; c++)
-        for (int i = 0; i < 8; i++) memcpy(qs + 32 * c + 4 * i, group + 128 + 256 * c + 32 * i + 4 * r, 4);
+        for (int i = 0; i < 8; i++) memcpy(qs + 32 * c + 4 * i, group + kr_q45_K_qs_at(weight_type == KR_Q5_K, c, i) + 4 * r, 4);
     if (weight_type == KR_Q5_K)
-        for (int i = 0; i < 8; i++) memcpy(((kr_block_q5_K *)block)->qh + 4 * i, group + 1152 + 32 * i + 4 * r, 4);
+        for (int i = 0; i < 8; i++) memcpy(((kr_block_q5_K *)block)->qh + 4 * i, group + kr_q5_K_qh_at(i) + 4 * r, 4);
 }
 
 void kr_pack_rows_kquant(int32_t weight_type, const void *src, void *dst, int64_t rows, int64_t cols) {

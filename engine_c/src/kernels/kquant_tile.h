@@ -137,10 +137,10 @@ KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group,
         for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
-            const vec chunk = v_load(group + 128 + 256 * c + 32 * i, stride);
+            const vec chunk = v_load(group + kr_q45_K_qs_at(is_q5, c, i), stride);
             vec low = v_and(chunk, low4), high = in_place ? v_and(chunk, high4) : v_and(v_srli16(chunk, 4), low4);
             if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
-                const vec bits = v_load(group + 1152 + 32 * i, stride), five = v_bytes(0x10);
+                const vec bits = v_load(group + kr_q5_K_qh_at(i), stride), five = v_bytes(0x10);
                 low = v_or(low, v_and(shift_bits(bits, 4 - 2 * c), five));
                 high = v_or(high, v_and(shift_bits(bits, 3 - 2 * c), five));
             }
