@@ -13,9 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "../engine_c/include/krafla.h"
+#include "clock.h"
 
 #define MAX_BUILDS 16
 #define MAX_ROUNDS 256
@@ -27,12 +27,6 @@ typedef struct {
     int (*truncate)(kr_session *, int32_t, kr_error *);
     double tokens_per_s[MAX_ROUNDS];
 } build;
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static int by_value(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

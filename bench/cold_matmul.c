@@ -17,8 +17,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <time.h>
 
+#include "clock.h"
 #include "kernels/kernels.h"
 
 #define PASSES 6
@@ -39,12 +39,6 @@ static void *multiply(void *arg) {
         kr_matmul_packed(s->type, s->weights + (size_t)i * s->matrix, s->rows, s->cols, s->prepared, 1, s->out, s->rows, 0,
                          s->rows);
     return NULL;
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 int main(int argc, char **argv) {

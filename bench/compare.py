@@ -181,10 +181,12 @@ def requantized(quantize, source, out, *options, threads=None):
 
 
 def stream_reader(vendor):
-    """vendor/roofline/stream_read, built from bench/stream_read.c when missing or older than it."""
+    """vendor/roofline/stream_read, built from bench/stream_read.c (and clock.h) when missing or older
+    than either."""
     source = ROOT / "bench" / "stream_read.c"
     binary = vendor / "roofline" / "stream_read"
-    if not binary.is_file() or binary.stat().st_mtime < source.stat().st_mtime:
+    newest = max(path.stat().st_mtime for path in (source, ROOT / "bench" / "clock.h"))
+    if not binary.is_file() or binary.stat().st_mtime < newest:
         binary.parent.mkdir(parents=True, exist_ok=True)
         run([os.environ.get("CC", "gcc"), "-O2", "-march=native", "-pthread", source, "-o", binary])
     return binary

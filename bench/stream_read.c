@@ -13,7 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <time.h>
+
+#include "clock.h"
 
 #define PASSES 10
 
@@ -38,12 +39,6 @@ static void *read_slice(void *arg) {
     const lanes all = a ^ b ^ c ^ d;
     s->folded = all[0] ^ all[1] ^ all[2] ^ all[3];
     return NULL;
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 int main(int argc, char **argv) {

@@ -225,21 +225,22 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // fields (all of ql, then all of qh) the tile read two regions in turn, and a cold q6_K matmul
 // streamed at 27-29 GB/s where it now streams at 30-31, and Qwen2.5-Coder-1.5B Q4_K_M generated 5%
 // slower at one thread and 3% at two (docs/kernels.md, "Where the prefetchers suffice").
+static inline size_t kr_q6_K_qh_at(int chunk) { return 144 + 768 * (size_t)(chunk / 8) + 64 * (size_t)(chunk % 8); }
 static inline size_t kr_q6_K_ql_at(int chunk) {
     const int h = chunk / 16, i = chunk % 16;
-    return 144 + 768 * (size_t)h + (i < 8 ? 64 * (size_t)i + 32 : 512 + 32 * (size_t)(i - 8));
+    return i < 8 ? kr_q6_K_qh_at(8 * h + i) + 32 : 144 + 768 * (size_t)h + 512 + 32 * (size_t)(i - 8);
 }
-static inline size_t kr_q6_K_qh_at(int chunk) { return 144 + 768 * (size_t)(chunk / 8) + 64 * (size_t)(chunk % 8); }
-// q4_K's and q5_K's chunk (c, i) of quants (kquant_ref.c), and q5_K's chunk i of fifth bits, each
-// followed by the quants' chunk (0, i) it is first read with, for the same reason (the steps of every
-// later c read the fifth bits again, from L1). After all the quants, as until layout 5, a cold q5_K
-// matmul streamed at 25-26.5 GB/s at one thread, and now at 30-31 (bench/cold_matmul.c, 8960x1536
-// and 1536x8960; with the chunks of fifth bits all before the quants, 29.3-30.8); it keeps its
-// fetches ahead, without which it streams at 26.5-28.
-static inline size_t kr_q45_K_qs_at(int is_q5, int c, int i) {
-    return !is_q5 ? 128 + 256 * (size_t)c + 32 * (size_t)i : c == 0 ? 160 + 64 * (size_t)i : 384 + 256 * (size_t)c + 32 * (size_t)i;
-}
+// q5_K's chunk i of fifth bits, and q4_K's and q5_K's chunk (c, i) of quants (kquant_ref.c): in
+// q5_K each chunk of fifth bits comes just before the quants' chunk (0, i) it is first read with,
+// for the same reason (the steps of every later c read it again, from L1). After all the quants, as
+// until layout 5, a cold q5_K matmul streamed at 25-26.5 GB/s at one thread, and now at 30-31
+// (bench/cold_matmul.c, 8960x1536 and 1536x8960; with the chunks of fifth bits all before the
+// quants, 29.3-30.8); it keeps its fetches ahead, without which it streams at 26.5-28.
 static inline size_t kr_q5_K_qh_at(int i) { return 128 + 64 * (size_t)i; }
+static inline size_t kr_q45_K_qs_at(int is_q5, int c, int i) {
+    if (!is_q5) return 128 + 256 * (size_t)c + 32 * (size_t)i;
+    return c == 0 ? kr_q5_K_qh_at(i) + 32 : 384 + 256 * (size_t)c + 32 * (size_t)i;
+}
 
 // One token's matmul reads each weight once, straight from memory, group after group as one
 // stream. Its tiles fetch ahead by a fixed distance: while a tile computes, it fetches the bytes
