@@ -37,6 +37,15 @@ size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols) {
     }
 }
 
+int64_t kr_activation_block(int32_t weight_type) {
+    switch (activations_of(weight_type)) {
+    case ACTIVATIONS_Q8_0:
+    case ACTIVATIONS_Q8_SUM: return KR_QK;
+    case ACTIVATIONS_Q8_K: return KR_QK_K;
+    default: return 1;
+    }
+}
+
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols) {
     return (size_t)n_tokens * kr_activation_row_bytes(weight_type, cols);
 }

@@ -99,6 +99,10 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
 // kr_activation_bytes gives the buffer size for n_tokens rows of `cols`.
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token's share
+// Columns per prepared block: 32 or 256 for quantized activations, 1 for f32 rows. A token's row is
+// its blocks one after another, so a run of whole blocks prepares on its own (at the row's offset
+// kr_activation_row_bytes(type, first column)).
+int64_t kr_activation_block(int32_t weight_type);
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end);

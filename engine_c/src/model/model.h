@@ -123,6 +123,7 @@ typedef struct {
     int32_t *att_blocks;              // (n_batch * group, 2) [first, end) queries of each block
     float *rope_cos, *rope_sin;       // (2, n_batch, rope_dims / 2): [0] full layers, [1] sliding
     void *prepared[KR_TYPE_COUNT];    // activations prepared for each weight type
+    void *gate_prepared;              // (1, ffn_dim) one token's act(gate) * up prepared for the MLP's down matrix
     void *own;                        // arch->scratch_new's buffers or NULL
 } kr_scratch;
 

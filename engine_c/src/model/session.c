@@ -94,6 +94,7 @@ int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, k
     s->proj = kr_zalloc(b * (size_t)h->dim, sizeof(float), &failed);
     s->gate = kr_zalloc(b * (size_t)h->ffn_dim, sizeof(float), &failed);
     s->up = kr_zalloc(b * (size_t)h->ffn_dim, sizeof(float), &failed);
+    s->gate_prepared = kr_zalloc((size_t)h->ffn_dim, sizeof(float), &failed);  // f32 rows are the widest prepared
     s->att_queries = KR_ATT_SCORES_BUDGET / n_ctx < 1 ? 1 : KR_ATT_SCORES_BUDGET / n_ctx;
     if (s->att_queries > KR_ATT_MAX_QUERIES) s->att_queries = KR_ATT_MAX_QUERIES;
     size_t threads = (size_t)kr_pool_size(m->pool), att_q = (size_t)s->att_queries;
@@ -119,7 +120,7 @@ int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, k
 void kr_scratch_free(kr_model *m, kr_scratch *s) {
     if (m->arch->scratch_free) m->arch->scratch_free(s);
     free(s->x), free(s->xb), free(s->q), free(s->qg), free(s->k), free(s->v), free(s->att), free(s->proj);
-    free(s->gate), free(s->up), free(s->scores), free(s->att_q), free(s->att_blocks), free(s->rope_cos);
+    free(s->gate), free(s->up), free(s->gate_prepared), free(s->scores), free(s->att_q), free(s->att_blocks), free(s->rope_cos);
     free(s->rope_sin);
     for (int32_t t = 0; t < KR_TYPE_COUNT; t++) free(s->prepared[t]);
     memset(s, 0, sizeof *s);
