@@ -203,7 +203,8 @@ static void matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, i
     const matmul_options none = {0}, *o = options ? options : &none;
     job j = {.m = m, .s = s, .n = n, .input = input, .input_cols = cols, .n_w = n_w, .gated = o->gated,
              .then = o->then, .prepared = o->prepared, .align = ROW_ALIGN};
-    if (o->then && kr_activation_block(o->then->type) > j.align) j.align = kr_activation_block(o->then->type);  // powers of 2
+    // parts of whole prepared blocks for `then` (block sizes and ROW_ALIGN are powers of 2)
+    if (o->then && kr_activation_block(o->then->type) > j.align) j.align = kr_activation_block(o->then->type);
     for (int32_t i = 0; i < n_w; i++) j.w[i] = w[i], j.out[i] = out[i], j.bias[i] = bias ? bias[i] : NULL;
     if (input) kr_pool_run(m->pool, prepare_job, &j, kr_pool_chunks(m->pool, n));
     kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows, j.align, n));
@@ -422,8 +423,8 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
     j.n_blocks = attention_plan(m, s, b);
     // One token whose KV heads are one block each: each thread does its heads' RoPE, attention and
     // Wo's prepared input, so their rows stay in its cache and no thread waits for another in
-    // between (Qwen2.5-Coder-1.5B, two threads: 1.01x, 14 rounds). Wo's input is prepared so when a KV head's
-    // outputs are whole prepared blocks.
+    // between (Qwen2.5-Coder-1.5B, two threads: 1.01x, 14 rounds). Wo's input is prepared so when a
+    // KV head's outputs are whole prepared blocks.
     const int64_t columns = (int64_t)(m->info.n_heads / m->info.n_kv_heads) * m->info.head_dim;
     j.whole_heads = b->n == 1 && j.n_blocks == 1 && !l->qk_norm_whole;
     j.then = j.whole_heads && columns % kr_activation_block(l->wo.type) == 0 ? &l->wo : NULL;
