@@ -87,14 +87,15 @@ failed:
 
 // The session's first `depth` positions, in one call (steps of the session's batch).
 static void fill_prompt(build *b, int depth, float *logits) {
-    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(depth ? depth : 1));
+    if (!depth) return;
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)depth);
     if (!prompt) {
         fprintf(stderr, "out of memory for a prompt of %d tokens\n", depth);
         exit(1);
     }
     kr_error err = {0};
     for (int i = 0; i < depth; i++) prompt[i] = token_at(i);
-    if (depth && b->eval(b->session, prompt, depth, logits, &err)) {
+    if (b->eval(b->session, prompt, depth, logits, &err)) {
         fprintf(stderr, "%s: %s\n", b->path, err.message);
         exit(1);
     }

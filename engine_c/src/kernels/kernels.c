@@ -125,6 +125,11 @@ void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, v
     kr_prepare_activations_with(weight_type, x, cols, prepared, token_begin, token_end, &dispatch);
 }
 
+void kr_prepare_columns(int32_t weight_type, const float *x, int64_t col_begin, int64_t col_end, void *prepared) {
+    char *first = (char *)prepared + kr_activation_row_bytes(weight_type, col_begin);
+    kr_prepare_activations(weight_type, x + col_begin, col_end - col_begin, first, 0, 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Test entry points (krafla.h, "Kernels (tests)"): one kernel on caller buffers, arguments checked
 

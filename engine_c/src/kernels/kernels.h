@@ -100,12 +100,14 @@ void kr_dequantize_row(int32_t type, const void *row, float *out, int64_t n);
 size_t kr_activation_bytes(int32_t weight_type, int64_t n_tokens, int64_t cols);
 size_t kr_activation_row_bytes(int32_t weight_type, int64_t cols);  // one token's share
 // Columns per prepared block: 32 or 256 for quantized activations, 1 for f32 rows. A token's row is
-// its blocks one after another, so a run of whole blocks prepares on its own (at the row's offset
-// kr_activation_row_bytes(type, first column)).
+// its blocks one after another, so a run of whole blocks prepares on its own (kr_prepare_columns).
 int64_t kr_activation_block(int32_t weight_type);
 // Prepares rows [token_begin, token_end) of x (n_tokens x cols, row stride cols) into `prepared`.
 void kr_prepare_activations(int32_t weight_type, const float *x, int64_t cols, void *prepared,
                             int64_t token_begin, int64_t token_end);
+// Prepares columns [col_begin, col_end) of one token's row x into its prepared row: col_begin a
+// multiple of kr_activation_block, col_end too or the row's end. The bits of the whole row's.
+void kr_prepare_columns(int32_t weight_type, const float *x, int64_t col_begin, int64_t col_end, void *prepared);
 // The same with chosen quantizers (tests run the reference and the AVX2 ones separately).
 struct kr_block_q8_K;
 typedef void kr_quantize_q8_K_kernel(const float *x, struct kr_block_q8_K *y, int64_t n);

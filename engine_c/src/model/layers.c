@@ -44,7 +44,6 @@ typedef struct {
                              // they are made (gated matmul job: its rows of gate, into s->gate_prepared;
                              // attention job: its heads' outputs)
     const void *prepared;    // matmul job: the matrices' prepared input, if not s->prepared[type]
-    int64_t align;           // matmul job: parts are whole multiples of this many rows
     int64_t n_blocks;        // attention job: blocks of queries (attention_plan), items n_kv_heads x n_blocks
     bool whole_heads;        // attention job: one token, one block per KV head (attention_job)
     const int32_t *out_tokens;  // output job: the batch tokens whose logits are wanted
@@ -56,6 +55,16 @@ typedef struct {
 static int row_chunks(const kr_pool *pool, int64_t rows, int64_t align, int32_t n) {
     return kr_pool_tapered_chunks(pool, (rows + align - 1) / align, n == 1);
 }
+
+// Rows per part of a matmul job: ROW_ALIGN, or whole prepared blocks of `then`'s input when the job
+// prepares it (block sizes and ROW_ALIGN are powers of 2).
+static int64_t part_rows(const kr_matrix *then) {
+    const int64_t block = then ? kr_activation_block(then->type) : 1;
+    return block > ROW_ALIGN ? block : ROW_ALIGN;
+}
+
+// The query heads' outputs of one KV head: a run of the attention output row.
+static int64_t kv_head_columns(const kr_model *m) { return m->q_dim / m->info.n_kv_heads; }
 
 // out = x / rms(x) * weight over n values; sum of squares in kr_dot_f32's fixed order.
 static void rms_norm(const float *x, const float *weight, float *out, int64_t n, float eps) {
@@ -157,7 +166,7 @@ static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
     int64_t begin[4], end[4];
     for (int32_t i = 0; i < j->n_w; i++) {
         const kr_matrix *w = j->w[i];
-        kr_split_tapered(w->rows, j->align, chunk, n_chunks, &begin[i], &end[i]);
+        kr_split_tapered(w->rows, part_rows(j->then), chunk, n_chunks, &begin[i], &end[i]);
         if (begin[i] >= end[i]) continue;
         kr_matrix_matmul(w, j->prepared ? j->prepared : s->prepared[w->type], j->n, j->out[i], begin[i], end[i]);
         if (j->bias[i])
@@ -173,11 +182,7 @@ static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
             if (gelu) kr_gelu_tanh_mul_f32(g + begin[0], u + begin[0], end[0] - begin[0]);
             else kr_silu_mul_f32(g + begin[0], u + begin[0], end[0] - begin[0]);
         }
-        if (j->then) {  // one token; begin and end are whole prepared blocks (matmuls' align)
-            const int32_t type = j->then->type;
-            char *prepared = (char *)s->gate_prepared + kr_activation_row_bytes(type, begin[0]);
-            kr_prepare_activations(type, j->out[0] + begin[0], end[0] - begin[0], prepared, 0, 1);
-        }
+        if (j->then) kr_prepare_columns(j->then->type, j->out[0], begin[0], end[0], s->gate_prepared);  // one token
     }
 }
 
@@ -202,12 +207,10 @@ static void matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, i
                     const matmul_options *options) {
     const matmul_options none = {0}, *o = options ? options : &none;
     job j = {.m = m, .s = s, .n = n, .input = input, .input_cols = cols, .n_w = n_w, .gated = o->gated,
-             .then = o->then, .prepared = o->prepared, .align = ROW_ALIGN};
-    // parts of whole prepared blocks for `then` (block sizes and ROW_ALIGN are powers of 2)
-    if (o->then && kr_activation_block(o->then->type) > j.align) j.align = kr_activation_block(o->then->type);
+             .then = o->then, .prepared = o->prepared};
     for (int32_t i = 0; i < n_w; i++) j.w[i] = w[i], j.out[i] = out[i], j.bias[i] = bias ? bias[i] : NULL;
     if (input) kr_pool_run(m->pool, prepare_job, &j, kr_pool_chunks(m->pool, n));
-    kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows, j.align, n));
+    kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows, part_rows(o->then), n));
 }
 
 void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64_t cols, int32_t n_w,
@@ -218,20 +221,16 @@ void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64
 void kr_mlp_rows(kr_model *m, kr_scratch *s, int32_t n, const float *input, const kr_mlp *l) {
     const kr_matrix *gate_up[] = {&l->gate, &l->up}, *down[] = {&l->down};
     float *gate_up_out[] = {s->gate, s->up}, *down_out[] = {s->proj};
-    if (n == 1) {
-        // Each thread prepares the down matrix's input from the rows of gate it computed, while they
-        // are in its cache, instead of one thread preparing all of them after a join, reading the
-        // other threads' rows from their caches (Qwen2.5-Coder-1.5B, two threads: 1.02x). Into a
-        // buffer of its own: the gate/up matrices may be of the down matrix's type and still be
-        // reading theirs.
-        const matmul_options fused = {.gated = true, .then = &l->down}, prepared = {.prepared = s->gate_prepared};
-        matmuls(m, s, n, input, m->info.dim, 2, gate_up, gate_up_out, NULL, &fused);
-        matmuls(m, s, n, NULL, m->info.ffn_dim, 1, down, down_out, NULL, &prepared);
-        return;
-    }
-    const matmul_options gated = {.gated = true};
-    matmuls(m, s, n, input, m->info.dim, 2, gate_up, gate_up_out, NULL, &gated);
-    matmuls(m, s, n, s->gate, m->info.ffn_dim, 1, down, down_out, NULL, NULL);
+    // One token: each thread prepares the down matrix's input from the rows of gate it computed,
+    // while they are in its cache, instead of one thread preparing all of them after a join, reading
+    // the other threads' rows from their caches (Qwen2.5-Coder-1.5B, two threads: 1.02x). Into a
+    // buffer of its own: the gate/up matrices may be of the down matrix's type and still be reading
+    // theirs.
+    const bool fused = n == 1;
+    const matmul_options gate_up_options = {.gated = true, .then = fused ? &l->down : NULL},
+                         down_options = {.prepared = fused ? s->gate_prepared : NULL};
+    matmuls(m, s, n, input, m->info.dim, 2, gate_up, gate_up_out, NULL, &gate_up_options);
+    matmuls(m, s, n, fused ? NULL : s->gate, m->info.ffn_dim, 1, down, down_out, NULL, &down_options);
 }
 
 void kr_mlp_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_mlp *l) {
@@ -397,7 +396,7 @@ static void attend_block(const job *j, int32_t kv_head, int64_t i0, int64_t i1, 
 static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
     job *j = arg;
     const kr_model *m = j->m;
-    const int32_t columns = m->info.n_heads / m->info.n_kv_heads * m->info.head_dim;  // a KV head's outputs
+    const int64_t columns = kv_head_columns(m);
     int64_t begin, end;
     kr_split(m->info.n_kv_heads * j->n_blocks, 1, chunk, n_chunks, &begin, &end);
     for (int64_t item = begin; item < end; item++) {
@@ -405,11 +404,9 @@ static void attention_job(void *arg, int chunk, int n_chunks, int thread) {
         const int32_t kv_head = (int32_t)(item / j->n_blocks);
         if (j->whole_heads) rope_heads(j, 0, kv_head, kv_head + 1);
         attend_block(j, kv_head, block[0], block[1], thread);
-        if (j->then) {
-            const int32_t type = j->then->type;
-            char *prepared = (char *)j->s->prepared[type] + kr_activation_row_bytes(type, (int64_t)kv_head * columns);
-            kr_prepare_activations(type, j->s->att + (size_t)kv_head * columns, columns, prepared, 0, 1);
-        }
+        if (j->then)
+            kr_prepare_columns(j->then->type, j->s->att, kv_head * columns, (kv_head + 1) * columns,
+                               j->s->prepared[j->then->type]);
     }
 }
 
@@ -425,9 +422,8 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
     // Wo's prepared input, so their rows stay in its cache and no thread waits for another in
     // between (Qwen2.5-Coder-1.5B, two threads: 1.01x, 14 rounds). Wo's input is prepared so when a
     // KV head's outputs are whole prepared blocks.
-    const int64_t columns = (int64_t)(m->info.n_heads / m->info.n_kv_heads) * m->info.head_dim;
     j.whole_heads = b->n == 1 && j.n_blocks == 1 && !l->qk_norm_whole;
-    j.then = j.whole_heads && columns % kr_activation_block(l->wo.type) == 0 ? &l->wo : NULL;
+    j.then = j.whole_heads && kv_head_columns(m) % kr_activation_block(l->wo.type) == 0 ? &l->wo : NULL;
     if (!j.whole_heads) kr_pool_run(pool, rope_job, &j, kr_pool_chunks(pool, b->n));
     kr_pool_run(pool, attention_job, &j, kr_pool_chunks(pool, m->info.n_kv_heads * j.n_blocks));
     matmuls(m, s, b->n, j.then ? NULL : s->att, m->q_dim, 1, wo, wo_out, wo_bias, NULL);

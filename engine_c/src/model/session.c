@@ -120,8 +120,8 @@ int kr_scratch_new(kr_model *m, kr_scratch *s, int32_t n_batch, int32_t n_ctx, k
 void kr_scratch_free(kr_model *m, kr_scratch *s) {
     if (m->arch->scratch_free) m->arch->scratch_free(s);
     free(s->x), free(s->xb), free(s->q), free(s->qg), free(s->k), free(s->v), free(s->att), free(s->proj);
-    free(s->gate), free(s->up), free(s->gate_prepared), free(s->scores), free(s->att_q), free(s->att_blocks), free(s->rope_cos);
-    free(s->rope_sin);
+    free(s->gate), free(s->up), free(s->gate_prepared), free(s->scores), free(s->att_q), free(s->att_blocks);
+    free(s->rope_cos), free(s->rope_sin);
     for (int32_t t = 0; t < KR_TYPE_COUNT; t++) free(s->prepared[t]);
     memset(s, 0, sizeof *s);
 }
