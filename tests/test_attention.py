@@ -109,15 +109,18 @@ def value_rows(rng, type_name, n_rows, n):
 
 @st.composite
 def attention_blocks(draw):
-    """A type, a row width, rows, and queries with their own ranges (some empty, some shared). Rows
-    of 512 bytes and more with at most 4 queries take the AVX2 kernel's rows-in-order path."""
+    """A type, a row width, rows, and queries with their own ranges (some empty, some shared). The
+    fast kernel has three paths, all drawn here: in AVX-512 builds rows of up to 256 values and up to
+    64 queries go whole, in chunks of about 16 KiB (so more rows than a chunk holds: up to 80 rows of
+    up to 1 KiB); otherwise rows of 512 bytes and more with at most 4 queries go in order, and the
+    rest in column strips."""
     type_name = draw(st.sampled_from(sorted(TYPES)))
     if type_name == "q8_0":
-        n = 32 * draw(st.sampled_from([1, 2, 3, 4, 16, 17]))
+        n = 32 * draw(st.sampled_from([1, 2, 3, 4, 7, 16, 17]))
     else:
         n = draw(st.one_of(st.integers(1, 80), st.sampled_from([128, 256, 263])))
-    n_rows = draw(st.integers(0, 40))
-    n_queries = draw(st.integers(1, 11))
+    n_rows = draw(st.integers(0, 80))
+    n_queries = draw(st.one_of(st.integers(1, 11), st.integers(60, 70)))
     ranges = [sorted(draw(st.lists(st.integers(0, n_rows), min_size=2, max_size=2))) for _ in range(n_queries)]
     return type_name, n, n_rows, [r[0] for r in ranges], [r[1] for r in ranges], draw(st.integers(0, 2**32 - 1))
 

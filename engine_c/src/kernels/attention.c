@@ -211,22 +211,37 @@ KR_INLINE __m256 lanes_sums8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// `next`: the next tile's key rows (NULL if none, or already fetched), prefetched alongside.
+// A tile's 4 key rows against 2 queries. With `from_memory` (the first pass over the tile) the rows
+// are read one after the other, each whole, so the hardware prefetchers see one ascending stream
+// and fetch the next rows ahead; reading the 4 rows side by side instead (the 4 streams a cache
+// line apart at each step) leaves them idle, and the keys then arrive at a third of the speed
+// (bench/cold_attention.c: 6 queries over 2048 f32 rows from memory, 141-147 -> 58-61 us per KV head). The later
+// passes find the rows in L1 and go across them, loading each query vector once for 4 rows.
 KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
-                           const float *q1, float *out0, float *out1, const char *next) {
+                           const float *q1, float *out0, float *out1, bool from_memory) {
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     const int64_t n8 = n - n % 8;
-    for (int64_t k = 0; k < n8; k += 8) {
-        const __m256 x0 = _mm256_loadu_ps(q0 + k), x1 = _mm256_loadu_ps(q1 + k);
+    if (from_memory) {
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            if (next) _mm_prefetch(next + (size_t)r * row_stride + (size_t)k * (type == KR_F16 ? 2 : 4), _MM_HINT_T0);
-            __m256 key = load_key8(type, keys + (size_t)r * row_stride, k);
-            __asm__("" : "+x"(key));  // one load per key vector: GCC would otherwise fold it into both FMAs
-            acc[r] = _mm256_fmadd_ps(key, x0, acc[r]);
-            acc[r + 4] = _mm256_fmadd_ps(key, x1, acc[r + 4]);
+        for (int r = 0; r < 4; r++)
+            for (int64_t k = 0; k < n8; k += 8) {
+                __m256 key = load_key8(type, keys + (size_t)r * row_stride, k);
+                __asm__("" : "+x"(key));  // one load per key vector: GCC would otherwise fold it into both FMAs
+                acc[r] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q0 + k), acc[r]);
+                acc[r + 4] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q1 + k), acc[r + 4]);
+            }
+    } else {
+        for (int64_t k = 0; k < n8; k += 8) {
+            const __m256 x0 = _mm256_loadu_ps(q0 + k), x1 = _mm256_loadu_ps(q1 + k);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                __m256 key = load_key8(type, keys + (size_t)r * row_stride, k);
+                __asm__("" : "+x"(key));
+                acc[r] = _mm256_fmadd_ps(key, x0, acc[r]);
+                acc[r + 4] = _mm256_fmadd_ps(key, x1, acc[r + 4]);
+            }
         }
     }
     const __m256 sums = lanes_sums8(acc);
@@ -247,19 +262,24 @@ KR_INLINE void scores_tile(const int32_t type, const char *keys, size_t row_stri
 }
 
 // One query against 8 positions: the same 8 accumulators and sums (a lone query is not paired
-// with itself, which would do its work twice).
+// with itself, which would do its work twice), the rows in order when they come from memory.
 KR_INLINE void scores_tile_single(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
-                                  float *out0, const char *next) {
+                                  float *out0, bool from_memory) {
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     const int64_t n8 = n - n % 8;
-    for (int64_t k = 0; k < n8; k += 8) {
-        const __m256 x0 = _mm256_loadu_ps(q0 + k);
+    if (from_memory) {
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            if (next) _mm_prefetch(next + (size_t)r * row_stride + (size_t)k * (type == KR_F16 ? 2 : 4), _MM_HINT_T0);
-            acc[r] = _mm256_fmadd_ps(load_key8(type, keys + (size_t)r * row_stride, k), x0, acc[r]);
+        for (int r = 0; r < 8; r++)
+            for (int64_t k = 0; k < n8; k += 8)
+                acc[r] = _mm256_fmadd_ps(load_key8(type, keys + (size_t)r * row_stride, k), _mm256_loadu_ps(q0 + k), acc[r]);
+    } else {
+        for (int64_t k = 0; k < n8; k += 8) {
+            const __m256 x0 = _mm256_loadu_ps(q0 + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_fmadd_ps(load_key8(type, keys + (size_t)r * row_stride, k), x0, acc[r]);
         }
     }
     _mm256_storeu_ps(out0, lanes_sums8(acc));
@@ -271,46 +291,40 @@ KR_INLINE float key_dot(const int32_t type, const char *key, const float *query,
     return type == KR_F16 ? kr_dot_f16_f32_avx2((const kr_f16 *)key, query, n) : kr_dot_f32_avx2((const float *)key, query, n);
 }
 
-// A lone query's scores: 8 positions at a time, then kr_dot's own sequence for the last 1-7.
-KR_INLINE void scores_single(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
-                             int32_t positions, float *out0) {
-    int32_t p = 0;
-    for (; p + 8 <= positions; p += 8) {
-        const char *next = p + 8 < positions ? keys + (size_t)(p + 8) * row_stride : NULL;
-        scores_tile_single(type, keys + (size_t)p * row_stride, row_stride, n, q0, out0 + p, next);
+// Positions [p, stop) of one pass (a pair of queries, or q1 NULL: a lone query): whole tiles, then
+// kr_dot's own sequence for the last positions.
+KR_INLINE void scores_span(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *q0,
+                           const float *q1, float *out0, float *out1, int32_t p, int32_t stop, bool from_memory) {
+    if (!q1 && p + 8 <= stop) {
+        scores_tile_single(type, keys + (size_t)p * row_stride, row_stride, n, q0, out0 + p, from_memory);
+        return;
     }
-    for (; p < positions; p++) out0[p] = key_dot(type, keys + (size_t)p * row_stride, q0, n);
+    for (; q1 && p + 4 <= stop; p += 4)
+        scores_tile(type, keys + (size_t)p * row_stride, row_stride, n, q0, q1, out0 + p, out1 + p, from_memory);
+    for (; p < stop; p++) {
+        const char *key = keys + (size_t)p * row_stride;
+        out0[p] = key_dot(type, key, q0, n);
+        if (q1) out1[p] = key_dot(type, key, q1, n);
+    }
 }
 
-// Positions outside, pairs of queries inside: 4 key rows stay in L1 while every pair passes over
-// them. An odd last query goes alone afterwards (scores_single).
+// Positions outside, queries inside: a tile of 8 key rows stays in L1 while every pair of queries
+// (and an odd last query alone) passes over it; the first pass brings it from memory in order.
 KR_INLINE void scores_tiles(const int32_t type, const char *keys, size_t row_stride, int64_t n, const float *queries,
                             int64_t n_queries, const int32_t *end, float *out, size_t out_stride) {
-    if (n_queries % 2) {
-        const int64_t i = n_queries - 1;
-        scores_single(type, keys, row_stride, n, queries + (size_t)i * (size_t)n, end[i], out + (size_t)i * out_stride);
-        n_queries--;
-    }
     int32_t last = 0;
     for (int64_t i = 0; i < n_queries; i++) last = end[i] > last ? end[i] : last;
-    for (int32_t p = 0; p < last; p += 4) {
-        const char *tile_keys = keys + (size_t)p * row_stride;
+    for (int32_t p = 0; p < last; p += 8) {
+        bool from_memory = true;
         for (int64_t i = 0; i < n_queries; i += 2) {
-            const int64_t j = i + 1;
-            const int32_t positions = end[i] > end[j] ? end[i] : end[j];
+            const bool pair = i + 1 < n_queries;
+            const int32_t positions = pair && end[i + 1] > end[i] ? end[i + 1] : end[i];
             if (p >= positions) continue;
-            const float *q0 = queries + (size_t)i * (size_t)n, *q1 = queries + (size_t)j * (size_t)n;
-            float *out0 = out + (size_t)i * out_stride + p, *out1 = out + (size_t)j * out_stride + p;
-            if (p + 4 <= positions) {
-                // the first pair to pass fetches the next tile (the keys come from memory in generation)
-                const char *next = i == 0 && p + 4 < last ? tile_keys + 4 * row_stride : NULL;
-                scores_tile(type, tile_keys, row_stride, n, q0, q1, out0, out1, next);
-                continue;
-            }
-            for (int32_t r = 0; r < positions - p; r++) {  // the last 1-3 positions: kr_dot's own sequence
-                out0[r] = key_dot(type, tile_keys + (size_t)r * row_stride, q0, n);
-                out1[r] = key_dot(type, tile_keys + (size_t)r * row_stride, q1, n);
-            }
+            const int32_t stop = p + 8 < positions ? p + 8 : positions;
+            const float *q0 = queries + (size_t)i * (size_t)n, *q1 = pair ? q0 + n : NULL;
+            float *out0 = out + (size_t)i * out_stride, *out1 = pair ? out0 + out_stride : NULL;
+            scores_span(type, keys, row_stride, n, q0, q1, out0, out1, p, stop, from_memory);
+            from_memory = false;
         }
     }
 }
@@ -412,9 +426,140 @@ KR_INLINE void rows_in_order(const int32_t type, const float *weights, size_t we
     }
 }
 
+#if defined(KR_HAVE_AVX512)
+// Whole rows (AVX-512 builds, rows of up to 256 values): G queries' sums of a whole row's width sit
+// in G * V registers of 16 floats, so the rows are read one after the other, each whole, as the
+// hardware prefetchers like, and each value vector serves G queries. The rows go in chunks of
+// about WHOLE_CHUNK_BYTES: the first group of queries brings a chunk from memory in order, the
+// others find it in L1; the sums go to `out` between chunks. Per value the same fmaf in row order
+// as the reference. (bench/cold_attention.c, 6 queries over 2048 f32 rows of 128 from memory: the
+// values and softmax 194-201 -> 78-82 us per KV head.)
+#define WHOLE_CHUNK_BYTES 16384
+#define WHOLE_MAX_VECTORS 16  // 256 values
+#define WHOLE_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
+
+// Row vector k (values 16k .. 16k + 15, those of `mask`) and its q8_0 block's scale.
+KR_INLINE __m512 whole_load(const int32_t type, const char *row, int k, __mmask16 mask, float *scale) {
+    if (type == KR_Q8_0) {
+        const kr_block_q8_0 *block = (const kr_block_q8_0 *)row + k / 2;
+        *scale = mask ? _cvtsh_ss(block->d) : 0.0f;  // a masked-off vector may lie past the row's blocks
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, block->q + 16 * (k % 2))));
+    }
+    if (type == KR_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const kr_f16 *)row + 16 * k));
+    return _mm512_maskz_loadu_ps(mask, (const float *)row + 16 * k);
+}
+
+// acc[g][k] += w_g[p] * V[p][16k ..] for rows p in [first, last), G queries at once (the caller
+// passes acc + g and weight + g for one query alone).
+KR_INLINE void whole_rows(const int32_t type, const int V, const int G, const float *const *weight, const char *values,
+                          size_t row_stride, int64_t first, int64_t last, const __mmask16 *mask,
+                          __m512 (*acc)[WHOLE_MAX_VECTORS]) {
+    for (int64_t p = first; p < last; p++) {
+        const char *row = values + (size_t)p * row_stride;
+        __m512 w[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(weight[g][p]);
+#pragma GCC unroll 16
+        for (int k = 0; k < V; k++) {
+            float scale = 1.0f;
+            const __m512 v = whole_load(type, row, k, mask[k], &scale);
+#pragma GCC unroll 4
+            for (int g = 0; g < G; g++)
+                acc[g][k] = _mm512_fmadd_ps(type == KR_Q8_0 ? _mm512_set1_ps(weight[g][p] * scale) : w[g], v, acc[g][k]);
+        }
+    }
+}
+
+// One chunk [c0, c1) for G queries: their sums from out, each query's rows of the chunk before the
+// rows all of them see, those together, each query's rows after them; the sums back to out.
+KR_INLINE void whole_group(const int32_t type, const int V, const int G, const float *const *weight,
+                           const int32_t *begin, const int32_t *end, const char *values, size_t row_stride, int64_t c0,
+                           int64_t c1, const __mmask16 *mask, float *const *out) {
+    __m512 acc[4][WHOLE_MAX_VECTORS];
+    int64_t first[4], last[4], shared_first = c0, shared_last = c1;
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        first[g] = begin[g] > c0 ? begin[g] : c0;
+        last[g] = end[g] < c1 ? end[g] : c1;
+        if (first[g] > shared_first) shared_first = first[g];
+        if (last[g] < shared_last) shared_last = last[g];
+#pragma GCC unroll 16
+        for (int k = 0; k < V; k++) acc[g][k] = _mm512_maskz_loadu_ps(mask[k], out[g] + 16 * k);
+    }
+    if (shared_first >= shared_last) shared_first = shared_last = c1;  // nothing shared: each alone
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+        whole_rows(type, V, 1, weight + g, values, row_stride, first[g], shared_first < last[g] ? shared_first : last[g],
+                   mask, acc + g);
+    whole_rows(type, V, G, weight, values, row_stride, shared_first, shared_last, mask, acc);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        whole_rows(type, V, 1, weight + g, values, row_stride, shared_last > first[g] ? shared_last : first[g], last[g],
+                   mask, acc + g);
+#pragma GCC unroll 16
+        for (int k = 0; k < V; k++) _mm512_mask_storeu_ps(out[g] + 16 * k, mask[k], acc[g][k]);
+    }
+}
+
+// Every query, chunk after chunk: V vectors per row, groups of up to 16 / V queries (at most 4).
+KR_INLINE void whole_chunks(const int32_t type, const int V, const float *weights, size_t weights_stride,
+                            const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
+                            size_t row_stride, const __mmask16 *mask, float *const *out) {
+    const int group = WHOLE_MAX_VECTORS / V < 4 ? WHOLE_MAX_VECTORS / V : 4;
+    if (n_queries < 1) return;
+    int64_t rows_first = begin[0], rows_last = end[0];
+    for (int64_t i = 1; i < n_queries; i++) {
+        if (begin[i] < rows_first) rows_first = begin[i];
+        if (end[i] > rows_last) rows_last = end[i];
+    }
+    const size_t stride = row_stride ? row_stride : 1;  // 0 when there is one row
+    const int64_t chunk = stride < WHOLE_CHUNK_BYTES ? (int64_t)(WHOLE_CHUNK_BYTES / stride) : 1;
+    for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < rows_last ? c0 + chunk : rows_last;
+        for (int64_t i = 0; i < n_queries; i += group) {
+            const int G = (int)(n_queries - i < group ? n_queries - i : group);
+            const float *weight[4];
+            for (int g = 0; g < G; g++) weight[g] = weights + (size_t)(i + g) * weights_stride;
+#define WHOLE_GROUP(G) whole_group(type, V, G, weight, begin + i, end + i, values, row_stride, c0, c1, mask, out + i)
+            if (G == 1) WHOLE_GROUP(1);
+            else if (G == 2 && V <= 8) WHOLE_GROUP(2);
+            else if (G == 3 && V <= 4) WHOLE_GROUP(3);
+            else if (G == 4 && V <= 4) WHOLE_GROUP(4);
+#undef WHOLE_GROUP
+        }
+    }
+}
+
+// One instance per type and V in 4, 8, 16 (narrower rows take the next, their extra vectors masked off).
+static void whole_values(int32_t type, int64_t n, const float *weights, size_t weights_stride, const int32_t *begin,
+                         const int32_t *end, int64_t n_queries, const char *values, size_t row_stride, float *const *out) {
+    __mmask16 mask[WHOLE_MAX_VECTORS];
+    for (int k = 0; k < WHOLE_MAX_VECTORS; k++) {
+        const int64_t lanes = n - 16 * k;
+        mask[k] = lanes >= 16 ? 0xFFFF : lanes > 0 ? (__mmask16)((1u << lanes) - 1) : 0;
+    }
+    for (int64_t i = 0; i < n_queries; i++)
+        for (int64_t e = 0; e < n; e++) out[i][e] = 0.0f;
+    const int V = n <= 64 ? 4 : n <= 128 ? 8 : 16;
+#define WHOLE_CHUNKS(TYPE, V) whole_chunks(TYPE, V, weights, weights_stride, begin, end, n_queries, values, row_stride, mask, out)
+#define WHOLE_TYPE(TYPE) V == 4 ? WHOLE_CHUNKS(TYPE, 4) : V == 8 ? WHOLE_CHUNKS(TYPE, 8) : WHOLE_CHUNKS(TYPE, 16)
+    if (type == KR_Q8_0) WHOLE_TYPE(KR_Q8_0);
+    else if (type == KR_F16) WHOLE_TYPE(KR_F16);
+    else WHOLE_TYPE(KR_F32);
+#undef WHOLE_TYPE
+#undef WHOLE_CHUNKS
+}
+#endif
+
 void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
                            size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
                            float *const *out) {
+#if defined(KR_HAVE_AVX512)
+    if (n <= 16 * WHOLE_MAX_VECTORS && n_queries <= WHOLE_MAX_QUERIES) {
+        whole_values(type, n, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
+        return;
+    }
+#endif
     const int64_t n_wide = n - n % (8 * WIDTH), n8 = n - n % 8;
     const bool in_order = n_queries <= GROUP && row_stride >= ROWS_IN_ORDER_BYTES;
     if (in_order) {
