@@ -110,10 +110,10 @@ def value_rows(rng, type_name, n_rows, n):
 @st.composite
 def attention_blocks(draw):
     """A type, a row width, rows, and queries with their own ranges (some empty, some shared). The
-    fast kernel has three paths, all drawn here: in AVX-512 builds rows of up to 256 values and up to
-    64 queries go whole, in chunks of about 16 KiB (so more rows than a chunk holds: up to 80 rows of
-    up to 1 KiB); otherwise rows of 512 bytes and more with at most 4 queries go in order, and the
-    rest in column strips."""
+    fast kernel's paths are all drawn here: in AVX-512 builds rows of up to 256 values for up to 64
+    queries go whole, in chunks of about 16 KiB (so more rows than a chunk holds: up to 80 rows of up
+    to 1 KiB); otherwise rows of 512 bytes and more with at most 4 queries go in order, up to 64
+    queries in spans of 64 values over the same chunks, and more queries in column strips."""
     type_name = draw(st.sampled_from(sorted(TYPES)))
     if type_name == "q8_0":
         n = 32 * draw(st.sampled_from([1, 2, 3, 4, 7, 16, 17]))

@@ -426,6 +426,76 @@ KR_INLINE void rows_in_order(const int32_t type, const float *weights, size_t we
     }
 }
 
+// Spans (AVX2 builds without AVX-512): a query's sums of 64 values (8 vectors) sit in registers
+// while rows of a chunk of about SPAN_CHUNK_BYTES pass, one after the other; then the next span and
+// query over the same chunk, now in L1. The first pass reads the first 64 values of each row in
+// order, an ascending stream with gaps the prefetchers follow.
+#ifndef SPAN_CHUNK_BYTES
+#define SPAN_CHUNK_BYTES 16384
+#endif
+#define SPAN_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
+
+// Values col .. col + 7 of a row, and (q8_0) their block's scale.
+KR_INLINE __m256 span_load(const int32_t type, const char *row, int64_t col, float *scale) {
+    if (type == KR_Q8_0) {
+        const kr_block_q8_0 *block = (const kr_block_q8_0 *)row + col / KR_QK;
+        *scale = _cvtsh_ss(block->d);
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block->q + col % KR_QK))));
+    }
+    if (type == KR_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + col)));
+    return _mm256_loadu_ps((const float *)row + col);
+}
+
+// y[e .. e + 8V) += w[p] * V[p][e ..] over rows p in [first, last), in order.
+KR_INLINE void span_rows(const int32_t type, const int V, const float *weight, const char *values, size_t row_stride,
+                         int64_t e, int64_t first, int64_t last, float *y) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < V; k++) acc[k] = _mm256_loadu_ps(y + e + 8 * k);
+    for (int64_t p = first; p < last; p++) {
+        const char *row = values + (size_t)p * row_stride;
+        const __m256 w = _mm256_set1_ps(weight[p]);
+#pragma GCC unroll 8
+        for (int k = 0; k < V; k++) {
+            float scale = 1.0f;
+            const __m256 v = span_load(type, row, e + 8 * k, &scale);
+            acc[k] = _mm256_fmadd_ps(type == KR_Q8_0 ? _mm256_set1_ps(weight[p] * scale) : w, v, acc[k]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < V; k++) _mm256_storeu_ps(y + e + 8 * k, acc[k]);
+}
+
+KR_INLINE void span_chunks(const int32_t type, int64_t n8, const float *weights, size_t weights_stride,
+                           const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
+                           size_t row_stride, float *const *out) {
+    int64_t rows_first = begin[0], rows_last = end[0];
+    for (int64_t i = 1; i < n_queries; i++) {
+        if (begin[i] < rows_first) rows_first = begin[i];
+        if (end[i] > rows_last) rows_last = end[i];
+    }
+    const size_t stride = row_stride ? row_stride : 1;  // 0 when there is one row
+    const int64_t chunk = stride < SPAN_CHUNK_BYTES ? (int64_t)(SPAN_CHUNK_BYTES / stride) : 1;
+    for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < rows_last ? c0 + chunk : rows_last;
+        for (int64_t e = 0; e < n8; e += e + 64 <= n8 ? 64 : 8)
+            for (int64_t i = 0; i < n_queries; i++) {
+                const int64_t first = begin[i] > c0 ? begin[i] : c0, last = end[i] < c1 ? end[i] : c1;
+                const float *weight = weights + (size_t)i * weights_stride;
+                if (e + 64 <= n8) span_rows(type, 8, weight, values, row_stride, e, first, last, out[i]);
+                else span_rows(type, 1, weight, values, row_stride, e, first, last, out[i]);
+            }
+    }
+}
+
+// One instance per type.
+static void span_values(int32_t type, int64_t n8, const float *weights, size_t weights_stride, const int32_t *begin,
+                        const int32_t *end, int64_t n_queries, const char *values, size_t row_stride, float *const *out) {
+    if (type == KR_Q8_0) span_chunks(KR_Q8_0, n8, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
+    else if (type == KR_F16) span_chunks(KR_F16, n8, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
+    else span_chunks(KR_F32, n8, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
+}
+
 #if defined(KR_HAVE_AVX512)
 // Whole rows (AVX-512 builds, rows of up to 256 values): G queries' sums of a whole row's width sit
 // in G * V registers of 16 floats, so the rows are read one after the other, each whole, as the
@@ -561,20 +631,26 @@ void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, 
     }
 #endif
     const int64_t n_wide = n - n % (8 * WIDTH), n8 = n - n % 8;
+    // A few queries over long rows: rows_in_order; up to SPAN_MAX_QUERIES: spans; more: column strips.
     const bool in_order = n_queries <= GROUP && row_stride >= ROWS_IN_ORDER_BYTES;
-    if (in_order) {
+    const bool spans = !in_order && n_queries >= 1 && n_queries <= SPAN_MAX_QUERIES;
+    if (in_order || spans) {
         for (int64_t i = 0; i < n_queries; i++)
             for (int64_t e = 0; e < n8; e++) out[i][e] = 0.0f;
+    }
+    if (in_order) {
         if (type == KR_Q8_0) rows_in_order(KR_Q8_0, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
         else if (type == KR_F16) rows_in_order(KR_F16, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
         else rows_in_order(KR_F32, weights, weights_stride, begin, end, n_queries, values, row_stride, n8, out);
+    } else if (spans) {
+        span_values(type, n8, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
     }
     for (int64_t i = 0; i < n_queries; i += GROUP) {
         const int G = (int)(n_queries - i < GROUP ? n_queries - i : GROUP);
         const float *weight[GROUP];
         for (int g = 0; g < G; g++) weight[g] = weights + (size_t)(i + g) * weights_stride;
         const char *rows = values;
-        for (int64_t e = 0; !in_order && e < n8; e += e < n_wide ? 8 * WIDTH : 8) {
+        for (int64_t e = 0; !in_order && !spans && e < n8; e += e < n_wide ? 8 * WIDTH : 8) {
             const int W = e < n_wide ? WIDTH : 1;
             const bool fetch = i == 0 && e == 0;  // the first strip of the first group: the rest find the rows in L2
             if (type == KR_Q8_0) fold_group_q8_0(W, G, weight, begin + i, end + i, rows, row_stride, e, out + i, fetch);
