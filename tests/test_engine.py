@@ -616,6 +616,48 @@ class BenchTests:
         assert main.main(["bench", str(path), "-np", "0"]) == 2
         assert "--parallel must be at least 1" in capsys.readouterr().err
 
+    @pytest.mark.parametrize("parallel", [1, 2])
+    def test_depth(self, tiny, capsys, monkeypatch, parallel):
+        """-d 6: each session holds 6 + N positions and evaluates the 6 context tokens once, without
+        logits, before any run; every run (the warm-up and the timed ones) starts by truncating the
+        cache back to 6, never to 0; the tests are named as llama-bench names them; -d -1 is refused."""
+        from krafla_twisted.engine import model as engine_model
+
+        calls = []
+        session, truncate, evaluate = Model.session, engine_model.Session.truncate, engine_model.Session.eval
+
+        def recording_session(self, *args, **kwargs):
+            calls.append(("session", kwargs["ctx"]))
+            return session(self, *args, **kwargs)
+
+        def recording_truncate(self, n_tokens):
+            calls.append(("truncate", n_tokens))
+            return truncate(self, n_tokens)
+
+        def recording_eval(self, token_ids, logits=True, out=None):
+            calls.append(("eval", len(token_ids), logits))
+            return evaluate(self, token_ids, logits, out)
+
+        monkeypatch.setattr(Model, "session", recording_session)
+        monkeypatch.setattr(engine_model.Session, "truncate", recording_truncate)
+        monkeypatch.setattr(engine_model.Session, "eval", recording_eval)
+        path = tiny("qwen2", "q8_0")
+        args = ["bench", str(path), "-p", "4", "-n", "3", "-d", "6", "-r", "2", "-b", "4", "-np", str(parallel), "--json"]
+        assert main.main(args) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        tg = "tg3 np2 @ d6" if parallel > 1 else "tg3 @ d6"
+        assert [(row["test"], row["depth"]) for row in rows] == [("pp4 @ d6", 6), (tg, 6)]
+        prompt = calls[:calls.index(("session", 9))]
+        assert prompt[:2] == [("session", 10), ("eval", 6, False)]
+        assert [c for c in prompt if c[0] == "truncate"] == [("truncate", 6)] * 3  # warm-up + 2 runs
+        assert [c for c in prompt[2:] if c[0] == "eval"] == [("eval", 4, True)] * 3
+        generation = calls[calls.index(("session", 9)):]
+        assert generation[:2 * parallel] == [("session", 9)] * parallel + [("eval", 6, False)] * parallel
+        assert {c for c in generation if c[0] == "truncate"} == {("truncate", 6)}
+        assert len([c for c in generation if c[0] == "truncate"]) == 3 * parallel
+        assert main.main(["bench", str(path), "-d", "-1"]) == 2
+        assert "-d must be between 0" in capsys.readouterr().err
+
     def test_table_and_errors(self, tiny, capsys):
         """The table has llama-bench's columns; bad arguments and files exit non-zero with a message."""
         path = tiny("llama")
