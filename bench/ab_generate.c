@@ -21,6 +21,7 @@
 
 #include "../engine_c/include/krafla.h"
 #include "clock.h"
+#include "dl.h"
 
 #define MAX_BUILDS 16
 #define MAX_ROUNDS 256
@@ -36,15 +37,6 @@ typedef struct {
 static int by_value(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
-}
-
-static void *symbol(void *library, const char *path, const char *name) {
-    void *found = dlsym(library, name);
-    if (!found) {
-        fprintf(stderr, "%s has no %s\n", path, name);
-        exit(1);
-    }
-    return found;
 }
 
 // Open the model with the library at b->path, packed in memory, and a session for `tokens` steps.

@@ -1,6 +1,6 @@
 // clock.h: the monotonic clock in seconds, for the standalone C benchmarks of this folder
-// (stream_read.c, cold_matmul.c, ab_generate.c), each built by one gcc command that finds this file
-// beside it.
+// (stream_read.c, cold_matmul.c, ab_generate.c, cold_attention.c), each built by one gcc command
+// that finds this file beside it.
 #ifndef KRAFLA_BENCH_CLOCK_H
 #define KRAFLA_BENCH_CLOCK_H
 

@@ -3,8 +3,8 @@
 // heads, each with its own DEPTH key and value rows, together larger than the last-level cache, so
 // each head's rows come from memory as in a generation step), QUERIES queries' scores, softmax and
 // weighted sum of values, through the test entry points of krafla.h. Per build: the median
-// microseconds per head over ROUNDS rounds (and of the scores' and the softmax's parts), the bytes of keys and values read per second, and
-// whether its outputs equal the first build's bit for bit.
+// microseconds per head over ROUNDS rounds (and of the scores' and the softmax's parts), the bytes
+// of keys and values read per second, and whether its outputs equal the first build's bit for bit.
 //     gcc -O2 bench/cold_attention.c -o cold_attention -ldl
 //     ./cold_attention f32 128 2048 6 56 20 build/avx512/libkrafla.so /tmp/other/avx512/libkrafla.so
 // (TYPE HEAD_DIM DEPTH QUERIES HEADS ROUNDS: Qwen2.5-Coder-1.5B has 28 layers x 2 KV heads, 6
@@ -17,6 +17,7 @@
 
 #include "../engine_c/include/krafla.h"
 #include "clock.h"
+#include "dl.h"
 
 #define MAX_BUILDS 8
 #define MAX_ROUNDS 256
@@ -36,15 +37,6 @@ typedef struct {
     double seconds[MAX_ROUNDS], scores_seconds[MAX_ROUNDS], softmax_seconds[MAX_ROUNDS];  // a round, two parts
     float *out;  // the last head's outputs (QUERIES, head_dim)
 } build;
-
-static void *symbol(void *library, const char *path, const char *name) {
-    void *found = dlsym(library, name);
-    if (!found) {
-        fprintf(stderr, "%s has no %s\n", path, name);
-        exit(1);
-    }
-    return found;
-}
 
 static int by_value(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

@@ -426,13 +426,25 @@ KR_INLINE void rows_in_order(const int32_t type, const float *weights, size_t we
     }
 }
 
+// The chunks of the whole-row and span paths: rows [*first, *last) (those any query reads) in runs
+// of about CHUNK_BYTES, which every group of queries passes over in turn while the run is in L1.
+// Returns the rows of a chunk.
+#define CHUNK_BYTES 16384
+KR_INLINE int64_t chunk_rows(const int32_t *begin, const int32_t *end, int64_t n_queries, size_t row_stride,
+                             int64_t *first, int64_t *last) {
+    *first = begin[0], *last = end[0];
+    for (int64_t i = 1; i < n_queries; i++) {
+        if (begin[i] < *first) *first = begin[i];
+        if (end[i] > *last) *last = end[i];
+    }
+    const size_t stride = row_stride ? row_stride : 1;  // 0 when there is one row
+    return stride < CHUNK_BYTES ? (int64_t)(CHUNK_BYTES / stride) : 1;
+}
+
 // Spans (AVX2 builds without AVX-512): a query's sums of 64 values (8 vectors) sit in registers
-// while rows of a chunk of about SPAN_CHUNK_BYTES pass, one after the other; then the next span and
+// while rows of a chunk (chunk_rows) pass, one after the other; then the next span and
 // query over the same chunk, now in L1. The first pass reads the first 64 values of each row in
 // order, an ascending stream with gaps the prefetchers follow.
-#ifndef SPAN_CHUNK_BYTES
-#define SPAN_CHUNK_BYTES 16384
-#endif
 #define SPAN_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
 
 // Values col .. col + 7 of a row, and (q8_0) their block's scale.
@@ -469,13 +481,8 @@ KR_INLINE void span_rows(const int32_t type, const int V, const float *weight, c
 KR_INLINE void span_chunks(const int32_t type, int64_t n8, const float *weights, size_t weights_stride,
                            const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
                            size_t row_stride, float *const *out) {
-    int64_t rows_first = begin[0], rows_last = end[0];
-    for (int64_t i = 1; i < n_queries; i++) {
-        if (begin[i] < rows_first) rows_first = begin[i];
-        if (end[i] > rows_last) rows_last = end[i];
-    }
-    const size_t stride = row_stride ? row_stride : 1;  // 0 when there is one row
-    const int64_t chunk = stride < SPAN_CHUNK_BYTES ? (int64_t)(SPAN_CHUNK_BYTES / stride) : 1;
+    int64_t rows_first, rows_last;
+    const int64_t chunk = chunk_rows(begin, end, n_queries, row_stride, &rows_first, &rows_last);
     for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
         const int64_t c1 = c0 + chunk < rows_last ? c0 + chunk : rows_last;
         for (int64_t e = 0; e < n8; e += e + 64 <= n8 ? 64 : 8)
@@ -499,12 +506,11 @@ static void span_values(int32_t type, int64_t n8, const float *weights, size_t w
 #if defined(KR_HAVE_AVX512)
 // Whole rows (AVX-512 builds, rows of up to 256 values): G queries' sums of a whole row's width sit
 // in G * V registers of 16 floats, so the rows are read one after the other, each whole, as the
-// hardware prefetchers like, and each value vector serves G queries. The rows go in chunks of
-// about WHOLE_CHUNK_BYTES: the first group of queries brings a chunk from memory in order, the
+// hardware prefetchers like, and each value vector serves G queries. The rows go in chunks
+// (chunk_rows): the first group of queries brings a chunk from memory in order, the
 // others find it in L1; the sums go to `out` between chunks. Per value the same fmaf in row order
 // as the reference. (bench/cold_attention.c, 6 queries over 2048 f32 rows of 128 from memory: the
 // values and softmax 194-201 -> 78-82 us per KV head.)
-#define WHOLE_CHUNK_BYTES 16384
 #define WHOLE_MAX_VECTORS 16  // 256 values
 #define WHOLE_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
 
@@ -577,13 +583,8 @@ KR_INLINE void whole_chunks(const int32_t type, const int V, const float *weight
                             size_t row_stride, const __mmask16 *mask, float *const *out) {
     const int group = WHOLE_MAX_VECTORS / V < 4 ? WHOLE_MAX_VECTORS / V : 4;
     if (n_queries < 1) return;
-    int64_t rows_first = begin[0], rows_last = end[0];
-    for (int64_t i = 1; i < n_queries; i++) {
-        if (begin[i] < rows_first) rows_first = begin[i];
-        if (end[i] > rows_last) rows_last = end[i];
-    }
-    const size_t stride = row_stride ? row_stride : 1;  // 0 when there is one row
-    const int64_t chunk = stride < WHOLE_CHUNK_BYTES ? (int64_t)(WHOLE_CHUNK_BYTES / stride) : 1;
+    int64_t rows_first, rows_last;
+    const int64_t chunk = chunk_rows(begin, end, n_queries, row_stride, &rows_first, &rows_last);
     for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
         const int64_t c1 = c0 + chunk < rows_last ? c0 + chunk : rows_last;
         for (int64_t i = 0; i < n_queries; i += group) {
