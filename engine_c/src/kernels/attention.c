@@ -441,10 +441,10 @@ KR_INLINE int64_t chunk_rows(const int32_t *begin, const int32_t *end, int64_t n
     return stride < CHUNK_BYTES ? (int64_t)(CHUNK_BYTES / stride) : 1;
 }
 
-// Spans (AVX2 builds without AVX-512): a query's sums of 64 values (8 vectors) sit in registers
-// while rows of a chunk (chunk_rows) pass, one after the other; then the next span and
-// query over the same chunk, now in L1. The first pass reads the first 64 values of each row in
-// order, an ascending stream with gaps the prefetchers follow.
+// Spans (AVX2 builds; AVX-512 builds for rows wider than whole_values takes): a query's sums of 64
+// values (8 vectors) sit in registers while the rows of a chunk (chunk_rows) pass, one after the
+// other; then the next span and query over the same chunk, now in L1. The first pass reads the
+// first 64 values of each row in order, an ascending stream with gaps the prefetchers follow.
 #define SPAN_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
 
 // Values col .. col + 7 of a row, and (q8_0) their block's scale.
@@ -478,6 +478,7 @@ KR_INLINE void span_rows(const int32_t type, const int V, const float *weight, c
     for (int k = 0; k < V; k++) _mm256_storeu_ps(y + e + 8 * k, acc[k]);
 }
 
+// Values [0, n8) of every query: chunk after chunk, span after span, query after query.
 KR_INLINE void span_chunks(const int32_t type, int64_t n8, const float *weights, size_t weights_stride,
                            const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
                            size_t row_stride, float *const *out) {
