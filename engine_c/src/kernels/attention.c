@@ -428,8 +428,9 @@ KR_INLINE void rows_in_order(const int32_t type, const float *weights, size_t we
 
 // The chunks of the whole-row and span paths: rows [*first, *last) (those any query reads) in runs
 // of about CHUNK_BYTES, which every group of queries passes over in turn while the run is in L1.
-// Returns the rows of a chunk.
+// Returns the rows of a chunk. Both paths take up to CHUNKED_MAX_QUERIES queries.
 #define CHUNK_BYTES 16384
+#define CHUNKED_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
 KR_INLINE int64_t chunk_rows(const int32_t *begin, const int32_t *end, int64_t n_queries, size_t row_stride,
                              int64_t *first, int64_t *last) {
     *first = begin[0], *last = end[0];
@@ -445,18 +446,6 @@ KR_INLINE int64_t chunk_rows(const int32_t *begin, const int32_t *end, int64_t n
 // values (8 vectors) sit in registers while the rows of a chunk (chunk_rows) pass, one after the
 // other; then the next span and query over the same chunk, now in L1. The first pass reads the
 // first 64 values of each row in order, an ascending stream with gaps the prefetchers follow.
-#define SPAN_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
-
-// Values col .. col + 7 of a row, and (q8_0) their block's scale.
-KR_INLINE __m256 span_load(const int32_t type, const char *row, int64_t col, float *scale) {
-    if (type == KR_Q8_0) {
-        const kr_block_q8_0 *block = (const kr_block_q8_0 *)row + col / KR_QK;
-        *scale = _cvtsh_ss(block->d);
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block->q + col % KR_QK))));
-    }
-    if (type == KR_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kr_f16 *)row + col)));
-    return _mm256_loadu_ps((const float *)row + col);
-}
 
 // y[e .. e + 8V) += w[p] * V[p][e ..] over rows p in [first, last), in order.
 KR_INLINE void span_rows(const int32_t type, const int V, const float *weight, const char *values, size_t row_stride,
@@ -469,9 +458,10 @@ KR_INLINE void span_rows(const int32_t type, const int V, const float *weight, c
         const __m256 w = _mm256_set1_ps(weight[p]);
 #pragma GCC unroll 8
         for (int k = 0; k < V; k++) {
+            __m256 v[WIDTH];
             float scale = 1.0f;
-            const __m256 v = span_load(type, row, e + 8 * k, &scale);
-            acc[k] = _mm256_fmadd_ps(type == KR_Q8_0 ? _mm256_set1_ps(weight[p] * scale) : w, v, acc[k]);
+            load_values(type, 1, row, e + 8 * k, v, &scale);
+            acc[k] = _mm256_fmadd_ps(type == KR_Q8_0 ? _mm256_set1_ps(weight[p] * scale) : w, v[0], acc[k]);
         }
     }
 #pragma GCC unroll 8
@@ -513,7 +503,6 @@ static void span_values(int32_t type, int64_t n8, const float *weights, size_t w
 // as the reference. (bench/cold_attention.c, 6 queries over 2048 f32 rows of 128 from memory: the
 // values and softmax 194-201 -> 78-82 us per KV head.)
 #define WHOLE_MAX_VECTORS 16  // 256 values
-#define WHOLE_MAX_QUERIES 64  // speed hook: more queries (a prompt) go through the column strips
 
 // Row vector k (values 16k .. 16k + 15, those of `mask`) and its q8_0 block's scale.
 KR_INLINE __m512 whole_load(const int32_t type, const char *row, int k, __mmask16 mask, float *scale) {
@@ -583,7 +572,6 @@ KR_INLINE void whole_chunks(const int32_t type, const int V, const float *weight
                             const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
                             size_t row_stride, const __mmask16 *mask, float *const *out) {
     const int group = WHOLE_MAX_VECTORS / V < 4 ? WHOLE_MAX_VECTORS / V : 4;
-    if (n_queries < 1) return;
     int64_t rows_first, rows_last;
     const int64_t chunk = chunk_rows(begin, end, n_queries, row_stride, &rows_first, &rows_last);
     for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
@@ -626,16 +614,17 @@ static void whole_values(int32_t type, int64_t n, const float *weights, size_t w
 void kr_attend_values_avx2(int32_t type, const void *values, size_t row_stride, int64_t n, const float *weights,
                            size_t weights_stride, const int32_t *begin, const int32_t *end, int64_t n_queries,
                            float *const *out) {
+    if (n_queries < 1) return;
 #if defined(KR_HAVE_AVX512)
-    if (n <= 16 * WHOLE_MAX_VECTORS && n_queries <= WHOLE_MAX_QUERIES) {
+    if (n <= 16 * WHOLE_MAX_VECTORS && n_queries <= CHUNKED_MAX_QUERIES) {
         whole_values(type, n, weights, weights_stride, begin, end, n_queries, values, row_stride, out);
         return;
     }
 #endif
     const int64_t n_wide = n - n % (8 * WIDTH), n8 = n - n % 8;
-    // A few queries over long rows: rows_in_order; up to SPAN_MAX_QUERIES: spans; more: column strips.
+    // A few queries over long rows: rows_in_order; up to CHUNKED_MAX_QUERIES: spans; more: column strips.
     const bool in_order = n_queries <= GROUP && row_stride >= ROWS_IN_ORDER_BYTES;
-    const bool spans = !in_order && n_queries >= 1 && n_queries <= SPAN_MAX_QUERIES;
+    const bool spans = !in_order && n_queries <= CHUNKED_MAX_QUERIES;
     if (in_order || spans) {
         for (int64_t i = 0; i < n_queries; i++)
             for (int64_t e = 0; e < n8; e++) out[i][e] = 0.0f;
