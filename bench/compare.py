@@ -6,6 +6,7 @@
     .venv/bin/python bench/compare.py --published --llama-bin native=/work/llama/build-native/bin --no-server
     .venv/bin/python bench/compare.py --moe 8 --llama-bin native=DIR   # a Qwen3-30B-A3B-shaped MoE, Q4_K_M and MXFP4
     .venv/bin/python bench/compare.py --published --models qwen2.5-coder-1.5b --roofline -t 1 --no-server
+    .venv/bin/python bench/compare.py --dense qwen2.5-7b --roofline -t 1   # a Qwen2.5-7B-shaped Q4_K_M
 
 --published compares the files as users get them instead (issue 13): krafla's default conversion
 (`krafla pull NAME`: the published file's types where the engine computes on them) with the library
@@ -257,6 +258,36 @@ def moe_models(vendor, layers, variants):
             gguf.parent.mkdir(parents=True, exist_ok=True)
             log(f"writing {gguf}")
             moe_model.write_gguf(gguf.with_suffix(".partial"), layers, variant, tokenizer)
+            gguf.with_suffix(".partial").rename(gguf)
+        if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
+            run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
+        found[name] = (types.SimpleNamespace(mlb=mlb), gguf)
+    return found
+
+
+def dense_models(vendor, shapes):
+    """--dense: {name: (krafla's .mlb, the GGUF)} of bench/dense_model.py's random dense models of
+    the given shapes (qwen2.5-7b), each tensor of the type it has in a published Q4_K_M GGUF of the
+    same layer count (whose tokenizer it takes too), the GGUF written once and converted by `krafla
+    convert` keeping its blocks, so both programs read the same weights."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import dense_model
+    from krafla_twisted.cli import models
+
+    found = {}
+    for shape in shapes:
+        if shape not in dense_model.SHAPES:
+            raise SystemExit(f"--dense {shape}: expected one of {', '.join(dense_model.SHAPES)}")
+        like = models.fetch_source(dense_model.SHAPES[shape]["like"])
+        name = f"{shape}-random-q4_K_M"
+        gguf = vendor / "dense" / f"{name}.gguf"
+        mlb = gguf.with_suffix(".mlb")
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            log(f"writing {gguf}")
+            dense_model.write_gguf(gguf.with_suffix(".partial"), like, shape)
             gguf.with_suffix(".partial").rename(gguf)
         if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
             run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
@@ -517,6 +548,9 @@ def main(argv=None):
                         help="compare on a random qwen3moe model with Qwen3-30B-A3B's per-layer shapes and LAYERS "
                              "layers (bench/moe_model.py), Q4_K_M and MXFP4 variants, instead of --models (issue 28)")
     parser.add_argument("--moe-types", default="q4_K_M,mxfp4", help="the --moe variants (q4_K_M, mxfp4, q8_0)")
+    parser.add_argument("--dense", default="", metavar="SHAPES",
+                        help="compare on random dense models of these shapes (qwen2.5-7b), the published Q4_K_M "
+                             "file's tensor types (bench/dense_model.py), instead of --models (issue 29)")
     parser.add_argument("--roofline", action="store_true",
                         help="also measure the read bandwidth and give generation as a share of the roofline")
     parser.add_argument("--no-server", action="store_true", help="skip the end-to-end server figures")
@@ -525,9 +559,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from krafla_twisted.engine import clib
 
-    if args.published or args.moe:
-        args.published = True  # --moe: the default install against llama.cpp's default build, as --published
-        args.no_server = args.no_server or bool(args.moe)  # random weights: nothing to chat with
+    random_weights = bool(args.moe or args.dense)
+    if args.published or random_weights:
+        args.published = True  # --moe, --dense: the default install against llama.cpp's default build
+        args.no_server = args.no_server or random_weights  # random weights: nothing to chat with
         args.isa = args.isa or clib.cpu_isa()  # what a default install loads
     if args.isa:
         isas = args.isa.split(",")
@@ -550,6 +585,8 @@ def main(argv=None):
               build_llama(vendor, tree, peer[isa], args.jobs, prebuilt), peer[isa]) for isa in isas]
     if args.moe:
         models = moe_models(vendor, args.moe, args.moe_types.split(","))
+    elif args.dense:
+        models = dense_models(vendor, args.dense.split(","))
     elif args.published:
         models = published_models(args.models.split(","))
     else:
@@ -558,6 +595,7 @@ def main(argv=None):
     rows = compare(pairs, models, args)
     source = tree.parent.parent.name if tree else ", ".join(f"{k}: {v}" for k, v in prebuilt.items())
     weights = ("random qwen3moe weights, the same GGUF blocks" if args.moe else
+               "random dense weights of the published Q4_K_M's types, the same GGUF blocks" if args.dense else
                "the published files (krafla's default conversion)" if args.published else "q4_0")
     print(f"krafla vs llama.cpp ({source}), {weights}, -t {args.threads} -p {args.prompt} "
           f"-n {args.generate}")

@@ -122,6 +122,20 @@ def copy_tokenizer(writer, source):
                 writer.add_key_value(key, value, kind)
 
 
+def add_tensor(writer, name, type_name, shape, data):
+    """One tensor of tensors() (or a caller's like it) into the GGUF writer: float32 values as they
+    are, quantized blocks as raw bytes of their ggml type."""
+    import gguf
+
+    if type_name == "f32":
+        writer.add_tensor(name, data.reshape(shape))
+        return
+    elements, block_bytes, _ = BLOCKS[type_name]
+    byte_shape = (*shape[:-1], shape[-1] // elements * block_bytes)
+    writer.add_tensor(name, data.reshape(byte_shape), raw_shape=byte_shape,
+                      raw_dtype=gguf.GGMLQuantizationType[GGML_TYPES[type_name]])
+
+
 def write_gguf(out, layers, types, tokenizer_from, seed=0):
     """The model as llama.cpp's converter writes a qwen3moe GGUF, the tokenizer copied from the
     GGUF `tokenizer_from` (its vocabulary must have SHAPE's n_vocab tokens)."""
@@ -149,13 +163,7 @@ def write_gguf(out, layers, types, tokenizer_from, seed=0):
     writer.add_expert_used_count(s["n_experts_used"])
     copy_tokenizer(writer, source)
     for name, type_name, shape, data in tensors(layers, types, seed):
-        if type_name == "f32":
-            writer.add_tensor(name, data.reshape(shape))
-        else:
-            quant = gguf.GGMLQuantizationType[GGML_TYPES[type_name]]
-            elements, block_bytes, _ = BLOCKS[type_name]
-            byte_shape = (*shape[:-1], shape[-1] // elements * block_bytes)
-            writer.add_tensor(name, data.reshape(byte_shape), raw_shape=byte_shape, raw_dtype=quant)
+        add_tensor(writer, name, type_name, shape, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -6,11 +6,13 @@
 // krafla's packed weights are (model/pack.c): on 4 KiB pages the same loop read 7% less at one thread
 // (32.5 against 35 GB/s, 6 Dec), a roofline the engine then seemed to beat. Built and run by
 // bench/compare.py --roofline:
-//     gcc -O2 -march=native -pthread bench/stream_read.c -o stream_read && ./stream_read THREADS [MiB [WORK]]
+//     gcc -O2 -march=native -pthread bench/stream_read.c -o stream_read && ./stream_read THREADS [MiB [WORK [BITS]]]
 // WORK (0, 1, 2, 4 or 8; 0 the roofline) gives each 32-byte vector read that many dependent
 // integer multiply-adds before it is folded in, as a kernel computes on the weights it streams: how
 // fast one core still reads when its loads share the out-of-order window with arithmetic
-// (docs/kernels.md, "What a core streams while it computes").
+// (docs/kernels.md, "What a core streams while it computes"). BITS 512 (an AVX-512 machine) reads
+// and works on 64-byte vectors instead, half the instructions per byte: whether the loss to WORK is
+// the number of instructions in flight.
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -24,61 +26,72 @@
 
 typedef uint64_t lanes __attribute__((vector_size(32)));
 typedef uint32_t words __attribute__((vector_size(32)));
+typedef uint64_t wide_lanes __attribute__((vector_size(64)));
+typedef uint32_t wide_words __attribute__((vector_size(64)));
 
 typedef struct {
     const uint8_t *start;
     size_t bytes;
     int work;                     // multiply-adds per vector
+    int wide;                     // 64-byte vectors instead of 32
     uint64_t folded;              // kept so the loads are not optimised away
 } slice;
 
 // t = (t + x) ^ 0x9e3779b9, `work` times, starting from x: two one-cycle vector operations a step
 // that need the loaded value and that no compiler folds away.
-#define WORKED(x, work)                                                             \
+#define WORKED(x, work, WORDS, LANES)                                               \
     ({                                                                              \
-        words t_ = (words)(x);                                                      \
-        for (int w_ = 0; w_ < (work); w_++) t_ = (t_ + (words)(x)) ^ 0x9e3779b9u;   \
-        (lanes)t_;                                                                  \
+        WORDS t_ = (WORDS)(x);                                                      \
+        for (int w_ = 0; w_ < (work); w_++) t_ = (t_ + (WORDS)(x)) ^ 0x9e3779b9u;   \
+        (LANES)t_;                                                                  \
     })
 
-// One slice with WORK multiply-adds per vector (a constant in each copy, so the loop unrolls).
-#define READ_SLICE(WORK)                                                               \
-    static void read_slice_##WORK(slice *s) {                                          \
-        lanes a = {0}, b = {0}, c = {0}, d = {0};                                      \
-        for (size_t i = 0; i + 4 * sizeof(lanes) <= s->bytes; i += 4 * sizeof(lanes)) { \
-            const lanes *p = (const lanes *)(s->start + i);                            \
-            a ^= WORKED(p[0], WORK);                                                   \
-            b ^= WORKED(p[1], WORK);                                                   \
-            c ^= WORKED(p[2], WORK);                                                   \
-            d ^= WORKED(p[3], WORK);                                                   \
+// One slice with WORK multiply-adds per vector of LANES (a constant in each copy, so the loop unrolls).
+#define READ_SLICE(WORK, NAME, WORDS, LANES)                                           \
+    static void NAME##_##WORK(slice *s) {                                              \
+        LANES a = {0}, b = {0}, c = {0}, d = {0};                                      \
+        for (size_t i = 0; i + 4 * sizeof(LANES) <= s->bytes; i += 4 * sizeof(LANES)) { \
+            const LANES *p = (const LANES *)(s->start + i);                            \
+            a ^= WORKED(p[0], WORK, WORDS, LANES);                                     \
+            b ^= WORKED(p[1], WORK, WORDS, LANES);                                     \
+            c ^= WORKED(p[2], WORK, WORDS, LANES);                                     \
+            d ^= WORKED(p[3], WORK, WORDS, LANES);                                     \
         }                                                                              \
-        const lanes all = a ^ b ^ c ^ d;                                               \
+        const LANES all = a ^ b ^ c ^ d;                                               \
         s->folded = all[0] ^ all[1] ^ all[2] ^ all[3];                                 \
     }
-READ_SLICE(0)
-READ_SLICE(1)
-READ_SLICE(2)
-READ_SLICE(4)
-READ_SLICE(8)
+#define READ_SLICES(NAME, WORDS, LANES)                                                \
+    READ_SLICE(0, NAME, WORDS, LANES)                                                  \
+    READ_SLICE(1, NAME, WORDS, LANES)                                                  \
+    READ_SLICE(2, NAME, WORDS, LANES)                                                  \
+    READ_SLICE(4, NAME, WORDS, LANES)                                                  \
+    READ_SLICE(8, NAME, WORDS, LANES)                                                  \
+    static void NAME(slice *s) {                                                       \
+        switch (s->work) {                                                             \
+        case 1: NAME##_1(s); break;                                                    \
+        case 2: NAME##_2(s); break;                                                    \
+        case 4: NAME##_4(s); break;                                                    \
+        case 8: NAME##_8(s); break;                                                    \
+        default: NAME##_0(s); break;                                                   \
+        }                                                                              \
+    }
+READ_SLICES(read_narrow, words, lanes)
+READ_SLICES(read_wide, wide_words, wide_lanes)
 
 static void *read_slice(void *arg) {
     slice *s = arg;
-    switch (s->work) {
-    case 1: read_slice_1(s); break;
-    case 2: read_slice_2(s); break;
-    case 4: read_slice_4(s); break;
-    case 8: read_slice_8(s); break;
-    default: read_slice_0(s); break;
-    }
+    if (s->wide) read_wide(s);
+    else read_narrow(s);
     return NULL;
 }
 
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 1;
     size_t mib = argc > 2 ? (size_t)atol(argv[2]) : 1024;
-    int work = argc > 3 ? atoi(argv[3]) : 0;
-    if (threads < 1 || threads > 256 || mib < 4 || (work != 0 && work != 1 && work != 2 && work != 4 && work != 8)) {
-        fprintf(stderr, "usage: %s THREADS [MiB >= 4 [WORK: 0, 1, 2, 4 or 8]]\n", argv[0]);
+    int work = argc > 3 ? atoi(argv[3]) : 0, bits = argc > 4 ? atoi(argv[4]) : 256;
+    if (threads < 1 || threads > 256 || mib < 4 || (work != 0 && work != 1 && work != 2 && work != 4 && work != 8) ||
+        (bits != 256 && bits != 512)) {
+        fprintf(stderr, "usage: %s THREADS [MiB >= 4 [WORK: 0, 1, 2, 4 or 8 [BITS: 256 or 512]]]\n", argv[0]);
         return 2;
     }
     size_t bytes = mib << 20;
@@ -98,7 +111,7 @@ int main(int argc, char **argv) {
     for (int pass = 0; pass < PASSES; pass++) {
         double start = now();
         for (int t = 0; t < threads; t++) {
-            slices[t] = (slice){buffer + (size_t)t * per, per, work, 0};
+            slices[t] = (slice){buffer + (size_t)t * per, per, work, bits == 512, 0};
             pthread_create(&ids[t], NULL, read_slice, &slices[t]);
         }
         for (int t = 0; t < threads; t++) {
@@ -108,7 +121,8 @@ int main(int argc, char **argv) {
         double seconds = now() - start;
         if (seconds < best) best = seconds;
     }
-    printf("{\"threads\": %d, \"work\": %d, \"bytes\": %zu, \"gb_per_s\": %.3f, \"check\": %llu}\n", threads, work,
+    printf("{\"threads\": %d, \"work\": %d, \"bits\": %d, \"bytes\": %zu, \"gb_per_s\": %.3f, \"check\": %llu}\n",
+           threads, work, bits,
            per * (size_t)threads,
            (double)(per * (size_t)threads) / best / 1e9, (unsigned long long)(folded & 1));
     free(buffer);
