@@ -499,10 +499,14 @@ static void span_values(int32_t type, int64_t n8, const float *weights, size_t w
 // in G * V registers of 16 floats, so the rows are read one after the other, each whole, as the
 // hardware prefetchers like, and each value vector serves G queries. The rows go in chunks
 // (chunk_rows): the first group of queries brings a chunk from memory in order, the
-// others find it in L1; the sums go to `out` between chunks. Per value the same fmaf in row order
-// as the reference. (bench/cold_attention.c, 6 queries over 2048 f32 rows of 128 from memory: the
-// values and softmax 194-201 -> 78-82 us per KV head.)
+// others find it in L1; the sums go to `out` between chunks. While the second group passes over a
+// chunk it fetches the next one into L2, so the memory is not idle while the later groups compute
+// (the first group then finds the chunk in L2). Per value the same fmaf in row order as the
+// reference. (bench/cold_attention.c, 6 queries over 2048 f32 rows of 128 from memory: the values
+// and softmax 194-201 -> 78-82 us per KV head; groups of 3 instead of 2 with the fetch, 77 -> 68,
+// and f16 rows 64 -> 43.)
 #define WHOLE_MAX_VECTORS 16  // 256 values
+#define WHOLE_MAX_SUMS 24     // vectors of sums a group keeps in registers (of AVX-512's 32: values, weights)
 
 // Row vector k (values 16k .. 16k + 15, those of `mask`) and its q8_0 block's scale.
 KR_INLINE __m512 whole_load(const int32_t type, const char *row, int k, __mmask16 mask, float *scale) {
@@ -516,12 +520,14 @@ KR_INLINE __m512 whole_load(const int32_t type, const char *row, int k, __mmask1
 }
 
 // acc[g][k] += w_g[p] * V[p][16k ..] for rows p in [first, last), G queries at once (the caller
-// passes acc + g and weight + g for one query alone).
+// passes acc + g and weight + g for one query alone); with `ahead` (bytes, 0 for none) each row's
+// lines that far ahead are fetched into L2.
 KR_INLINE void whole_rows(const int32_t type, const int V, const int G, const float *const *weight, const char *values,
                           size_t row_stride, int64_t first, int64_t last, const __mmask16 *mask,
-                          __m512 (*acc)[WHOLE_MAX_VECTORS]) {
+                          __m512 (*acc)[WHOLE_MAX_VECTORS], size_t ahead) {
     for (int64_t p = first; p < last; p++) {
         const char *row = values + (size_t)p * row_stride;
+        for (size_t line = 0; ahead && line < row_stride; line += 64) _mm_prefetch(row + ahead + line, _MM_HINT_T1);
         __m512 w[4];
 #pragma GCC unroll 4
         for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(weight[g][p]);
@@ -537,10 +543,11 @@ KR_INLINE void whole_rows(const int32_t type, const int V, const int G, const fl
 }
 
 // One chunk [c0, c1) for G queries: their sums from out, each query's rows of the chunk before the
-// rows all of them see, those together, each query's rows after them; the sums back to out.
+// rows all of them see, those together (fetching `ahead`: whole_rows), each query's rows after
+// them; the sums back to out.
 KR_INLINE void whole_group(const int32_t type, const int V, const int G, const float *const *weight,
                            const int32_t *begin, const int32_t *end, const char *values, size_t row_stride, int64_t c0,
-                           int64_t c1, const __mmask16 *mask, float *const *out) {
+                           int64_t c1, const __mmask16 *mask, float *const *out, size_t ahead) {
     __m512 acc[4][WHOLE_MAX_VECTORS];
     int64_t first[4], last[4], shared_first = c0, shared_last = c1;
 #pragma GCC unroll 4
@@ -556,22 +563,23 @@ KR_INLINE void whole_group(const int32_t type, const int V, const int G, const f
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
         whole_rows(type, V, 1, weight + g, values, row_stride, first[g], shared_first < last[g] ? shared_first : last[g],
-                   mask, acc + g);
-    whole_rows(type, V, G, weight, values, row_stride, shared_first, shared_last, mask, acc);
+                   mask, acc + g, 0);
+    whole_rows(type, V, G, weight, values, row_stride, shared_first, shared_last, mask, acc, ahead);
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++) {
         whole_rows(type, V, 1, weight + g, values, row_stride, shared_last > first[g] ? shared_last : first[g], last[g],
-                   mask, acc + g);
+                   mask, acc + g, 0);
 #pragma GCC unroll 16
         for (int k = 0; k < V; k++) _mm512_mask_storeu_ps(out[g] + 16 * k, mask[k], acc[g][k]);
     }
 }
 
-// Every query, chunk after chunk: V vectors per row, groups of up to 16 / V queries (at most 4).
+// Every query, chunk after chunk: V vectors per row, groups of up to 24 / V queries (at most 4); the
+// second group fetches the next chunk when it is whole.
 KR_INLINE void whole_chunks(const int32_t type, const int V, const float *weights, size_t weights_stride,
                             const int32_t *begin, const int32_t *end, int64_t n_queries, const char *values,
                             size_t row_stride, const __mmask16 *mask, float *const *out) {
-    const int group = WHOLE_MAX_VECTORS / V < 4 ? WHOLE_MAX_VECTORS / V : 4;
+    const int group = WHOLE_MAX_SUMS / V < 4 ? WHOLE_MAX_SUMS / V : 4;
     int64_t rows_first, rows_last;
     const int64_t chunk = chunk_rows(begin, end, n_queries, row_stride, &rows_first, &rows_last);
     for (int64_t c0 = rows_first; c0 < rows_last; c0 += chunk) {
@@ -580,10 +588,12 @@ KR_INLINE void whole_chunks(const int32_t type, const int V, const float *weight
             const int G = (int)(n_queries - i < group ? n_queries - i : group);
             const float *weight[4];
             for (int g = 0; g < G; g++) weight[g] = weights + (size_t)(i + g) * weights_stride;
-#define WHOLE_GROUP(G) whole_group(type, V, G, weight, begin + i, end + i, values, row_stride, c0, c1, mask, out + i)
+            const size_t ahead = i == group && c1 + chunk <= rows_last ? (size_t)chunk * row_stride : 0;
+#define WHOLE_GROUP(G) \
+    whole_group(type, V, G, weight, begin + i, end + i, values, row_stride, c0, c1, mask, out + i, ahead)
             if (G == 1) WHOLE_GROUP(1);
             else if (G == 2 && V <= 8) WHOLE_GROUP(2);
-            else if (G == 3 && V <= 4) WHOLE_GROUP(3);
+            else if (G == 3 && V <= 8) WHOLE_GROUP(3);
             else if (G == 4 && V <= 4) WHOLE_GROUP(4);
 #undef WHOLE_GROUP
         }
