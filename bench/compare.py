@@ -237,13 +237,27 @@ def llama_bench(binaries, gguf, threads, prompt, generate, extra=()):
     return result
 
 
-def moe_models(vendor, layers, variants):
-    """--moe: {name: (krafla's .mlb, the GGUF)} of bench/moe_model.py's random qwen3moe with
-    Qwen3-30B-A3B's per-layer shapes and `layers` layers, one per variant (q4_K_M, mxfp4), the GGUF
-    written once (the tokenizer from the default model's GGUF) and converted by `krafla convert`
-    keeping its blocks, so both programs read the same weights."""
+def random_model(gguf, write):
+    """(krafla's .mlb as a pull's namespace, the GGUF) of a random bench model: `write(path)` writes
+    the GGUF once (through a .partial file, so an interrupted run writes it again), and `krafla
+    convert` makes the .mlb keeping its blocks, so both programs read the same weights."""
     import types
 
+    mlb = gguf.with_suffix(".mlb")
+    if not gguf.is_file():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        log(f"writing {gguf}")
+        write(gguf.with_suffix(".partial"))
+        gguf.with_suffix(".partial").rename(gguf)
+    if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
+        run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
+    return types.SimpleNamespace(mlb=mlb), gguf
+
+
+def moe_models(vendor, layers, variants):
+    """--moe: {name: (krafla's .mlb, the GGUF)} of bench/moe_model.py's random qwen3moe with
+    Qwen3-30B-A3B's per-layer shapes and `layers` layers, one per variant (q4_K_M, mxfp4), the
+    tokenizer from the default model's GGUF (random_model)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import moe_model
     from krafla_twisted.cli import models
@@ -252,26 +266,15 @@ def moe_models(vendor, layers, variants):
     found = {}
     for variant in variants:
         name = f"qwen3moe-{layers}-layers-{variant}"
-        gguf = vendor / "moe" / f"{name}.gguf"
-        mlb = gguf.with_suffix(".mlb")
-        if not gguf.is_file():
-            gguf.parent.mkdir(parents=True, exist_ok=True)
-            log(f"writing {gguf}")
-            moe_model.write_gguf(gguf.with_suffix(".partial"), layers, variant, tokenizer)
-            gguf.with_suffix(".partial").rename(gguf)
-        if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
-            run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
-        found[name] = (types.SimpleNamespace(mlb=mlb), gguf)
+        found[name] = random_model(vendor / "moe" / f"{name}.gguf",
+                                   lambda path, v=variant: moe_model.write_gguf(path, layers, v, tokenizer))
     return found
 
 
 def dense_models(vendor, shapes):
     """--dense: {name: (krafla's .mlb, the GGUF)} of bench/dense_model.py's random dense models of
     the given shapes (qwen2.5-7b), each tensor of the type it has in a published Q4_K_M GGUF of the
-    same layer count (whose tokenizer it takes too), the GGUF written once and converted by `krafla
-    convert` keeping its blocks, so both programs read the same weights."""
-    import types
-
+    same layer count, whose tokenizer it takes too (random_model)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import dense_model
     from krafla_twisted.cli import models
@@ -282,16 +285,8 @@ def dense_models(vendor, shapes):
             raise SystemExit(f"--dense {shape}: expected one of {', '.join(dense_model.SHAPES)}")
         like = models.fetch_source(dense_model.SHAPES[shape]["like"])
         name = f"{shape}-random-q4_K_M"
-        gguf = vendor / "dense" / f"{name}.gguf"
-        mlb = gguf.with_suffix(".mlb")
-        if not gguf.is_file():
-            gguf.parent.mkdir(parents=True, exist_ok=True)
-            log(f"writing {gguf}")
-            dense_model.write_gguf(gguf.with_suffix(".partial"), like, shape)
-            gguf.with_suffix(".partial").rename(gguf)
-        if not mlb.is_file() or mlb.stat().st_mtime < gguf.stat().st_mtime:
-            run([sys.executable, "-m", "krafla_twisted.cli.main", "convert", gguf, "-o", mlb, "-q"])
-        found[name] = (types.SimpleNamespace(mlb=mlb), gguf)
+        found[name] = random_model(vendor / "dense" / f"{name}.gguf",
+                                   lambda path, s=shape, t=like: dense_model.write_gguf(path, t, s))
     return found
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_model import GGML_TYPES, add_tensor, copy_tokenizer, random_blocks  # noqa: E402
+from moe_model import GGML_TYPES, add_tensor, copy_tokenizer, finish, random_blocks  # noqa: E402
 
 # Hugging Face config.json figures of each shape, and the known model (krafla pull's name) whose
 # published Q4_K_M GGUF is the template (bench/compare.py --dense)
@@ -107,10 +107,7 @@ def write_gguf(out, like, shape_name="qwen2.5-7b", seed=0):
     copy_tokenizer(writer, reader)
     for name, kind, shape, data in tensors(s, types, n_vocab, seed):
         add_tensor(writer, name, kind, shape, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 

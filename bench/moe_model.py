@@ -136,6 +136,14 @@ def add_tensor(writer, name, type_name, shape, data):
                       raw_dtype=gguf.GGMLQuantizationType[GGML_TYPES[type_name]])
 
 
+def finish(writer):
+    """Write the GGUF writer's header, keys and tensors to its file and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(out, layers, types, tokenizer_from, seed=0):
     """The model as llama.cpp's converter writes a qwen3moe GGUF, the tokenizer copied from the
     GGUF `tokenizer_from` (its vocabulary must have SHAPE's n_vocab tokens)."""
@@ -164,10 +172,7 @@ def write_gguf(out, layers, types, tokenizer_from, seed=0):
     copy_tokenizer(writer, source)
     for name, type_name, shape, data in tensors(layers, types, seed):
         add_tensor(writer, name, type_name, shape, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 
@@ -308,10 +313,7 @@ def upcycle_gguf(out, dense, n_experts=4, n_experts_used=2, spread=0.1, seed=0):
     copy_tokenizer(writer, reader)
     for name, values in upcycled_tensors(reader, shape, n_experts, spread, seed):
         writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 def main(argv=None):

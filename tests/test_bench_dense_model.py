@@ -14,11 +14,11 @@ import pytest
 
 from krafla_twisted.convert.gguf import convert_gguf
 from krafla_twisted.engine.model import Model
+from tests.support.gguf_vocab import TOKENS, add_tokenizer
 from tests.support.server import REPO
 
 SMALL = dict(arch="qwen2", n_layers=2, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, context=128,
              rope_theta=1e6, norm_eps=1e-6, like="-")
-TOKENS = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "d", "\u2581a", "\u2581b", "\u2581c", "\u2581d"]
 # the template's types: q6_K where a published Q4_K_M has it in some layers, q4_K elsewhere
 TEMPLATE_TYPES = {"token_embd.weight": "q4_K", "output.weight": "q6_K", "blk.0.attn_v.weight": "q6_K",
                   "blk.1.ffn_down.weight": "q6_K"}
@@ -42,13 +42,7 @@ def write_template(path, moe_model, n_layers=2):
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_block_count(n_layers)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    writer.add_string("tokenizer.ggml.model", "llama")
-    writer.add_array("tokenizer.ggml.tokens", TOKENS)
-    writer.add_array("tokenizer.ggml.scores", [0.0, 0.0, 0.0] + [-float(i) for i in range(1, len(TOKENS) - 2)])
-    writer.add_array("tokenizer.ggml.token_type", [2, 3, 3] + [1] * (len(TOKENS) - 3))
-    writer.add_uint32("tokenizer.ggml.unknown_token_id", 0)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    add_tokenizer(writer)
 
     def matrix(name, rows, cols):
         kind = TEMPLATE_TYPES.get(name, "q4_K")
@@ -71,10 +65,7 @@ def write_template(path, moe_model, n_layers=2):
         matrix(blk + "ffn_down.weight", dim, ffn)
     vector("output_norm.weight", dim)
     matrix("output.weight", len(TOKENS), dim)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    moe_model.finish(writer)
     return path
 
 

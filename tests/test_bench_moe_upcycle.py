@@ -16,6 +16,7 @@ import pytest
 
 from krafla_twisted.convert.gguf import convert_gguf
 from krafla_twisted.engine.model import Model
+from tests.support.gguf_vocab import add_tokenizer
 from tests.support.server import REPO
 
 # widths none of which is a multiple of 256, with grouped-query attention (3 query heads per key/value head)
@@ -47,14 +48,7 @@ def write_dense(path):
     writer.add_head_count_kv(N_KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_string("tokenizer.ggml.model", "llama")
-    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "d", "\u2581a", "\u2581b", "\u2581c", "\u2581d"]
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.scores", [0.0, 0.0, 0.0] + [-float(i) for i in range(1, len(tokens) - 2)])
-    writer.add_array("tokenizer.ggml.token_type", [2, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_uint32("tokenizer.ggml.unknown_token_id", 0)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    add_tokenizer(writer)
 
     def matrix(name, rows, cols):
         values = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
