@@ -34,8 +34,8 @@ SHAPES = {
 
 
 def template_types(like, shape):
-    """{tensor name: block type name} of the GGUF `like`, which must have the shape's architecture
-    and layer count."""
+    """(a GGUF reader of `like`, {tensor name: block type name} of its tensors); `like` must have the
+    shape's architecture and layer count."""
     import gguf
 
     reader = gguf.GGUFReader(str(like))
