@@ -7,12 +7,12 @@
 // (32.5 against 35 GB/s, 6 Dec), a roofline the engine then seemed to beat. Built and run by
 // bench/compare.py --roofline:
 //     gcc -O2 -march=native -pthread bench/stream_read.c -o stream_read && ./stream_read THREADS [MiB [WORK [BITS]]]
-// WORK (0, 1, 2, 4 or 8; 0 the roofline) gives each 32-byte vector read that many dependent
-// integer multiply-adds before it is folded in, as a kernel computes on the weights it streams: how
-// fast one core still reads when its loads share the out-of-order window with arithmetic
-// (docs/kernels.md, "What a core streams while it computes"). BITS 512 (an AVX-512 machine) reads
-// and works on 64-byte vectors instead, half the instructions per byte: whether the loss to WORK is
-// the number of instructions in flight.
+// WORK (0, 1, 2, 4 or 8; 0 the roofline) gives each 32-byte vector read that many dependent steps
+// of an integer add and an xor before it is folded in, as a kernel computes on the weights it
+// streams: how fast one core still reads when its loads share the out-of-order window with
+// arithmetic (docs/kernels.md, "What a core streams while it computes"). BITS 512 (an AVX-512
+// machine) reads and works on 64-byte vectors instead, half the instructions per byte: whether the
+// loss to WORK is the number of instructions in flight.
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -32,7 +32,7 @@ typedef uint32_t wide_words __attribute__((vector_size(64)));
 typedef struct {
     const uint8_t *start;
     size_t bytes;
-    int work;                     // multiply-adds per vector
+    int work;                     // add-and-xor steps per vector
     int wide;                     // 64-byte vectors instead of 32
     uint64_t folded;              // kept so the loads are not optimised away
 } slice;
@@ -46,7 +46,7 @@ typedef struct {
         (LANES)t_;                                                                  \
     })
 
-// One slice with WORK multiply-adds per vector of LANES (a constant in each copy, so the loop unrolls).
+// One slice with WORK add-and-xor steps per vector of LANES (a constant in each copy, so the loop unrolls).
 #define READ_SLICE(WORK, NAME, WORDS, LANES)                                           \
     static void NAME##_##WORK(slice *s) {                                              \
         LANES a = {0}, b = {0}, c = {0}, d = {0};                                      \
