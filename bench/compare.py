@@ -11,7 +11,9 @@
 --published compares the files as users get them instead (issue 13): krafla's default conversion
 (`krafla pull NAME`: the published file's types where the engine computes on them) with the library
 a default install loads (the best ISA this CPU runs), against llama.cpp's default build (`native`)
-on the original GGUF, with issue 13's target of 1.2x for pp and tg.
+on the original GGUF, with issue 13's target of 1.2x for pp and tg. `--published --isa avx2` is the
+same on a CPU without AVX-512 (most desktop and laptop Intel CPUs): krafla's AVX2 library against
+llama.cpp's AVX2 build, which is what its default build compiles there.
 
 What it does, caching every product under vendor/ (gitignored; nothing there is committed):
 
@@ -537,8 +539,9 @@ def main(argv=None):
     parser.add_argument("--llama-bin", action="append", default=[], metavar="FLAVOR=DIR",
                         help="use an existing llama.cpp bin/ for avx2 or native instead of building it (repeatable)")
     parser.add_argument("--published", action="store_true",
-                        help="the published files: krafla's default pull and install against llama.cpp native on "
-                             "the original GGUF (issue 13)")
+                        help="the published files: krafla's default pull and install against llama.cpp's default "
+                             "build on the original GGUF (issue 13); with --isa avx2 as on a CPU without AVX-512: "
+                             "krafla's AVX2 library against llama.cpp's AVX2 build")
     parser.add_argument("--moe", type=int, default=0, metavar="LAYERS",
                         help="compare on a random qwen3moe model with Qwen3-30B-A3B's per-layer shapes and LAYERS "
                              "layers (bench/moe_model.py), Q4_K_M and MXFP4 variants, instead of --models (issue 28)")
@@ -573,7 +576,8 @@ def main(argv=None):
             parser.error(f"--llama-bin {item}: expected avx2=DIR or native=DIR holding {' and '.join(LLAMA_TARGETS)}")
         prebuilt[flavor] = Path(folder).resolve()
     vendor = args.vendor.resolve()
-    peer = {isa: "native" if args.published else LLAMA_PEER[isa] for isa in isas}
+    # --published --isa avx2 stands for a CPU without AVX-512, where llama.cpp's default (native) build is its AVX2 one
+    peer = {isa: LLAMA_PEER[isa] for isa in isas}
     needed = set(peer.values()) | (set() if args.published else {"avx2"})
     tree = llama_source(vendor, args.llama_cpp_python) if needed - set(prebuilt) else None
     pairs = [(isa, build_krafla(vendor, isa, args.jobs),

@@ -43,6 +43,9 @@
 #ifndef KQ_WIDE_PARTS
 #define KQ_WIDE_PARTS 0  // the including file's parts hold int32 sums (VNNI), not int16 (maddubs)
 #endif
+#ifndef KQ_Q4_K_ROLLED
+#define KQ_Q4_K_ROLLED 0  // the including file's q4_K tiles go through their chunks in a loop, not unrolled
+#endif
 
 // The operations that are one intrinsic at either width.
 KR_INLINE vec v_and(vec a, vec b) { return V_SI(and)(a, b); }
@@ -111,6 +114,45 @@ KR_INLINE void unpack_scales_mins(const char *group, char scales[64], char mins[
                                                                 _mm256_and_si256(_mm256_srli_epi16(sb1, 2), top2)));
 }
 
+// Chunk c of a group super-block of q4_K (is_q5 0) or q5_K (1): sub-blocks 2c (the low nibbles)
+// and 2c + 1 (the high ones) for T tokens, isum[t] += their integer sums times their scales.
+KR_INLINE void chunk_q45_K(const int is_q5, const int T, const int c, const char *group, size_t stride,
+                           const char scales[2][64], const kr_block_q8_K *const a[4], vec isum[4]) {
+    const int second = GROUPS - 1;
+    const vec low4 = v_bytes(0x0f), high4 = v_bytes((char)0xf0);
+    // q4_K with int32 parts (KQ_WIDE_PARTS): the high nibbles multiplied where they are (16 times
+    // their value) and the part shifted down once per flush, instead of every chunk shifted once per
+    // step (hot q4_K generation tiles about 5% faster, bench/kernels.py)
+    const int in_place = KQ_WIDE_PARTS && !is_q5;
+    const vec scale_low = scale_vector(scales[0] + 16 * c, scales[second] + 16 * c, 0);
+    const vec scale_high = scale_vector(scales[0] + 16 * c + 8, scales[second] + 16 * c + 8, 0);
+    vec part_low[4], part_high[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const vec chunk = v_load(group + kr_q45_K_qs_at(is_q5, c, i), stride);
+        vec low = v_and(chunk, low4), high = in_place ? v_and(chunk, high4) : v_and(v_srli16(chunk, 4), low4);
+        if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
+            const vec bits = v_load(group + kr_q5_K_qh_at(i), stride), five = v_bytes(0x10);
+            low = v_or(low, v_and(shift_bits(bits, 4 - 2 * c), five));
+            high = v_or(high, v_and(shift_bits(bits, 3 - 2 * c), five));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 64 * c + 4 * i));
+            part_high[t] = part_add(part_high[t], high, broadcast4(a[t]->q + 64 * c + 32 + 4 * i));
+        }
+        if (i % (is_q5 ? Q5_FLUSH : 8) == (is_q5 ? Q5_FLUSH : 8) - 1)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                const vec high_sum = in_place ? V(srai_epi32)(part_high[t], 4) : part_high[t];  // a multiple of 16: exact
+                isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), high_sum, scale_high);
+                part_low[t] = part_high[t] = v_zero();
+            }
+    }
+}
+
 // One group super-block (GROUPS groups, `stride` apart) of q4_K (is_q5 0) or q5_K (1) for T tokens:
 // acc[t] += the rows' terms.
 KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group, size_t stride, const kr_block_q8_K *const a[4],
@@ -120,43 +162,15 @@ KR_INLINE void superblock_q45_K(const int is_q5, const int T, const char *group,
     if (GROUPS == 2) unpack_scales_mins(group + stride, scales[1], mins[1]);
     const int second = GROUPS - 1;
     prefetch_group(next, stride, is_q5 ? Q5_K_GROUP : Q4_K_GROUP);
-    const vec low4 = v_bytes(0x0f), high4 = v_bytes((char)0xf0);
-    // q4_K with int32 parts (KQ_WIDE_PARTS): the high nibbles multiplied where they are (16 times
-    // their value) and the part shifted down once per flush, instead of every chunk shifted once per
-    // step (hot q4_K generation tiles about 5% faster, bench/kernels.py)
-    const int in_place = KQ_WIDE_PARTS && !is_q5;
     vec isum[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) isum[t] = v_zero();
+    if (KQ_Q4_K_ROLLED && !is_q5) {
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c++) chunk_q45_K(is_q5, T, c, group, stride, scales, a, isum);
+    } else {  // q5_K's shifts of its fifth bits depend on c
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        const vec scale_low = scale_vector(scales[0] + 16 * c, scales[second] + 16 * c, 0);
-        const vec scale_high = scale_vector(scales[0] + 16 * c + 8, scales[second] + 16 * c + 8, 0);
-        vec part_low[4], part_high[4];
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
-            const vec chunk = v_load(group + kr_q45_K_qs_at(is_q5, c, i), stride);
-            vec low = v_and(chunk, low4), high = in_place ? v_and(chunk, high4) : v_and(v_srli16(chunk, 4), low4);
-            if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
-                const vec bits = v_load(group + kr_q5_K_qh_at(i), stride), five = v_bytes(0x10);
-                low = v_or(low, v_and(shift_bits(bits, 4 - 2 * c), five));
-                high = v_or(high, v_and(shift_bits(bits, 3 - 2 * c), five));
-            }
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) {
-                part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 64 * c + 4 * i));
-                part_high[t] = part_add(part_high[t], high, broadcast4(a[t]->q + 64 * c + 32 + 4 * i));
-            }
-            if (i % (is_q5 ? Q5_FLUSH : 8) == (is_q5 ? Q5_FLUSH : 8) - 1)
-#pragma GCC unroll 4
-                for (int t = 0; t < T; t++) {
-                    const vec high_sum = in_place ? V(srai_epi32)(part_high[t], 4) : part_high[t];  // a multiple of 16: exact
-                    isum[t] = part_flush(part_flush(isum[t], part_low[t], scale_low), high_sum, scale_high);
-                    part_low[t] = part_high[t] = v_zero();
-                }
-        }
+        for (int c = 0; c < 4; c++) chunk_q45_K(is_q5, T, c, group, stride, scales, a, isum);
     }
     const vecf d = vf_half(group, stride), dmin = vf_half(group + 16, stride);
 #pragma GCC unroll 4
