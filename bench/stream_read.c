@@ -58,7 +58,8 @@ typedef struct {
             d ^= WORKED(p[3], WORK, WORDS, LANES);                                     \
         }                                                                              \
         const LANES all = a ^ b ^ c ^ d;                                               \
-        s->folded = all[0] ^ all[1] ^ all[2] ^ all[3];                                 \
+        s->folded = 0;                                                                 \
+        for (size_t k_ = 0; k_ < sizeof(LANES) / sizeof(uint64_t); k_++) s->folded ^= all[k_]; \
     }
 #define READ_SLICES(NAME, WORDS, LANES)                                                \
     READ_SLICE(0, NAME, WORDS, LANES)                                                  \

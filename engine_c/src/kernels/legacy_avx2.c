@@ -19,11 +19,17 @@
 // int32 lane. VNNI (ISA=avx512) accumulates in int32 directly. AVX2 adds pairs into int16
 // (maddubs): one pair is at most 2 * 31 * 127 = 7874, so 4 steps stay below 32767 (8 steps for
 // nibbles, at most 2 * 15 * 127 each), and widen_add turns the int16 pairs into int32 lanes.
+// With `saturate` (the tiles of several tokens) AVX2 adds the pairs with saturation, which within
+// these bounds never saturates (the same bits): GCC reassociates wrapping int16 additions into
+// trees that spill (64 tokens 1.02-1.14x); in the one-token tiles the wrapping ones are faster.
 #if defined(KR_HAVE_AVX512)
-KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s, const int saturate) { return _mm256_dpbusd_epi32(acc, u, s); }
 KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) { return _mm256_add_epi32(wide, acc); }
 #else
-KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+KR_INLINE __m256i isum_add(__m256i acc, __m256i u, __m256i s, const int saturate) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return saturate ? _mm256_adds_epi16(acc, pairs) : _mm256_add_epi16(acc, pairs);
+}
 KR_INLINE __m256i widen_add(__m256i wide, __m256i acc) {
     return _mm256_add_epi32(wide, _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
 }
@@ -49,15 +55,9 @@ KR_INLINE __m256i grid_lanes(const int32_t type) {
 // A step's sums are int32 lanes already (VNNI, and plain AVX2's iq4_nl), else int16 pairs.
 KR_INLINE int sums_are_wide(const int32_t type) { return GRID_OFFSET || type == KR_IQ4_NL; }
 // sums += the products of a chunk of quants q and 4 activation bytes s in each lane, in a tile of T
-// tokens. Plain AVX2's tiles of several tokens add the int16 pairs of q4_0, q4_1, q5_0 and q5_1 with
-// saturation, which within the bounds above never saturates (the same bits): GCC reassociates the
-// wrapping additions into trees that spill (64 tokens 1.05-1.12x; at one token, and for mxfp4, the
-// wrapping ones are faster).
+// tokens (mxfp4's pairs keep wrapping additions: saturating ones were 6-8% slower for it).
 KR_INLINE __m256i step_add(const int32_t type, const int T, __m256i sums, __m256i q, __m256i s) {
-#if !defined(KR_HAVE_AVX512)
-    if (T > 1 && !kr_legacy_grid_type(type)) return _mm256_adds_epi16(sums, _mm256_maddubs_epi16(q, s));
-#endif
-    if (GRID_OFFSET || !kr_legacy_grid_type(type)) return isum_add(sums, q, s);
+    if (GRID_OFFSET || !kr_legacy_grid_type(type)) return isum_add(sums, q, s, T > 1);
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
     return type == KR_IQ4_NL ? widen_add(sums, pairs) : _mm256_add_epi16(sums, pairs);
 }
@@ -113,7 +113,7 @@ KR_INLINE void tile_rows(const int32_t type, const int R, const int T, const cha
             __m256i lanes[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++)
-                lanes[r] = r < R ? widen_add(_mm256_setzero_si256(), isum_add(_mm256_setzero_si256(), quants[r], av))
+                lanes[r] = r < R ? widen_add(_mm256_setzero_si256(), isum_add(_mm256_setzero_si256(), quants[r], av, 0))
                                  : _mm256_setzero_si256();
             __m128i sums = sum4_epi32(lanes[0], lanes[1], lanes[2], lanes[3]);
             if (kr_legacy_offset(type)) sums = _mm_sub_epi32(sums, _mm_set1_epi32(kr_legacy_offset(type) * ab->sum));
