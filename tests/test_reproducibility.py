@@ -57,6 +57,21 @@ class TinyModelReproducibilityTests:
         assert_same(expected, run(path, ids, batch=32, kv=kv, splits=[41]), "two calls")
         assert_same(expected, run(path, ids, threads=2, batch=7, kv=kv, splits=[1, 33]), "three calls")
 
+    @pytest.mark.parametrize("weight_type", ["q4_0", "q4_K", "q6_K"])
+    @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+    def test_one_token_steps_on_more_threads_than_cores(self, tmp_path, arch, weight_type):
+        """One token a step, a matmul's rows are cut into one contiguous share per thread, and a
+        thread whose share is done takes the back half of what is left of another's (threads.c,
+        kr_pool_run_shares). Six threads on this machine's fewer cores: some start late and others
+        take from their shares, and some shares of the small matrices are empty. The logits are
+        still those of one thread."""
+        path = tmp_path / "model.mlb"
+        write_tiny_model(path, arch, seed=4, weight_type=weight_type, max_seq=128)
+        ids = [int(t) for t in np.random.default_rng(8).integers(0, 60, size=48)]
+        expected = run(path, ids, batch=1)
+        for threads in (2, 6):
+            assert_same(expected, run(path, ids, threads=threads, batch=1), f"{threads} threads")
+
     @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(args=strategies.tiny_models_args(), batch=st.integers(1, 20), split=st.integers(1, 39),
            threads=st.sampled_from([1, 2, 3]))

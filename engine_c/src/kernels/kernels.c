@@ -130,6 +130,23 @@ void kr_prepare_columns(int32_t weight_type, const float *x, int64_t col_begin, 
     kr_prepare_activations(weight_type, x + col_begin, col_end - col_begin, first, 0, 1);
 }
 
+// Where this thread's last one-token matmuls stopped reading, the latest first (kernels.h,
+// kr_stream_call): a gated job's runs read gate's rows, then up's, then gate's next ones.
+#define STREAM_ENDS 4
+static _Thread_local const void *stream_ends[STREAM_ENDS];
+
+void kr_stream_call(const void *first, const void *end) {
+    int found = STREAM_ENDS - 1;
+    for (int i = 0; i < STREAM_ENDS; i++)
+        if (stream_ends[i] == first) {
+            found = i;
+            break;
+        }
+    if (stream_ends[found] != first) kr_stream_start(first, end);
+    for (int i = found; i > 0; i--) stream_ends[i] = stream_ends[i - 1];
+    stream_ends[0] = end;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Test entry points (krafla.h, "Kernels (tests)"): one kernel on caller buffers, arguments checked
 

@@ -276,6 +276,13 @@ static inline void kr_stream_start(const void *first, const void *end) {
     const char *line = first, *stop = (const char *)first + KR_STREAM_AHEAD;
     for (; line < stop && line < (const char *)end; line += 64) __builtin_prefetch(line, 0, 2);
 }
+// The start of a one-token matmul reading [first, end): kr_stream_start, unless one of this
+// thread's last four ended at `first`. Then the call continues a stream the prefetchers already follow
+// (a thread's runs of its share of a matmul, threads.h's kr_pool_run_shares), and fetching its
+// first bytes again only stalls it: a cold q4_K 8960x1536 matmul cut into 64 calls in order
+// streamed at 26.5 GB/s with the fetch and 30 without it, as fast as in one call (one thread,
+// bench/cold_matmul.c; in an order that starts a new stream at each call, 23 either way).
+void kr_stream_call(const void *first, const void *end);
 
 // The packable types: types.h's kr_packable.
 // Rearrange a (rows, cols) matrix of a packable type from file layout (src) to packed (dst).

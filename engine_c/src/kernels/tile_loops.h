@@ -97,7 +97,7 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
     const int64_t n_blocks = kr_row_blocks(type, cols), block_tokens = kr_token_block(a_stride, n_tokens, max_tokens);
     const int64_t group_begin = row_begin / KR_PACK_ROWS, group_end = (row_end + KR_PACK_ROWS - 1) / KR_PACK_ROWS;
     const char *rows_end = (const char *)w + (size_t)group_end * group_stride;
-    if (n_tokens == 1) kr_stream_start((const char *)w + (size_t)group_begin * group_stride, rows_end);
+    if (n_tokens == 1) kr_stream_call((const char *)w + (size_t)group_begin * group_stride, rows_end);
     const bool fetches = kr_stream_fetches(type);  // one token: past the call's first KR_STREAM_AHEAD bytes
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;

@@ -49,14 +49,17 @@ typedef struct {
     const int32_t *out_tokens;  // output job: the batch tokens whose logits are wanted
 } job;
 
-// Matmuls of n tokens are split by rows (whole multiples of `align`) in tapered parts (threads.h),
-// so no thread waits long for the last; fewer for one token, whose parts each start a stream from
-// memory.
-static int row_chunks(const kr_pool *pool, int64_t rows, int64_t align, int32_t n) {
-    return kr_pool_tapered_chunks(pool, (rows + align - 1) / align, n == 1);
+// Matmuls are split by rows, in units of whole multiples of an alignment. Those of several tokens,
+// bound by arithmetic, go in tapered chunks (threads.h), so no thread waits long for the last. One
+// token's stream their weights from memory: each thread takes the runs of a contiguous share
+// (kr_pool_run_shares), one stream a matrix, where tapered chunks made every thread start a stream
+// at each of its chunks (kernels.h, KR_STREAM_AHEAD).
+static void run_rows(kr_pool *pool, kr_pool_fn chunks, kr_pool_range_fn runs, void *j, int64_t units, int32_t n) {
+    if (n == 1) kr_pool_run_shares(pool, runs, j, units);
+    else kr_pool_run(pool, chunks, j, kr_pool_tapered_chunks(pool, units, false));
 }
 
-// Rows per part of a matmul job: ROW_ALIGN, or whole prepared blocks of `then`'s input when the job
+// Rows per unit of a matmul job: ROW_ALIGN, or whole prepared blocks of `then`'s input when the job
 // prepares it (block sizes and ROW_ALIGN are powers of 2).
 static int64_t part_rows(const kr_matrix *then) {
     const int64_t block = then ? kr_activation_block(then->type) : 1;
@@ -158,15 +161,29 @@ static void prepare_job(void *arg, int chunk, int n_chunks, int thread) {
     if (begin < end) prepare_rows(j->s, j->w, j->n_w, j->input, j->input_cols, begin, end);
 }
 
-// out_i = input W_i^T (+ bias_i) for each matrix; split by output rows. With `gated`, out[0]
-// becomes act(out[0]) * out[1] on the same rows.
-static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
+// A matmul job's units: blocks of part_rows rows of its matrices one after the other, so a run of
+// units is rows of one matrix or of consecutive ones; a gated job's are gate's, and each unit also
+// covers up's same rows.
+static int64_t matmul_units(const job *j) {
+    const int64_t align = part_rows(j->then);
+    int64_t units = 0;
+    for (int32_t i = 0; i < (j->gated ? 1 : j->n_w); i++) units += (j->w[i]->rows + align - 1) / align;
+    return units;
+}
+
+// out_i = input W_i^T (+ bias_i) on the rows of units [u0, u1). With `gated`, out[0] becomes
+// act(out[0]) * out[1] on the same rows.
+static void matmul_run(void *arg, int64_t u0, int64_t u1, int thread) {
     job *j = arg;
     kr_scratch *s = j->s;
-    int64_t begin[4], end[4];
+    const int64_t align = part_rows(j->then);
+    int64_t begin[4], end[4], first = 0;  // first: the matrix's first unit
     for (int32_t i = 0; i < j->n_w; i++) {
         const kr_matrix *w = j->w[i];
-        kr_split_tapered(w->rows, part_rows(j->then), chunk, n_chunks, &begin[i], &end[i]);
+        const int64_t b0 = u0 - first > 0 ? u0 - first : 0, b1 = u1 - first;
+        begin[i] = b0 * align < w->rows ? b0 * align : w->rows;
+        end[i] = b1 * align < w->rows ? b1 * align : w->rows;
+        if (!j->gated) first += (w->rows + align - 1) / align;
         if (begin[i] >= end[i]) continue;
         kr_matrix_matmul(w, j->prepared ? j->prepared : s->prepared[w->type], j->n, j->out[i], begin[i], end[i]);
         if (j->bias[i])
@@ -184,6 +201,12 @@ static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
         }
         if (j->then) kr_prepare_columns(j->then->type, j->out[0], begin[0], end[0], s->gate_prepared);  // one token
     }
+}
+
+static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
+    int64_t u0, u1;
+    kr_split_tapered(matmul_units(arg), 1, chunk, n_chunks, &u0, &u1);
+    matmul_run(arg, u0, u1, thread);
 }
 
 void kr_residual(kr_model *m, kr_scratch *s, const kr_batch *b, const int32_t *tokens, float *add,
@@ -210,7 +233,7 @@ static void matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, i
              .then = o->then, .prepared = o->prepared};
     for (int32_t i = 0; i < n_w; i++) j.w[i] = w[i], j.out[i] = out[i], j.bias[i] = bias ? bias[i] : NULL;
     if (input) kr_pool_run(m->pool, prepare_job, &j, kr_pool_chunks(m->pool, n));
-    kr_pool_run(m->pool, matmul_job, &j, row_chunks(m->pool, w[0]->rows, part_rows(o->then), n));
+    run_rows(m->pool, matmul_job, matmul_run, &j, matmul_units(&j), n);
 }
 
 void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64_t cols, int32_t n_w,
@@ -433,12 +456,12 @@ void kr_attention_block(kr_model *m, kr_scratch *s, const kr_batch *b, const kr_
 
 // Logits of the tokens asked for from prepared rows 0..n-1: out = xb W_out^T, soft-capped. Split
 // by rows; tokens whose logits lie one after the other (kr_session_eval_all) go in one matmul.
-static void output_job(void *arg, int chunk, int n_chunks, int thread) {
+static void output_run(void *arg, int64_t u0, int64_t u1, int thread) {
     job *j = arg;
     const kr_model *m = j->m;
     const kr_matrix *w = &m->output;
-    int64_t begin, end;
-    kr_split_tapered(w->rows, ROW_ALIGN, chunk, n_chunks, &begin, &end);
+    const int64_t begin = u0 * ROW_ALIGN < w->rows ? u0 * ROW_ALIGN : w->rows;
+    const int64_t end = u1 * ROW_ALIGN < w->rows ? u1 * ROW_ALIGN : w->rows;
     if (begin >= end) return;
     size_t row = kr_activation_row_bytes(w->type, m->info.dim);
     float cap = m->info.final_softcap;
@@ -451,6 +474,14 @@ static void output_job(void *arg, int chunk, int n_chunks, int thread) {
                 for (int64_t r = begin; r < end; r++)
                     logits[t * w->rows + r] = cap * tanhf(logits[t * w->rows + r] / cap);
     }
+}
+
+static int64_t output_units(const kr_model *m) { return (m->output.rows + ROW_ALIGN - 1) / ROW_ALIGN; }
+
+static void output_job(void *arg, int chunk, int n_chunks, int thread) {
+    int64_t u0, u1;
+    kr_split_tapered(output_units(((job *)arg)->m), 1, chunk, n_chunks, &u0, &u1);
+    output_run(arg, u0, u1, thread);
 }
 
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm) {
@@ -480,5 +511,5 @@ void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const 
     if (!n_out) return;
     kr_prepare_activations(m->output.type, s->xb, dim, s->prepared[m->output.type], 0, n_out);
     job j = {.m = m, .s = s, .b = b, .n = n_out, .out_tokens = wanted};
-    kr_pool_run(m->pool, output_job, &j, row_chunks(m->pool, m->output.rows, ROW_ALIGN, n_out));
+    run_rows(m->pool, output_job, output_run, &j, output_units(m), n_out);
 }

@@ -11,6 +11,13 @@
 // compare-and-swap) only succeeds for a chunk of the job the claimer read `fn` and `job` for: a
 // job's descriptor is only rewritten after all its chunks were claimed and finished.
 //
+// A streaming job (kr_pool_run_shares) is cut differently: each thread owns a contiguous share of
+// its units and takes runs from the front of its own share, so its runs read one stream of weights
+// front to back; a thread whose share is done takes the back half of the largest share left. Each
+// share is one atomic word (generation:32 | begin:16 | end:16) on a cache line of its own, so a
+// claim only succeeds on a share of the job the claimer read `range_fn` and `job` for, as above.
+// Such a job is published with n_chunks 0, which no chunk job has.
+//
 // Idle workers spin on the generation for a while (with `pause`, yielding the core now and then),
 // then sleep on a condition variable. Sleeping is race-free because both sides use sequentially
 // consistent atomics: a worker counts itself in `sleeping` under the mutex before it re-checks
@@ -37,6 +44,11 @@ typedef struct {
     int index;
 } worker;
 
+#define MAX_SHARE_UNITS 0xFFFF
+typedef struct {
+    _Alignas(64) atomic_uint_least64_t word;  // generation << 32 | begin << 16 | end
+} share_word;
+
 struct kr_pool {
     int n_threads;
     pthread_t *threads;
@@ -50,6 +62,12 @@ struct kr_pool {
     atomic_int stopping;
     pthread_mutex_t mutex;
     pthread_cond_t wake;
+    // a job of shares (kr_pool_run_shares): its function, the units finished, each thread's share
+    _Atomic(kr_pool_range_fn) range_fn;
+    _Atomic(int64_t) unit_scale;  // each share unit is this many of the job's units (a job of > 65535)
+    _Atomic(int64_t) units;
+    atomic_int_least64_t done;
+    share_word *shares;
 };
 
 static inline void spin_round(int round) {
@@ -70,6 +88,52 @@ static void run_chunks(kr_pool *pool, uint64_t seen, int thread) {
         if (!atomic_compare_exchange_weak(&pool->state, &state, state + 1)) continue;
         fn(job, (int)next, (int)n_chunks, thread);
         atomic_fetch_add(&pool->finished, 1);
+    }
+}
+
+static uint64_t share_pack(uint32_t generation, uint64_t begin, uint64_t end) {
+    return (uint64_t)generation << 32 | begin << 16 | end;
+}
+
+// Run the units [begin, end) of the share units (kr_pool's unit_scale) on thread `thread`.
+static void run_units(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t scale, uint64_t begin, uint64_t end,
+                      int thread) {
+    int64_t first = (int64_t)begin * scale, last = (int64_t)end * scale;
+    if (last > pool->units) last = pool->units;
+    fn(job, first, last, thread);
+    atomic_fetch_add(&pool->done, last - first);
+}
+
+// Take runs of the job of generation `generation` until no share has units left: first from the
+// front of thread `thread`'s own share, then the back half of the largest share left. An owner takes
+// 7/8 of what is left of its share at a time (at least one unit), so another thread finds some to
+// take if it finished early or this one started late. Each run is a call of its own, and a call
+// costs its stream something even where it continues the last (Qwen2.5-Coder-1.5B, two threads:
+// 1.044x the tapered chunks' generation taking 7/8, 1.041x a half, 1.026x a quarter).
+static void run_shares(kr_pool *pool, uint32_t generation, int thread) {
+    kr_pool_range_fn fn = pool->range_fn;
+    void *job = pool->job;
+    int64_t scale = pool->unit_scale;
+    atomic_uint_least64_t *own = &pool->shares[thread].word;
+    for (uint64_t word = atomic_load(own);;) {
+        uint64_t begin = (word >> 16) & MAX_SHARE_UNITS, end = word & MAX_SHARE_UNITS;
+        if (generation_of(word) != generation || begin >= end) break;
+        uint64_t take = end - begin - (end - begin) / 8;
+        if (!atomic_compare_exchange_weak(own, &word, share_pack(generation, begin + take, end))) continue;
+        run_units(pool, fn, job, scale, begin, begin + take, thread);
+        word = atomic_load(own);
+    }
+    for (;;) {
+        int victim = -1;
+        uint64_t most = 0, word = 0;
+        for (int t = 0; t < pool->n_threads; t++) {
+            uint64_t w = atomic_load(&pool->shares[t].word), begin = (w >> 16) & MAX_SHARE_UNITS, end = w & MAX_SHARE_UNITS;
+            if (generation_of(w) == generation && end > begin && end - begin > most) victim = t, most = end - begin, word = w;
+        }
+        if (victim < 0) return;
+        uint64_t begin = (word >> 16) & MAX_SHARE_UNITS, end = word & MAX_SHARE_UNITS, take = (end - begin + 1) / 2;
+        if (atomic_compare_exchange_strong(&pool->shares[victim].word, &word, share_pack(generation, begin, end - take)))
+            run_units(pool, fn, job, scale, end - take, end, thread);
     }
 }
 
@@ -96,7 +160,8 @@ static void *worker_main(void *arg) {
         uint64_t state = wait_for_job(pool, seen);
         seen = generation_of(state);
         if (atomic_load(&pool->stopping)) return NULL;
-        run_chunks(pool, state, self->index);
+        if (((state >> 16) & MAX_CHUNKS) == 0) run_shares(pool, seen, self->index);
+        else run_chunks(pool, state, self->index);
     }
 }
 
@@ -123,10 +188,14 @@ kr_pool *kr_pool_new(int n_threads, kr_error *err) {
     atomic_init(&pool->stopping, 0);
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->wake, NULL);
+    atomic_init(&pool->done, 0);
     if (n_threads > 1) {
         pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
         pool->workers = calloc((size_t)n_threads - 1, sizeof *pool->workers);
-        if (!pool->threads || !pool->workers) {
+        pool->shares = aligned_alloc(_Alignof(share_word), (size_t)n_threads * sizeof *pool->shares);
+        if (pool->shares)
+            for (int i = 0; i < n_threads; i++) atomic_init(&pool->shares[i].word, 0);
+        if (!pool->threads || !pool->workers || !pool->shares) {
             kr_pool_free(pool);
             kr_fail(err, KR_ERR_MEMORY, "out of memory creating %d threads", n_threads);
             return NULL;
@@ -162,6 +231,32 @@ void kr_pool_run(kr_pool *pool, kr_pool_fn fn, void *job, int n_chunks) {
     for (int i = 0; atomic_load(&pool->finished) < n_chunks; i++) spin_round(i);
 }
 
+// Publish the job's shares (thread t's is part t of n_threads, kr_split), take runs with the other
+// threads, and wait until every unit is done: a run claimed from a share may still be running when
+// the shares are empty.
+void kr_pool_run_shares(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t units) {
+    if (units < 1) return;
+    if (pool->n_threads == 1 || units == 1) {
+        fn(job, 0, units, 0);
+        return;
+    }
+    const int64_t scale = (units + MAX_SHARE_UNITS - 1) / MAX_SHARE_UNITS, share_units = (units + scale - 1) / scale;
+    const uint32_t generation = generation_of(atomic_load(&pool->state)) + 1u;
+    pool->range_fn = fn;
+    pool->job = job;
+    pool->unit_scale = scale;
+    pool->units = units;
+    atomic_store(&pool->done, 0);
+    for (int t = 0; t < pool->n_threads; t++) {
+        int64_t begin, end;
+        kr_split(share_units, 1, t, pool->n_threads, &begin, &end);
+        atomic_store(&pool->shares[t].word, share_pack(generation, (uint64_t)begin, (uint64_t)end));
+    }
+    publish(pool, (uint64_t)generation << 32);  // n_chunks 0: a job of shares
+    run_shares(pool, generation, 0);
+    for (int i = 0; atomic_load(&pool->done) < units; i++) spin_round(i);
+}
+
 int kr_pool_size(const kr_pool *pool) { return pool->n_threads; }
 
 void kr_pool_free(kr_pool *pool) {
@@ -175,6 +270,7 @@ void kr_pool_free(kr_pool *pool) {
     pthread_cond_destroy(&pool->wake);
     free(pool->threads);
     free(pool->workers);
+    free(pool->shares);
     free(pool);
 }
 
