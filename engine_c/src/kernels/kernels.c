@@ -136,14 +136,10 @@ void kr_prepare_columns(int32_t weight_type, const float *x, int64_t col_begin, 
 static _Thread_local const void *stream_ends[STREAM_ENDS];
 
 void kr_stream_call(const void *first, const void *end) {
-    int found = STREAM_ENDS - 1;
-    for (int i = 0; i < STREAM_ENDS; i++)
-        if (stream_ends[i] == first) {
-            found = i;
-            break;
-        }
-    if (stream_ends[found] != first) kr_stream_start(first, end);
-    for (int i = found; i > 0; i--) stream_ends[i] = stream_ends[i - 1];
+    int i = 0;  // where `first` is in the list, or its last place
+    while (i < STREAM_ENDS - 1 && stream_ends[i] != first) i++;
+    if (stream_ends[i] != first) kr_stream_start(first, end);
+    for (; i > 0; i--) stream_ends[i] = stream_ends[i - 1];
     stream_ends[0] = end;
 }
 

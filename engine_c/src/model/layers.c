@@ -54,9 +54,9 @@ typedef struct {
 // token's stream their weights from memory: each thread takes the runs of a contiguous share
 // (kr_pool_run_shares), one stream a matrix, where tapered chunks made every thread start a stream
 // at each of its chunks (kernels.h, KR_STREAM_AHEAD).
-static void run_rows(kr_pool *pool, kr_pool_fn chunks, kr_pool_range_fn runs, void *j, int64_t units, int32_t n) {
-    if (n == 1) kr_pool_run_shares(pool, runs, j, units);
-    else kr_pool_run(pool, chunks, j, kr_pool_tapered_chunks(pool, units, false));
+static void run_rows(kr_pool *pool, kr_pool_range_fn run, void *j, int64_t units, int32_t n) {
+    if (n == 1) kr_pool_run_shares(pool, run, j, units);
+    else kr_pool_run_tapered(pool, run, j, units);
 }
 
 // Rows per unit of a matmul job: ROW_ALIGN, or whole prepared blocks of `then`'s input when the job
@@ -203,12 +203,6 @@ static void matmul_run(void *arg, int64_t u0, int64_t u1, int thread) {
     }
 }
 
-static void matmul_job(void *arg, int chunk, int n_chunks, int thread) {
-    int64_t u0, u1;
-    kr_split_tapered(matmul_units(arg), 1, chunk, n_chunks, &u0, &u1);
-    matmul_run(arg, u0, u1, thread);
-}
-
 void kr_residual(kr_model *m, kr_scratch *s, const kr_batch *b, const int32_t *tokens, float *add,
                  const float *add_norm, const float *norm, const kr_matrix *const *w, int32_t n_w) {
     job j = {.m = m, .s = s, .b = b, .n = b->n, .tokens = tokens, .add = add, .add_norm = add_norm, .norm = norm,
@@ -233,7 +227,7 @@ static void matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, i
              .then = o->then, .prepared = o->prepared};
     for (int32_t i = 0; i < n_w; i++) j.w[i] = w[i], j.out[i] = out[i], j.bias[i] = bias ? bias[i] : NULL;
     if (input) kr_pool_run(m->pool, prepare_job, &j, kr_pool_chunks(m->pool, n));
-    run_rows(m->pool, matmul_job, matmul_run, &j, matmul_units(&j), n);
+    run_rows(m->pool, matmul_run, &j, matmul_units(&j), n);
 }
 
 void kr_matmuls(kr_model *m, kr_scratch *s, int32_t n, const float *input, int64_t cols, int32_t n_w,
@@ -476,13 +470,6 @@ static void output_run(void *arg, int64_t u0, int64_t u1, int thread) {
     }
 }
 
-static int64_t output_units(const kr_model *m) { return (m->output.rows + ROW_ALIGN - 1) / ROW_ALIGN; }
-
-static void output_job(void *arg, int chunk, int n_chunks, int thread) {
-    int64_t u0, u1;
-    kr_split_tapered(output_units(((job *)arg)->m), 1, chunk, n_chunks, &u0, &u1);
-    output_run(arg, u0, u1, thread);
-}
 
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm) {
     int64_t dim = m->info.dim;
@@ -511,5 +498,5 @@ void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const 
     if (!n_out) return;
     kr_prepare_activations(m->output.type, s->xb, dim, s->prepared[m->output.type], 0, n_out);
     job j = {.m = m, .s = s, .b = b, .n = n_out, .out_tokens = wanted};
-    run_rows(m->pool, output_job, output_run, &j, output_units(m), n_out);
+    run_rows(m->pool, output_run, &j, (m->output.rows + ROW_ALIGN - 1) / ROW_ALIGN, n_out);
 }

@@ -15,8 +15,9 @@
 // its units and takes runs from the front of its own share, so its runs read one stream of weights
 // front to back; a thread whose share is done takes the back half of the largest share left. Each
 // share is one atomic word (generation:32 | begin:16 | end:16) on a cache line of its own, so a
-// claim only succeeds on a share of the job the claimer read `range_fn` and `job` for, as above.
-// Such a job is published with n_chunks 0, which no chunk job has.
+// claim only succeeds on a share of the job the claimer read `range_fn` and `range_job` for, as
+// above. Such a job is published with n_chunks 0, which no chunk job has. A batch's range job
+// (kr_pool_run_tapered) is a chunk job whose chunks are its tapered parts.
 //
 // Idle workers spin on the generation for a while (with `pause`, yielding the core now and then),
 // then sleep on a condition variable. Sleeping is race-free because both sides use sequentially
@@ -57,16 +58,16 @@ struct kr_pool {
     _Atomic(kr_pool_fn) fn;   // the current job, valid while its chunks are unfinished
     _Atomic(void *) job;
     atomic_uint_least64_t state;  // generation << 32 | n_chunks << 16 | next chunk
-    atomic_int finished;      // chunks of the current job finished
+    atomic_int_least64_t finished;  // chunks of the current job finished (units of a job of shares)
     atomic_int sleeping;      // workers asleep on `wake`
     atomic_int stopping;
     pthread_mutex_t mutex;
     pthread_cond_t wake;
-    // a job of shares (kr_pool_run_shares): its function, the units finished, each thread's share
+    // a job of runs (kr_pool_run_shares, kr_pool_run_tapered): its function and units, each
+    // thread's share
     _Atomic(kr_pool_range_fn) range_fn;
-    _Atomic(int64_t) unit_scale;  // each share unit is this many of the job's units (a job of > 65535)
+    _Atomic(void *) range_job;
     _Atomic(int64_t) units;
-    atomic_int_least64_t done;
     share_word *shares;
 };
 
@@ -94,14 +95,18 @@ static void run_chunks(kr_pool *pool, uint64_t seen, int thread) {
 static uint64_t share_pack(uint32_t generation, uint64_t begin, uint64_t end) {
     return (uint64_t)generation << 32 | begin << 16 | end;
 }
+static uint64_t share_begin(uint64_t word) { return (word >> 16) & MAX_SHARE_UNITS; }
+static uint64_t share_end(uint64_t word) { return word & MAX_SHARE_UNITS; }
+// Each share unit is this many of a job's units (more than one in a job of more than 65535).
+static int64_t share_scale(int64_t units) { return (units + MAX_SHARE_UNITS - 1) / MAX_SHARE_UNITS; }
 
-// Run the units [begin, end) of the share units (kr_pool's unit_scale) on thread `thread`.
-static void run_units(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t scale, uint64_t begin, uint64_t end,
+// Run the share units [begin, end) on thread `thread`.
+static void run_units(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t units, uint64_t begin, uint64_t end,
                       int thread) {
-    int64_t first = (int64_t)begin * scale, last = (int64_t)end * scale;
-    if (last > pool->units) last = pool->units;
+    const int64_t scale = share_scale(units), first = (int64_t)begin * scale;
+    const int64_t last = (int64_t)end * scale < units ? (int64_t)end * scale : units;
     fn(job, first, last, thread);
-    atomic_fetch_add(&pool->done, last - first);
+    atomic_fetch_add(&pool->finished, last - first);
 }
 
 // Take runs of the job of generation `generation` until no share has units left: first from the
@@ -112,28 +117,28 @@ static void run_units(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t sca
 // 1.044x the tapered chunks' generation taking 7/8, 1.041x a half, 1.026x a quarter).
 static void run_shares(kr_pool *pool, uint32_t generation, int thread) {
     kr_pool_range_fn fn = pool->range_fn;
-    void *job = pool->job;
-    int64_t scale = pool->unit_scale;
+    void *job = pool->range_job;
+    int64_t units = pool->units;
     atomic_uint_least64_t *own = &pool->shares[thread].word;
     for (uint64_t word = atomic_load(own);;) {
-        uint64_t begin = (word >> 16) & MAX_SHARE_UNITS, end = word & MAX_SHARE_UNITS;
+        uint64_t begin = share_begin(word), end = share_end(word);
         if (generation_of(word) != generation || begin >= end) break;
         uint64_t take = end - begin - (end - begin) / 8;
         if (!atomic_compare_exchange_weak(own, &word, share_pack(generation, begin + take, end))) continue;
-        run_units(pool, fn, job, scale, begin, begin + take, thread);
+        run_units(pool, fn, job, units, begin, begin + take, thread);
         word = atomic_load(own);
     }
     for (;;) {
         int victim = -1;
         uint64_t most = 0, word = 0;
         for (int t = 0; t < pool->n_threads; t++) {
-            uint64_t w = atomic_load(&pool->shares[t].word), begin = (w >> 16) & MAX_SHARE_UNITS, end = w & MAX_SHARE_UNITS;
-            if (generation_of(w) == generation && end > begin && end - begin > most) victim = t, most = end - begin, word = w;
+            uint64_t w = atomic_load(&pool->shares[t].word), left = share_end(w) - share_begin(w);
+            if (generation_of(w) == generation && share_end(w) > share_begin(w) && left > most) victim = t, most = left, word = w;
         }
         if (victim < 0) return;
-        uint64_t begin = (word >> 16) & MAX_SHARE_UNITS, end = word & MAX_SHARE_UNITS, take = (end - begin + 1) / 2;
+        uint64_t begin = share_begin(word), end = share_end(word), take = (end - begin + 1) / 2;
         if (atomic_compare_exchange_strong(&pool->shares[victim].word, &word, share_pack(generation, begin, end - take)))
-            run_units(pool, fn, job, scale, end - take, end, thread);
+            run_units(pool, fn, job, units, end - take, end, thread);
     }
 }
 
@@ -188,7 +193,6 @@ kr_pool *kr_pool_new(int n_threads, kr_error *err) {
     atomic_init(&pool->stopping, 0);
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->wake, NULL);
-    atomic_init(&pool->done, 0);
     if (n_threads > 1) {
         pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
         pool->workers = calloc((size_t)n_threads - 1, sizeof *pool->workers);
@@ -240,13 +244,12 @@ void kr_pool_run_shares(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t u
         fn(job, 0, units, 0);
         return;
     }
-    const int64_t scale = (units + MAX_SHARE_UNITS - 1) / MAX_SHARE_UNITS, share_units = (units + scale - 1) / scale;
+    const int64_t scale = share_scale(units), share_units = (units + scale - 1) / scale;
     const uint32_t generation = generation_of(atomic_load(&pool->state)) + 1u;
     pool->range_fn = fn;
-    pool->job = job;
-    pool->unit_scale = scale;
+    pool->range_job = job;
     pool->units = units;
-    atomic_store(&pool->done, 0);
+    atomic_store(&pool->finished, 0);
     for (int t = 0; t < pool->n_threads; t++) {
         int64_t begin, end;
         kr_split(share_units, 1, t, pool->n_threads, &begin, &end);
@@ -254,7 +257,23 @@ void kr_pool_run_shares(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t u
     }
     publish(pool, (uint64_t)generation << 32);  // n_chunks 0: a job of shares
     run_shares(pool, generation, 0);
-    for (int i = 0; atomic_load(&pool->done) < units; i++) spin_round(i);
+    for (int i = 0; atomic_load(&pool->finished) < units; i++) spin_round(i);
+}
+
+// A chunk of a tapered range job: its tapered part of the units.
+static void tapered_chunk(void *arg, int chunk, int n_chunks, int thread) {
+    kr_pool *pool = arg;
+    int64_t begin, end;
+    kr_split_tapered(pool->units, 1, chunk, n_chunks, &begin, &end);
+    if (begin < end) pool->range_fn(pool->range_job, begin, end, thread);
+}
+
+void kr_pool_run_tapered(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t units) {
+    if (units < 1) return;
+    pool->range_fn = fn;
+    pool->range_job = job;
+    pool->units = units;
+    kr_pool_run(pool, tapered_chunk, pool, kr_pool_tapered_chunks(pool, units, false));
 }
 
 int kr_pool_size(const kr_pool *pool) { return pool->n_threads; }

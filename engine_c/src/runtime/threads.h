@@ -20,6 +20,9 @@ typedef void (*kr_pool_range_fn)(void *job, int64_t begin, int64_t end, int thre
 // matmuls): each thread takes runs from the front of its own contiguous share, so it reads one
 // stream, then halves of the largest shares left. Returns when all are finished.
 void kr_pool_run_shares(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t units);
+// Run fn over the units [0, units) of a batch's matmuls, bound by arithmetic: in tapered parts
+// (kr_split_tapered, kr_pool_tapered_chunks) that threads claim as kr_pool_run's chunks.
+void kr_pool_run_tapered(kr_pool *pool, kr_pool_range_fn fn, void *job, int64_t units);
 int kr_pool_size(const kr_pool *pool);
 // How many chunks to cut `items` units of work into: 1 on one thread, else a few per thread.
 int kr_pool_chunks(const kr_pool *pool, int64_t items);
