@@ -397,11 +397,13 @@ def batch_plans(draw, max_vocab, n_others=(1, 3, 7)):
 @st.composite
 def kquant_problems(draw):
     """(type, rows, cols, n_tokens, row_begin, row_end, seed, encoded): odd row counts around the
-    groups of 8, 1 to 4 super-blocks per row, 1 to 11 tokens (several tiles), any row range;
-    `encoded` picks weights encoded from floats instead of random blocks."""
+    groups of 8, 1 to 4 super-blocks per row or 17 to 40 (long rows, which q4_K packs in column
+    slices: kernels.h, kr_slice_blocks), 1 to 11 tokens (several tiles), any row range; `encoded`
+    picks weights encoded from floats instead of random blocks."""
     type_name = draw(st.sampled_from(("q4_K", "q5_K", "q6_K")))
     rows = draw(st.integers(1, 27))
     row_begin = draw(st.integers(0, rows - 1))
     row_end = draw(st.integers(row_begin + 1, rows))
-    return (type_name, rows, 256 * draw(st.integers(1, 4)), draw(st.integers(1, 11)), row_begin, row_end,
+    n_blocks = draw(st.one_of(st.integers(1, 4), st.integers(17, 40)))
+    return (type_name, rows, 256 * n_blocks, draw(st.integers(1, 11)), row_begin, row_end,
             draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))

@@ -13,6 +13,7 @@ import numpy as np
 SUPER_BLOCK = 256
 BLOCK_BYTES = {"q4_K": 144, "q5_K": 176, "q6_K": 210}
 PACK_ROWS = 8
+SLICE_BLOCKS = 16  # kernels.h, KR_SLICE_BLOCKS
 
 
 def _f16_bytes(values):
@@ -139,42 +140,57 @@ def quantize_q8_K(x):
     return d, q, bsums
 
 
+def slice_blocks(type_name, n_blocks):
+    """Super-blocks per column slice (kernels.h, kr_slice_blocks): q4_K rows of more than 16 are cut
+    into the fewest slices of at most 16, all of one length but the last."""
+    if type_name != "q4_K" or n_blocks <= SLICE_BLOCKS:
+        return n_blocks
+    slices = -(-n_blocks // SLICE_BLOCKS)
+    return -(-n_blocks // slices)
+
+
 def packed(type_name, data, rows, cols):
-    """The packed layout built from its description: for each whole group of 8 rows, super-block by
-    super-block, the group super-block below; the rows past the last group as they are."""
+    """The packed layout built from its description: column slice after column slice (one unless
+    the rows are long), for each whole group of 8 rows, super-block by super-block of the slice, the
+    group super-block below; the rows past the last group as they are."""
     size = BLOCK_BYTES[type_name]
     n_blocks = cols // SUPER_BLOCK
     blocks = np.asarray(data, np.uint8).reshape(rows, n_blocks, size)
     grouped = rows - rows % PACK_ROWS
+    per_slice = slice_blocks(type_name, n_blocks)
     out = []
+    for slice_start in range(0, n_blocks, per_slice):
+        for first in range(0, grouped, PACK_ROWS):
+            for b in range(slice_start, min(slice_start + per_slice, n_blocks)):
+                out += group_superblock(type_name, blocks[first:first + PACK_ROWS, b])
+    out.append(blocks[grouped:].reshape(-1))
+    return np.concatenate(out).astype(np.uint8)
+
+
+def group_superblock(type_name, g):
+    """The packed group super-block of 8 rows' super-blocks g (8, bytes), as a list of byte arrays."""
 
     def chunks(fields):  # (8, bytes) -> chunk i = bytes 4i..4i+3 of each row, row after row
         return fields.reshape(PACK_ROWS, -1, 4).transpose(1, 0, 2).reshape(-1)
 
-    for first in range(0, grouped, PACK_ROWS):
-        for b in range(n_blocks):
-            g = blocks[first:first + PACK_ROWS, b]  # (8, size)
-            if type_name == "q6_K":
-                ql, qh = chunks(g[:, 0:128]).reshape(32, 32), chunks(g[:, 128:192]).reshape(16, 32)
-                out += [g[:, 208:210].reshape(-1), g[:, 192:208].T.reshape(-1)]
-                for h in range(2):  # per half: qh's chunks each followed by ql's of the same weights, then ql's other 8
-                    out += [chunk for i in range(8) for chunk in (qh[8 * h + i], ql[16 * h + i])]
-                    out += [ql[16 * h + 8 + i] for i in range(8)]
-                continue
-            scales = g[:, 4:16]
-            sc = np.concatenate([scales[:, 0:4] & 63, (scales[:, 8:12] & 15) | ((scales[:, 0:4] >> 6) << 4)], axis=1)
-            m = np.concatenate([scales[:, 4:8] & 63, (scales[:, 8:12] >> 4) | ((scales[:, 4:8] >> 6) << 4)], axis=1)
-            scale_bytes = (sc | ((m >> 4) << 6)).T.reshape(-1)  # byte 8j + r
-            min_nibbles = ((m[:, 0:4] & 15) | ((m[:, 4:8] & 15) << 4)).T.reshape(-1)  # byte 8k + r
-            qs = g[:, 48:176] if type_name == "q5_K" else g[:, 16:144]
-            out += [g[:, 0:2].reshape(-1), g[:, 2:4].reshape(-1), scale_bytes.astype(np.uint8), min_nibbles.astype(np.uint8)]
-            if type_name == "q5_K":  # each chunk of fifth bits followed by the first 64 weights' chunk, then the rest
-                qh, quants = chunks(g[:, 16:48]).reshape(8, 32), chunks(qs).reshape(32, 32)
-                out += [chunk for i in range(8) for chunk in (qh[i], quants[i])] + list(quants[8:])
-            else:
-                out.append(chunks(qs))
-    out.append(blocks[grouped:].reshape(-1))
-    return np.concatenate(out).astype(np.uint8)
+    if type_name == "q6_K":
+        ql, qh = chunks(g[:, 0:128]).reshape(32, 32), chunks(g[:, 128:192]).reshape(16, 32)
+        out = [g[:, 208:210].reshape(-1), g[:, 192:208].T.reshape(-1)]
+        for h in range(2):  # per half: qh's chunks each followed by ql's of the same weights, then ql's other 8
+            out += [chunk for i in range(8) for chunk in (qh[8 * h + i], ql[16 * h + i])]
+            out += [ql[16 * h + 8 + i] for i in range(8)]
+        return out
+    scales = g[:, 4:16]
+    sc = np.concatenate([scales[:, 0:4] & 63, (scales[:, 8:12] & 15) | ((scales[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([scales[:, 4:8] & 63, (scales[:, 8:12] >> 4) | ((scales[:, 4:8] >> 6) << 4)], axis=1)
+    scale_bytes = (sc | ((m >> 4) << 6)).T.reshape(-1)  # byte 8j + r
+    min_nibbles = ((m[:, 0:4] & 15) | ((m[:, 4:8] & 15) << 4)).T.reshape(-1)  # byte 8k + r
+    qs = g[:, 48:176] if type_name == "q5_K" else g[:, 16:144]
+    out = [g[:, 0:2].reshape(-1), g[:, 2:4].reshape(-1), scale_bytes.astype(np.uint8), min_nibbles.astype(np.uint8)]
+    if type_name == "q5_K":  # each chunk of fifth bits followed by the first 64 weights' chunk, then the rest
+        qh, quants = chunks(g[:, 16:48]).reshape(8, 32), chunks(qs).reshape(32, 32)
+        return out + [chunk for i in range(8) for chunk in (qh[i], quants[i])] + list(quants[8:])
+    return out + [chunks(qs)]
 
 
 def dequantize(data, type_name):

@@ -210,7 +210,7 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // iq4_nl and mxfp4 extend q4_0's layout (legacy.h), the k-quants have their own (kquant_ref.c).
 // Version of this layout (packed caches carry it): KR_PACK_LAYOUT (3: iq4_nl and mxfp4 packed too;
 // 4: q6_K's chunks in the order the tiles read them, kr_q6_K_ql_at; 5: q5_K's fifth bits before its
-// quants, kr_q5_K_qh_at).
+// quants, kr_q5_K_qh_at; 6: long q4_K rows in column slices, kr_slice_blocks).
 #define KR_PACK_ROWS 8
 // Groups per tile in one-token packed matmuls (q8_0, q4_0 and its family; the k-quants through
 // kquant_vnni256.c): one. Generation is bound by memory, and tiles of one group read a matrix as one
@@ -221,7 +221,38 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 #ifndef KR_ONE_TOKEN_GROUPS
 #define KR_ONE_TOKEN_GROUPS 1
 #endif
-#define KR_PACK_LAYOUT 5
+#define KR_PACK_LAYOUT 6
+
+// Column slices. A packed matrix whose rows are long is stored as column slices: slice after slice
+// of kr_slice_blocks(type, n_blocks) blocks of every row (the last slice may be shorter), each slice
+// the packed layout above of its blocks, over the rows of whole groups; the rows past the last
+// group stay in file layout after the last slice. A matmul goes through the slices in order, each
+// tile continuing its rows' sums where the slice before left them (kr_group_tile's `resume`), so
+// every output takes the same float steps in the same order as without slices.
+// Why: a one-token tile of a group reads the token's activations for the whole row between the
+// group's weights. A q4_K row of 8960 columns has 10 KiB of them (q8_K), read between 40 KiB of
+// weights: more than L1 holds, so every group fetches them again from L2, and a cold q4_K 1536x8960
+// matmul streamed at 23-25 GB/s at one thread, against 29-30 for rows of 1536 columns. A slice's
+// activations (at most 4.6 KiB) stay in L1 from one group to the next: in 3 slices the same matrix
+// streams at 26-29.5 GB/s, and a 3584x18944 one (a 7B's ffn_down) in 5 at 27.5-29 instead of 23.
+// Only q4_K is sliced: its tiles leave the stream to the hardware prefetchers (kr_stream_fetches),
+// while q4_0, q5_K and q6_K, whose tiles fetch ahead, stream as fast either way (bench/
+// cold_matmul.c, docs/kernels.md, "Long q4_K rows in column slices").
+#define KR_SLICE_BLOCKS 16
+static inline int64_t kr_slice_blocks(int32_t type, int64_t n_blocks) {
+    if (type != KR_Q4_K || n_blocks <= KR_SLICE_BLOCKS) return n_blocks;
+    const int64_t slices = (n_blocks + KR_SLICE_BLOCKS - 1) / KR_SLICE_BLOCKS;
+    return (n_blocks + slices - 1) / slices;  // slices of equal length, but the last
+}
+// Where in a packed matrix of `grouped` rows in whole groups and n_blocks blocks of block_bytes per
+// row the group block of row r's block b lies (r < grouped): KR_PACK_ROWS * block_bytes bytes.
+static inline const char *kr_packed_group_block(int32_t type, const void *w, int64_t grouped, int64_t n_blocks,
+                                                size_t block_bytes, int64_t r, int64_t b) {
+    const int64_t per_slice = kr_slice_blocks(type, n_blocks), first = b - b % per_slice;
+    const int64_t length = n_blocks - first < per_slice ? n_blocks - first : per_slice;
+    return (const char *)w + ((size_t)grouped * (size_t)first + (size_t)(r - r % KR_PACK_ROWS) * (size_t)length +
+                              KR_PACK_ROWS * (size_t)(b - first)) * block_bytes;
+}
 
 // Where q6_K's chunks lie in a packed group super-block (kquant_ref.c; chunk i of 32 bytes holds
 // bytes 4i..4i+3 of each of the 8 rows): after d and the scales (144 bytes), one half of 768 bytes
@@ -304,12 +335,17 @@ static inline void kr_pack_groups(int32_t weight_type, const void *src, void *ds
                                   size_t block_bytes, kr_pack_block *pack_block) {
     const size_t row_bytes = kr_weight_row_bytes(weight_type, cols), group_block_bytes = KR_PACK_ROWS * block_bytes;
     const int64_t n_blocks = (int64_t)(row_bytes / block_bytes), grouped = rows - rows % KR_PACK_ROWS;
-    for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
-        const char *in = (const char *)src + (size_t)first * row_bytes;
-        char *out = (char *)dst + (size_t)first * row_bytes;
-        for (int64_t b = 0; b < n_blocks; b++)
-            for (int r = 0; r < KR_PACK_ROWS; r++)
-                pack_block(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r, out + (size_t)b * group_block_bytes);
+    const int64_t per_slice = kr_slice_blocks(weight_type, n_blocks);
+    for (int64_t slice = 0; slice < n_blocks; slice += per_slice) {  // kr_slice_blocks: one slice unless the rows are long
+        const int64_t length = n_blocks - slice < per_slice ? n_blocks - slice : per_slice;
+        for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
+            const char *in = (const char *)src + (size_t)first * row_bytes + (size_t)slice * block_bytes;
+            char *out = (char *)dst + ((size_t)grouped * (size_t)slice + (size_t)first * (size_t)length) * block_bytes;
+            for (int64_t b = 0; b < length; b++)
+                for (int r = 0; r < KR_PACK_ROWS; r++)
+                    pack_block(weight_type, in + (size_t)r * row_bytes + (size_t)b * block_bytes, r,
+                               out + (size_t)b * group_block_bytes);
+        }
     }
     __builtin_memcpy((char *)dst + (size_t)grouped * row_bytes, (const char *)src + (size_t)grouped * row_bytes,
                      (size_t)(rows - grouped) * row_bytes);

@@ -358,7 +358,9 @@ void kr_matmul_avx2(int32_t weight_type, const void *w, int64_t cols, const void
 #endif
 
 static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
-                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next,
+                        int resume) {
+    (void)resume;  // never resumed: kr_slice_blocks cuts no type of these tiles into slices
     (void)weight_type;  // q8_0
 #if defined(KR_HAVE_AVX512)
     if (G == 2 && KR_Q8_PAIR_TILE) {
@@ -367,7 +369,7 @@ static void packed_tile(int32_t weight_type, int G, int T, const char *w, size_t
     }
     if (T > 4) {
         kr_group_tile_by_fours(packed_tile, weight_type, G, T, w, group_stride, a, a_stride, n_blocks, out, out_stride,
-                               keep_begin, keep_end, next);
+                               keep_begin, keep_end, next, resume);
         return;
     }
 #endif

@@ -176,6 +176,8 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 //     of ql (bytes 4i..4i+3 of each row) at kr_q6_K_ql_at(i) and chunk i of qh at kr_q6_K_qh_at(i)
 //     (kernels.h): per half h of the weights, qh's chunks each followed by one of ql's, then the rest
 //     of ql's, the order in which the tiles read them.
+// A q4_K matrix of rows longer than 16 super-blocks is stored in column slices, each of them this
+// layout of its super-blocks (kernels.h, kr_slice_blocks).
 
 #define GROUP_ROWS KR_PACK_ROWS
 
@@ -246,9 +248,8 @@ void kr_packed_block_kquant(int32_t weight_type, const void *w, int64_t rows, in
         memcpy(block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
         return;
     }
-    const int64_t offset = r % GROUP_ROWS;
-    const char *group = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * GROUP_ROWS * block_bytes;
-    unpack_superblock(weight_type, group, (int)offset, block);
+    const char *group = kr_packed_group_block(weight_type, w, rows - rows % GROUP_ROWS, cols / KR_QK_K, block_bytes, r, b);
+    unpack_superblock(weight_type, group, (int)(r % GROUP_ROWS), block);
 }
 
 // Each row's super-blocks back in file form, then the reference's steps.

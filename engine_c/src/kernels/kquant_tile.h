@@ -65,6 +65,7 @@ KR_INLINE vecf vf_mul(vecf a, vecf b) { return V(mul_ps)(a, b); }
 KR_INLINE vecf vf_fmadd(vecf a, vec b, vecf c) { return V(fmadd_ps)(a, V(cvtepi32_ps)(b), c); }
 KR_INLINE vecf vf_fnmadd(vecf a, vec b, vecf c) { return V(fnmadd_ps)(a, V(cvtepi32_ps)(b), c); }
 KR_INLINE void vf_store(float *p, vecf v) { V(storeu_ps)(p, v); }
+KR_INLINE vecf vf_load(const float *p) { return V(loadu_ps)(p); }
 
 // 4 activation bytes (elements at..at+3) in every int32 lane.
 KR_INLINE vec broadcast4(const int8_t *q) {
@@ -247,14 +248,26 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, co
 
 // One tile: GROUPS groups of 8 packed rows (`stride` apart; 0 runs one group twice), their
 // super-blocks one after the other, for T tokens; stores the rows of [keep_begin, keep_end) of the
-// tile. `next`: the tile after it (prefetched alongside), or NULL.
+// tile. `next`: the tile after it (prefetched alongside), or NULL. `resume`: each row's sums start
+// from `out` (a column slice after the first, tile_loops.h), not from zero.
 KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *group, size_t stride, int64_t n_blocks,
                           const char *a, size_t a_stride, float *out, int64_t out_stride, int keep_begin, int keep_end,
-                          const char *next) {
+                          const char *next, int resume) {
     const size_t group_block = KR_PACK_ROWS * kr_kquant_block_bytes(weight_type);
     vecf acc[4];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++) acc[t] = vf_zero();
+    for (int t = 0; t < T; t++) {
+        const float *row = out + t * out_stride;
+        if (!resume) {
+            acc[t] = vf_zero();
+        } else if (keep_begin == 0 && keep_end == ROWS) {
+            acc[t] = vf_load(row);
+        } else {  // only the kept rows are this tile's to read
+            float lanes[ROWS] = {0};
+            for (int r = keep_begin; r < keep_end; r++) lanes[r] = row[r];
+            acc[t] = vf_load(lanes);
+        }
+    }
     for (int64_t b = 0; b < n_blocks; b++) {
         const kr_block_q8_K *tokens[4];
 #pragma GCC unroll 4
@@ -280,9 +293,10 @@ KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *gr
 // A packed tile (tile_loops.h's kr_group_tile); G is GROUPS but where one group is left, which
 // runs in both halves of the vector.
 static void tile(int32_t weight_type, int G, int T, const char *group, size_t group_stride, const char *a, size_t a_stride,
-                 int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+                 int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next, int resume) {
     const size_t stride = G == 2 ? group_stride : 0;
-#define KQ_TILE(type, t) group_tile(type, t, group, stride, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next)
+#define KQ_TILE(type, t) \
+    group_tile(type, t, group, stride, n_blocks, a, a_stride, out, out_stride, keep_begin, keep_end, next, resume)
 #define KQ_TOKENS(type) \
     switch (T) { \
     case 1: KQ_TILE(type, 1); break; \

@@ -323,7 +323,9 @@ KR_INLINE void type_group_tiles(const int32_t type, int G, int T, const char *w,
 
 // A packed tile (tile_loops.h's kr_group_tile) of any of the four types.
 static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_stride, const char *a, size_t a_stride,
-                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next) {
+                        int64_t n_blocks, float *out, int64_t out_stride, int keep_begin, int keep_end, const char *next,
+                        int resume) {
+    (void)resume;  // never resumed: kr_slice_blocks cuts no type of these tiles into slices
 #if defined(KR_HAVE_AVX512)
     if (G == 2 && KR_LEGACY_PAIR_TILE) {
         kr_legacy_pair_tile_avx512(type, T, w, group_stride, a, a_stride, n_blocks, out, out_stride, keep_begin, keep_end,
@@ -332,7 +334,7 @@ static void packed_tile(int32_t type, int G, int T, const char *w, size_t group_
     }
     if (T > 4) {
         kr_group_tile_by_fours(packed_tile, type, G, T, w, group_stride, a, a_stride, n_blocks, out, out_stride,
-                               keep_begin, keep_end, next);
+                               keep_begin, keep_end, next, resume);
         return;
     }
 #endif

@@ -56,9 +56,14 @@ void kr_matrix_matmul(const kr_matrix *w, const void *prepared, int64_t n_tokens
     else kr_matmul(w->type, w->data, w->cols, prepared, n_tokens, out, w->rows, begin, end);
 }
 
-// Packed or not, rows [begin, end) are the bytes from begin * row_bytes when begin starts a group.
+// Packed or not, when begin starts a group, a matmul over rows [begin, end) reads first the bytes
+// from begin * row_bytes, where row_bytes are a row's in the matrix's first column slice (kernels.h,
+// kr_slice_blocks: the whole row unless a packed row is long).
 void kr_matrix_prefetch(const kr_matrix *w, int64_t begin, int64_t end) {
-    kr_stream_start((const char *)w->data + (size_t)begin * w->row_bytes, (const char *)w->data + (size_t)end * w->row_bytes);
+    const int64_t block = kr_kernel_type_block(w->type), n_blocks = block ? w->cols / block : 0;
+    const size_t row_bytes = w->packed && n_blocks ? kr_weight_row_bytes(w->type, kr_slice_blocks(w->type, n_blocks) * block)
+                                                   : w->row_bytes;
+    kr_stream_start((const char *)w->data + (size_t)begin * row_bytes, (const char *)w->data + (size_t)end * row_bytes);
 }
 
 // --- The matrices, in the cache's order
