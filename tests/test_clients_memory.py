@@ -10,7 +10,7 @@ fixed set of endpoint labels.
 import json
 import unittest
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,14 +109,22 @@ class TokenizeMemoryTests(unittest.TestCase):
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(TOKENIZE_BODIES)
+    @example({"content": "0", "add_special": False, "with_pieces": True})
     def test_any_tokenize_body(self, body):
-        """Any JSON body to /tokenize is a 200 with a list of ids, or a 400 naming the field; never a 500."""
+        """Any JSON body to /tokenize is a 200 with a list of ids (with_pieces: of {"id", "piece"}), or a
+        400 naming the field; never a 500."""
         code, reply = self.post("/tokenize", body)
         self.assertIn(code, (200, 400), reply)
         if code == 400:
             self.assertEqual(set(reply["error"]), {"message", "type", "param", "code"})
+        elif body.get("with_pieces") is True:
+            for item in reply["tokens"]:
+                self.assertEqual(set(item), {"id", "piece"}, reply)
+                self.assertIs(type(item["id"]), int)
+                piece = item["piece"]  # text, or a piece's byte values when it is not whole UTF-8
+                self.assertTrue(isinstance(piece, str) or all(type(b) is int and 0 <= b < 256 for b in piece), reply)
         else:
-            self.assertTrue(all(isinstance(t, int) for t in reply["tokens"]))
+            self.assertTrue(all(type(t) is int for t in reply["tokens"]), reply)
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(DETOKENIZE_BODIES)
