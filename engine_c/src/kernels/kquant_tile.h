@@ -253,7 +253,7 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, co
 KR_INLINE void group_tile(const int32_t weight_type, const int T, const char *group, size_t stride, int64_t n_blocks,
                           const char *a, size_t a_stride, float *out, int64_t out_stride, int keep_begin, int keep_end,
                           const char *next, int resume) {
-    const size_t group_block = KR_PACK_ROWS * kr_kquant_block_bytes(weight_type);
+    const size_t group_block = weight_type == KR_Q4_K ? Q4_K_GROUP : weight_type == KR_Q5_K ? Q5_K_GROUP : Q6_K_GROUP;
     vecf acc[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
