@@ -52,8 +52,8 @@ typedef struct {
 // Matmuls are split by rows, in units of whole multiples of an alignment. Those of several tokens,
 // bound by arithmetic, go in tapered chunks (threads.h), so no thread waits long for the last. One
 // token's stream their weights from memory: each thread takes the runs of a contiguous share
-// (kr_pool_run_shares), one stream a matrix, where tapered chunks made every thread start a stream
-// at each of its chunks (kernels.h, KR_STREAM_AHEAD).
+// (kr_pool_run_shares), one stream a matrix (a column slice, kernels.h's kr_slice_blocks), where
+// tapered chunks made every thread start a stream at each of its chunks (kernels.h, KR_STREAM_AHEAD).
 static void run_rows(kr_pool *pool, kr_pool_range_fn run, void *j, int64_t units, int32_t n) {
     if (n == 1) kr_pool_run_shares(pool, run, j, units);
     else kr_pool_run_tapered(pool, run, j, units);
