@@ -397,9 +397,9 @@ def batch_plans(draw, max_vocab, n_others=(1, 3, 7)):
 @st.composite
 def kquant_problems(draw):
     """(type, rows, cols, n_tokens, row_begin, row_end, seed, encoded): odd row counts around the
-    groups of 8, 1 to 4 super-blocks per row or 17 to 40 (long rows, which q4_K packs in column
-    slices: kernels.h, kr_slice_blocks), 1 to 11 tokens (several tiles), any row range; `encoded`
-    picks weights encoded from floats instead of random blocks."""
+    groups of 8, 1 to 4 super-blocks per row or 17 to 40 (long rows; q4_K packs those of more than
+    20 in column slices: kernels.h, kr_slice_blocks), 1 to 11 tokens (several tiles), any row range;
+    `encoded` picks weights encoded from floats instead of random blocks."""
     type_name = draw(st.sampled_from(("q4_K", "q5_K", "q6_K")))
     rows = draw(st.integers(1, 27))
     row_begin = draw(st.integers(0, rows - 1))

@@ -13,7 +13,7 @@ import numpy as np
 SUPER_BLOCK = 256
 BLOCK_BYTES = {"q4_K": 144, "q5_K": 176, "q6_K": 210}
 PACK_ROWS = 8
-SLICE_BLOCKS = 16  # kernels.h, KR_SLICE_BLOCKS
+SLICE_BLOCKS, SLICE_ABOVE = 16, 20  # kernels.h, KR_SLICE_BLOCKS and KR_SLICE_ABOVE
 
 
 def _f16_bytes(values):
@@ -141,9 +141,9 @@ def quantize_q8_K(x):
 
 
 def slice_blocks(type_name, n_blocks):
-    """Super-blocks per column slice (kernels.h, kr_slice_blocks): q4_K rows of more than 16 are cut
+    """Super-blocks per column slice (kernels.h, kr_slice_blocks): q4_K rows of more than 20 are cut
     into the fewest slices of at most 16, all of one length but the last."""
-    if type_name != "q4_K" or n_blocks <= SLICE_BLOCKS:
+    if type_name != "q4_K" or n_blocks <= SLICE_ABOVE:
         return n_blocks
     slices = -(-n_blocks // SLICE_BLOCKS)
     return -(-n_blocks // slices)

@@ -235,12 +235,16 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // matmul streamed at 23-25 GB/s at one thread, against 29-30 for rows of 1536 columns. A slice's
 // activations (at most 4.6 KiB) stay in L1 from one group to the next: in 3 slices the same matrix
 // streams at 26-29.5 GB/s, and a 3584x18944 one (a 7B's ffn_down) in 5 at 27.5-29 instead of 23.
+// Rows of up to KR_SLICE_ABOVE super-blocks stream as fast whole (29-29.5 GB/s at 3072 and 4608
+// columns, 27 at 6144), and cut in two they lost at two threads (Qwen2.5-0.5B's 896x4864: 29-34 GB/s
+// against 34.5-35.5), so they are not sliced.
 // Only q4_K is sliced: its tiles leave the stream to the hardware prefetchers (kr_stream_fetches),
 // while q4_0, q5_K and q6_K, whose tiles fetch ahead, stream as fast either way (bench/
 // cold_matmul.c, docs/kernels.md, "Long q4_K rows in column slices").
-#define KR_SLICE_BLOCKS 16
+#define KR_SLICE_BLOCKS 16  // the longest slice
+#define KR_SLICE_ABOVE 20   // rows longer than this are sliced
 static inline int64_t kr_slice_blocks(int32_t type, int64_t n_blocks) {
-    if (type != KR_Q4_K || n_blocks <= KR_SLICE_BLOCKS) return n_blocks;
+    if (type != KR_Q4_K || n_blocks <= KR_SLICE_ABOVE) return n_blocks;
     const int64_t slices = (n_blocks + KR_SLICE_BLOCKS - 1) / KR_SLICE_BLOCKS;
     return (n_blocks + slices - 1) / slices;  // slices of equal length, but the last
 }

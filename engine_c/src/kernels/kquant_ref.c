@@ -176,8 +176,8 @@ float kr_dot_kquant_ref(int32_t weight_type, const void *row, const kr_block_q8_
 //     of ql (bytes 4i..4i+3 of each row) at kr_q6_K_ql_at(i) and chunk i of qh at kr_q6_K_qh_at(i)
 //     (kernels.h): per half h of the weights, qh's chunks each followed by one of ql's, then the rest
 //     of ql's, the order in which the tiles read them.
-// A q4_K matrix of rows longer than 16 super-blocks is stored in column slices, each of them this
-// layout of its super-blocks (kernels.h, kr_slice_blocks).
+// A q4_K matrix of rows longer than 20 super-blocks is stored in column slices of at most 16, each
+// of them this layout of its super-blocks (kernels.h, kr_slice_blocks).
 
 #define GROUP_ROWS KR_PACK_ROWS
 
