@@ -248,12 +248,16 @@ static inline int64_t kr_slice_blocks(int32_t type, int64_t n_blocks) {
     const int64_t slices = (n_blocks + KR_SLICE_BLOCKS - 1) / KR_SLICE_BLOCKS;
     return (n_blocks + slices - 1) / slices;  // slices of equal length, but the last
 }
+// The blocks of the slice that starts at block `first`.
+static inline int64_t kr_slice_length(int64_t n_blocks, int64_t per_slice, int64_t first) {
+    return n_blocks - first < per_slice ? n_blocks - first : per_slice;
+}
 // Where in a packed matrix of `grouped` rows in whole groups and n_blocks blocks of block_bytes per
 // row the group block of row r's block b lies (r < grouped): KR_PACK_ROWS * block_bytes bytes.
 static inline const char *kr_packed_group_block(int32_t type, const void *w, int64_t grouped, int64_t n_blocks,
                                                 size_t block_bytes, int64_t r, int64_t b) {
     const int64_t per_slice = kr_slice_blocks(type, n_blocks), first = b - b % per_slice;
-    const int64_t length = n_blocks - first < per_slice ? n_blocks - first : per_slice;
+    const int64_t length = kr_slice_length(n_blocks, per_slice, first);
     return (const char *)w + ((size_t)grouped * (size_t)first + (size_t)(r - r % KR_PACK_ROWS) * (size_t)length +
                               KR_PACK_ROWS * (size_t)(b - first)) * block_bytes;
 }
@@ -341,7 +345,7 @@ static inline void kr_pack_groups(int32_t weight_type, const void *src, void *ds
     const int64_t n_blocks = (int64_t)(row_bytes / block_bytes), grouped = rows - rows % KR_PACK_ROWS;
     const int64_t per_slice = kr_slice_blocks(weight_type, n_blocks);
     for (int64_t slice = 0; slice < n_blocks; slice += per_slice) {  // kr_slice_blocks: one slice unless the rows are long
-        const int64_t length = n_blocks - slice < per_slice ? n_blocks - slice : per_slice;
+        const int64_t length = kr_slice_length(n_blocks, per_slice, slice);
         for (int64_t first = 0; first < grouped; first += KR_PACK_ROWS) {
             const char *in = (const char *)src + (size_t)first * row_bytes + (size_t)slice * block_bytes;
             char *out = (char *)dst + ((size_t)grouped * (size_t)slice + (size_t)first * (size_t)length) * block_bytes;

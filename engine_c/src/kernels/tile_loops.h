@@ -106,7 +106,7 @@ static inline void kr_matmul_group_tiles(int32_t type, const void *w, int64_t ro
     for (int64_t b0 = 0; b0 < n_tokens; b0 += block_tokens) {
         const int64_t b1 = n_tokens - b0 < block_tokens ? n_tokens : b0 + block_tokens;
         for (int64_t s = 0; s < n_slices; s++) {
-            const int64_t slice = s * per_slice, length = n_blocks - slice < per_slice ? n_blocks - slice : per_slice;
+            const int64_t slice = s * per_slice, length = kr_slice_length(n_blocks, per_slice, slice);
             const char *slice_w = (const char *)w + (size_t)grouped * kr_weight_row_bytes(type, slice * block_cols);
             const char *slice_a = (const char *)prepared + kr_activation_row_bytes(type, slice * block_cols);
             const size_t group_stride = KR_PACK_ROWS * kr_weight_row_bytes(type, length * block_cols);
