@@ -175,8 +175,8 @@ void kr_packed_block_legacy(int32_t type, const void *w, int64_t rows, int64_t c
         memcpy(block, (const char *)w + (size_t)r * row_bytes + (size_t)b * block_bytes, block_bytes);
         return;
     }
-    const char *group = (const char *)w + (size_t)(r - r % KR_PACK_ROWS) * row_bytes;
-    unpack_block(type, group + (size_t)b * kr_legacy_group_block_bytes(type), (int)(r % KR_PACK_ROWS), block);
+    const char *group = kr_packed_group_block(type, w, rows - rows % KR_PACK_ROWS, cols / KR_QK, block_bytes, r, b);
+    unpack_block(type, group, (int)(r % KR_PACK_ROWS), block);
 }
 
 // Each row's blocks back in file form, then the reference's block steps (lowbit_ref.c's for the grid types).

@@ -341,7 +341,7 @@ void kr_packed_block(int32_t weight_type, const void *w, int64_t rows, int64_t c
         return;
     }
     const int64_t offset = r % KR_PACK_ROWS;
-    const char *group_block = (const char *)w + (size_t)(r - offset) * row_bytes + (size_t)b * KR_PACK_ROWS * block_bytes;
+    const char *group_block = kr_packed_group_block(weight_type, w, grouped, cols / KR_QK, block_bytes, r, b);
     memcpy(block, group_block + 2 * offset, 2);
     for (int j = 0; j < (int)block_bytes - 2; j++) block[2 + j] = group_block[packed_quant_at(offset, j)];
 }

@@ -59,6 +59,9 @@ static void run_rows(kr_pool *pool, kr_pool_range_fn run, void *j, int64_t units
     else kr_pool_run_tapered(pool, run, j, units);
 }
 
+// The first row of unit u of a matrix of `rows` rows, in units of `align` rows (the end, past its last).
+static int64_t unit_row(int64_t u, int64_t align, int64_t rows) { return u * align < rows ? u * align : rows; }
+
 // Rows per unit of a matmul job: ROW_ALIGN, or whole prepared blocks of `then`'s input when the job
 // prepares it (block sizes and ROW_ALIGN are powers of 2).
 static int64_t part_rows(const kr_matrix *then) {
@@ -181,8 +184,8 @@ static void matmul_run(void *arg, int64_t u0, int64_t u1, int thread) {
     for (int32_t i = 0; i < j->n_w; i++) {
         const kr_matrix *w = j->w[i];
         const int64_t b0 = u0 - first > 0 ? u0 - first : 0, b1 = u1 - first;
-        begin[i] = b0 * align < w->rows ? b0 * align : w->rows;
-        end[i] = b1 * align < w->rows ? b1 * align : w->rows;
+        begin[i] = unit_row(b0, align, w->rows);
+        end[i] = unit_row(b1, align, w->rows);
         if (!j->gated) first += (w->rows + align - 1) / align;
         if (begin[i] >= end[i]) continue;
         kr_matrix_matmul(w, j->prepared ? j->prepared : s->prepared[w->type], j->n, j->out[i], begin[i], end[i]);
@@ -454,8 +457,7 @@ static void output_run(void *arg, int64_t u0, int64_t u1, int thread) {
     job *j = arg;
     const kr_model *m = j->m;
     const kr_matrix *w = &m->output;
-    const int64_t begin = u0 * ROW_ALIGN < w->rows ? u0 * ROW_ALIGN : w->rows;
-    const int64_t end = u1 * ROW_ALIGN < w->rows ? u1 * ROW_ALIGN : w->rows;
+    const int64_t begin = unit_row(u0, ROW_ALIGN, w->rows), end = unit_row(u1, ROW_ALIGN, w->rows);
     if (begin >= end) return;
     size_t row = kr_activation_row_bytes(w->type, m->info.dim);
     float cap = m->info.final_softcap;
@@ -469,7 +471,6 @@ static void output_run(void *arg, int64_t u0, int64_t u1, int thread) {
                     logits[t * w->rows + r] = cap * tanhf(logits[t * w->rows + r] / cap);
     }
 }
-
 
 void kr_output(kr_model *m, kr_scratch *s, const kr_batch *b, float *add, const float *add_norm) {
     int64_t dim = m->info.dim;
