@@ -23,7 +23,8 @@ What it does, caching every product under vendor/ (gitignored; nothing there is 
    (`pip download --no-deps --no-binary :all:`), its vendored llama.cpp built twice with cmake
    (targets llama-bench and llama-quantize): `avx2`, the peer of krafla's AVX2 build
    (GGML_NATIVE=OFF GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON), and `native` (GGML_NATIVE=ON: AVX-512
-   here), the peer of krafla's ISA=avx512 build.
+   here), the peer of krafla's ISA=avx512 build; on a CPU with AMX, `native` without AMX, whose
+   matmuls crash this llama.cpp (LLAMA_NO_AMX below).
 3. The GGUFs: each known model's pulled GGUF (krafla_twisted.cli.models.fetch_source) requantized by
    llama-quantize --allow-requantize to Q4_0, with the token embedding and output head given the
    block types krafla's q4_0 .mlb holds (q8_0/q4_0), so both programs read the same kind of blocks.
@@ -67,6 +68,28 @@ LLAMA_CMAKE = {
     "native": ["-DGGML_NATIVE=ON"],
 }
 LLAMA_TARGETS = ("llama-bench", "llama-quantize")
+# On a CPU with AMX (Intel Xeon since Sapphire Rapids), GGML_NATIVE=ON also compiles llama.cpp's AMX
+# matmuls, which in llama-cpp-python 0.3.36's llama.cpp fault at their first `ldtilecfg` (a
+# general protection fault in ggml_backend_amx_mul_mat on every prompt; llama.cpp issue 20824, open
+# PR 26954), while AMX itself works on such a machine. The peer is then the default build with AMX
+# left out: the same -march=native, AVX-512 and VNNI included.
+LLAMA_NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+
+
+def cpu_has_amx():
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def llama_cmake(flavor):
+    """cmake's options for a llama.cpp build of `flavor`."""
+    options = list(LLAMA_CMAKE[flavor])
+    if flavor == "native" and cpu_has_amx():
+        flags = " ".join(LLAMA_NO_AMX)
+        options += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    return options
 # issue 6's targets: (test kind, model) -> minimum ratio krafla / llama.cpp
 TARGETS = {"pp": 1.2, "tg": 1.2, ("tg", "qwen2.5-coder-0.5b"): 1.0}
 TARGETS_AVX512 = 1.0
@@ -132,12 +155,13 @@ def build_llama(vendor, tree, flavor, jobs, prebuilt=None):
     `prebuilt` bin/ given for that flavour with --llama-bin)."""
     if prebuilt and flavor in prebuilt:
         return prebuilt[flavor]
-    build = vendor / "llama.cpp" / f"build-{flavor}-{tree.parent.parent.name}"
+    no_amx = "-no-amx" if flavor == "native" and cpu_has_amx() else ""
+    build = vendor / "llama.cpp" / f"build-{flavor}{no_amx}-{tree.parent.parent.name}"
     binaries = build / "bin"
     if all((binaries / t).is_file() for t in LLAMA_TARGETS):
         return binaries
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    run(["cmake", "-S", tree, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *LLAMA_CMAKE[flavor],
+    run(["cmake", "-S", tree, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *llama_cmake(flavor),
          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
          "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"], stdout=subprocess.DEVNULL)
     run(["cmake", "--build", build, "--config", "Release", f"-j{jobs}", "--target", *LLAMA_TARGETS],

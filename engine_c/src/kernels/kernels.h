@@ -307,7 +307,18 @@ static inline size_t kr_q45_K_qs_at(int is_q5, int c, int i) {
 // threads 36 GB/s (bench/ab_generate.c, docs/kernels.md, "Where the prefetchers suffice"). The
 // others lose without theirs: q6_K 2% at one thread (and fell to 7 GB/s before its chunks were in
 // reading order, kr_q6_K_ql_at), q5_K and the q4_0 family of long rows 10-25%.
-static inline bool kr_stream_fetches(int32_t type) { return type != KR_Q4_K; }
+// That was on AMD EPYC (Zen 4). On Intel Xeon (a Sapphire Rapids-class host, 7 Dec: 15 GB/s from
+// `stream_read 1`, 28 from `stream_read 2`) q5_K's, q6_K's and q8_0's fetches cost what they cost
+// q4_K on AMD: without them a cold matmul streams at 13.5-14.3 GB/s instead of 12.5-12.9 (q6_K),
+// 13.5-14.2 instead of 11.8 (q5_K) and 15-16 instead of 12.2-13 (q8_0) at one thread, and 6-10%,
+// 21% and 20% faster at two; only the q4_0 family's short rows still gain from theirs (13.8
+// against 12.9 GB/s). So kr_cpu_prefetchers_suffice() (kernels.c: an Intel CPU) drops them there.
+// Fetching decides no bits, only when bytes arrive.
+bool kr_cpu_prefetchers_suffice(void);
+static inline bool kr_stream_fetches(int32_t type) {
+    if (type == KR_Q4_K) return false;
+    return !(kr_cpu_prefetchers_suffice() && (type == KR_Q5_K || type == KR_Q6_K || type == KR_Q8_0));
+}
 
 // The first KR_STREAM_AHEAD bytes from `first`, up to `end`, fetched into L2 (prefetcht1): what a
 // one-token matmul over them reads first. experts.c also fetches the next expert's rows so.
