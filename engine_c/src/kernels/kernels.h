@@ -239,7 +239,7 @@ int32_t kr_block_sum_q4_0_ref(const kr_block_q4_0 *w, const kr_block_q8_sum *a);
 // columns, 27 at 6144), and cut in two they lost at two threads (Qwen2.5-0.5B's 896x4864: 29-34 GB/s
 // against 34.5-35.5), so they are not sliced.
 // Only q4_K is sliced: its tiles leave the stream to the hardware prefetchers (kr_stream_fetches),
-// while q4_0, q5_K and q6_K, whose tiles fetch ahead, stream as fast either way (bench/
+// while q4_0, q5_K and q6_K, whose tiles fetch ahead on AMD, stream as fast either way there (bench/
 // cold_matmul.c, docs/kernels.md, "Long q4_K rows in column slices").
 #define KR_SLICE_BLOCKS 16  // the longest slice
 #define KR_SLICE_ABOVE 20   // rows longer than this are sliced
