@@ -2,24 +2,17 @@
 CPU has it (its AMX matmuls fault in this llama.cpp), and nothing else changes. Builds nothing (the
 script itself is run by hand: bench/README.md)."""
 
-import importlib
-import os
-import sys
 
 import pytest
 
-from tests.support.server import REPO
+from tests.support.bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def compare():
     """bench/compare.py as a module."""
-    bench = os.path.join(REPO, "bench")
-    sys.path.insert(0, bench)
-    try:
-        yield importlib.import_module("compare")
-    finally:
-        sys.path.remove(bench)
+    with bench_module("compare") as module:
+        yield module
 
 
 @pytest.mark.parametrize("has_amx", [False, True])

@@ -2,24 +2,17 @@
 compares the resident set with, and the ratio rows with their verdicts against issue 15's targets.
 Runs no server (the script itself is run by hand: bench/README.md)."""
 
-import importlib
-import os
-import sys
 
 import pytest
 
-from tests.support.server import REPO
+from tests.support.bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def concurrency():
     """bench/concurrency.py as a module (it imports bench/compare.py from beside itself)."""
-    bench = os.path.join(REPO, "bench")
-    sys.path.insert(0, bench)
-    try:
-        yield importlib.import_module("concurrency")
-    finally:
-        sys.path.remove(bench)
+    with bench_module("concurrency") as module:
+        yield module
 
 
 def reply(sent, first, end, tokens):

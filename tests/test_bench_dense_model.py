@@ -4,9 +4,6 @@ GGUF of the same architecture and layer count. Pinned on a small shape: the type
 file gguf-py reads back, and krafla converting and running it. Runs no llama.cpp (the bench itself
 is run by hand: bench/README.md)."""
 
-import importlib
-import os
-import sys
 
 import gguf
 import numpy as np
@@ -14,8 +11,8 @@ import pytest
 
 from krafla_twisted.convert.gguf import convert_gguf
 from krafla_twisted.engine.model import Model
+from tests.support.bench import bench_module
 from tests.support.gguf_vocab import TOKENS, add_tokenizer
-from tests.support.server import REPO
 
 SMALL = dict(arch="qwen2", n_layers=2, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, context=128,
              rope_theta=1e6, norm_eps=1e-6, like="-")
@@ -27,12 +24,8 @@ TEMPLATE_TYPES = {"token_embd.weight": "q4_K", "output.weight": "q6_K", "blk.0.a
 @pytest.fixture(scope="module")
 def bench_modules():
     """(bench/moe_model.py, bench/dense_model.py) as modules."""
-    bench = os.path.join(REPO, "bench")
-    sys.path.insert(0, bench)
-    try:
-        yield importlib.import_module("moe_model"), importlib.import_module("dense_model")
-    finally:
-        sys.path.remove(bench)
+    with bench_module("moe_model") as moe_model, bench_module("dense_model") as dense_model:
+        yield moe_model, dense_model
 
 
 def write_template(path, moe_model, n_layers=2):

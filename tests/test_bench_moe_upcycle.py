@@ -6,9 +6,6 @@ dense llama forward pass over the original (arch_llama.c); perturbed experts and
 change them, so the routing matters. Runs no llama.cpp (the bench script itself is run by hand:
 bench/README.md)."""
 
-import importlib
-import os
-import sys
 
 import gguf
 import numpy as np
@@ -16,8 +13,8 @@ import pytest
 
 from krafla_twisted.convert.gguf import convert_gguf
 from krafla_twisted.engine.model import Model
+from tests.support.bench import bench_module
 from tests.support.gguf_vocab import add_tokenizer
-from tests.support.server import REPO
 
 # widths none of which is a multiple of 256, with grouped-query attention (3 query heads per key/value head)
 DIM, FFN, N_HEADS, N_KV_HEADS, HEAD_DIM, N_VOCAB, N_LAYERS = 96, 160, 3, 1, 32, 12, 2
@@ -27,12 +24,8 @@ PROMPT = [1, 5, 7, 3, 9, 11, 4, 6, 8, 10]
 @pytest.fixture(scope="module")
 def moe_model():
     """bench/moe_model.py as a module."""
-    bench = os.path.join(REPO, "bench")
-    sys.path.insert(0, bench)
-    try:
-        yield importlib.import_module("moe_model")
-    finally:
-        sys.path.remove(bench)
+    with bench_module("moe_model") as module:
+        yield module
 
 
 def write_dense(path):

@@ -3,26 +3,19 @@ from llama-perplexity's output, each chunk's own log-perplexity recovered from t
 standard error of the krafla / llama.cpp ratio over the chunks. Runs neither program (the script
 itself is run by hand: bench/README.md)."""
 
-import importlib
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-from tests.support.server import REPO
+from tests.support.bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def perplexity():
     """bench/perplexity.py as a module (it imports bench/compare.py from beside itself)."""
-    bench = os.path.join(REPO, "bench")
-    sys.path.insert(0, bench)
-    try:
-        yield importlib.import_module("perplexity")
-    finally:
-        sys.path.remove(bench)
+    with bench_module("perplexity") as module:
+        yield module
 
 
 def running_estimates(chunk_nlls):
