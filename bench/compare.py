@@ -76,17 +76,17 @@ LLAMA_TARGETS = ("llama-bench", "llama-quantize")
 LLAMA_NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 
 
-def cpu_has_amx():
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+def leaves_out_amx(flavor):
+    """Whether the llama.cpp build of `flavor` is compiled without AMX: `native` on a CPU with it."""
+    from krafla_twisted.engine import clib
+
+    return flavor == "native" and "amx_tile" in clib.cpu_flags()
 
 
 def llama_cmake(flavor):
     """cmake's options for a llama.cpp build of `flavor`."""
     options = list(LLAMA_CMAKE[flavor])
-    if flavor == "native" and cpu_has_amx():
+    if leaves_out_amx(flavor):
         flags = " ".join(LLAMA_NO_AMX)
         options += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
     return options
@@ -155,7 +155,7 @@ def build_llama(vendor, tree, flavor, jobs, prebuilt=None):
     `prebuilt` bin/ given for that flavour with --llama-bin)."""
     if prebuilt and flavor in prebuilt:
         return prebuilt[flavor]
-    no_amx = "-no-amx" if flavor == "native" and cpu_has_amx() else ""
+    no_amx = "-no-amx" if leaves_out_amx(flavor) else ""
     build = vendor / "llama.cpp" / f"build-{flavor}{no_amx}-{tree.parent.parent.name}"
     binaries = build / "bin"
     if all((binaries / t).is_file() for t in LLAMA_TARGETS):

@@ -2,7 +2,6 @@
 CPU has it (its AMX matmuls fault in this llama.cpp), and nothing else changes. Builds nothing (the
 script itself is run by hand: bench/README.md)."""
 
-
 import pytest
 
 from tests.support.bench import bench_module
@@ -17,7 +16,9 @@ def compare():
 
 @pytest.mark.parametrize("has_amx", [False, True])
 def test_native_peer_leaves_amx_out_only_where_the_cpu_has_it(compare, monkeypatch, has_amx):
-    monkeypatch.setattr(compare, "cpu_has_amx", lambda: has_amx)
+    from krafla_twisted.engine import clib
+
+    monkeypatch.setattr(clib, "cpu_flags", lambda: {"avx2", "avx512f"} | ({"amx_tile"} if has_amx else set()))
     native = compare.llama_cmake("native")
     assert native[: len(compare.LLAMA_CMAKE["native"])] == compare.LLAMA_CMAKE["native"]
     extra = native[len(compare.LLAMA_CMAKE["native"]):]
@@ -30,7 +31,8 @@ def test_native_peer_leaves_amx_out_only_where_the_cpu_has_it(compare, monkeypat
     assert compare.llama_cmake("avx2") == compare.LLAMA_CMAKE["avx2"]
 
 
-def test_cpu_has_amx_reads_this_machines_flags(compare):
-    with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith("flags")).split()
-    assert compare.cpu_has_amx() == ("amx_tile" in flags)
+def test_only_the_native_build_of_an_amx_cpu_leaves_amx_out(compare):
+    from krafla_twisted.engine import clib
+
+    assert compare.leaves_out_amx("native") == ("amx_tile" in clib.cpu_flags())
+    assert not compare.leaves_out_amx("avx2")
