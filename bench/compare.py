@@ -32,13 +32,14 @@ What it does, caching every product under vendor/ (gitignored; nothing there is 
    -o json -r 1`, alternated model by model for --rounds rounds (the one that goes first swaps each
    round). The machine may be busy, so a lone time says little: the ratio krafla/llama.cpp is
    taken within each round, and the table gives the median ratio with its range over the rounds.
-5. --roofline: this machine's read bandwidth at -t threads (bench/stream_read.c, built into vendor/,
-   measured in every round just before and just after each model's pair of runs, the better
-   reading counting; its buffer on huge pages, as krafla's packed weights) and each model's bytes read per
-   generated token (every weight but the token embedding, of which one row is read; a tied
-   embedding is the output head and counts; of a mixture's experts, the ones a token uses, so
-   --moe takes --roofline too): tg / (bandwidth / bytes) is the share of the roofline
-   each program reaches, issue 29's target being 90% for krafla on a 1B+ model.
+5. --roofline: this machine's read bandwidth at -t threads (bench/stream_read.c, built into vendor/
+   on every run; the faster of its two loops), measured in every round just before and just after
+   each model's pair of runs, the better reading counting; its buffer on huge pages, as krafla's
+   packed weights) and each model's bytes read per generated token (every weight but the token
+   embedding, of which one row is read; a tied embedding is the output head and counts; of a
+   mixture's experts, the ones a token uses, so --moe takes --roofline too): tg / (bandwidth /
+   bytes) is the share of the roofline each program reaches, issue 29's target being 90% for
+   krafla on a 1B+ model.
 6. End to end through the server (--no-server skips it): `twistd -n krafla MODEL.mlb --metrics`,
    then streamed chat requests (each with a fresh prompt, so nothing comes from the KV cache):
    time to first token, reply tokens/s as the client sees them, and the server's own overhead per
@@ -208,14 +209,12 @@ def requantized(quantize, source, out, *options, threads=None):
 
 
 def stream_reader(vendor):
-    """vendor/roofline/stream_read, built from bench/stream_read.c (and clock.h) when missing or older
-    than either."""
-    source = ROOT / "bench" / "stream_read.c"
+    """vendor/roofline/stream_read, built from bench/stream_read.c on every run (a second of gcc):
+    a binary left there by another command, say one without -march=native (SSE2 loads, about a
+    tenth slower), would otherwise stand in for the roofline as long as it is newer than the source."""
     binary = vendor / "roofline" / "stream_read"
-    newest = max(path.stat().st_mtime for path in (source, ROOT / "bench" / "clock.h"))
-    if not binary.is_file() or binary.stat().st_mtime < newest:
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        run([os.environ.get("CC", "gcc"), "-O2", "-march=native", "-pthread", source, "-o", binary])
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    run([os.environ.get("CC", "gcc"), "-O2", "-march=native", "-pthread", ROOT / "bench" / "stream_read.c", "-o", binary])
     return binary
 
 
