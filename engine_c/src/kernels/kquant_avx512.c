@@ -25,6 +25,7 @@ KR_INLINE vec v_load(const char *p, size_t stride) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
                               _mm256_loadu_si256((const __m256i *)(p + stride)), 1);
 }
+KR_INLINE vec v_and_load(const char *p, size_t stride, vec mask) { return _mm512_and_si512(v_load(p, stride), mask); }
 KR_INLINE vec v_join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
 KR_INLINE vecf vf_half(const char *p, size_t stride) {  // 8 f16 of each group
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),

@@ -5,7 +5,7 @@
 //   KR_INLINE, ROWS (8 or 16), the types vec (integer lanes) and vecf (float lanes), V(name) and
 //   V_SI(name) (the width's intrinsic: V(add_epi32) is _mm256_add_epi32 or _mm512_add_epi32,
 //   V_SI(and) _mm256_and_si256 or _mm512_and_si512), the operations whose code differs by more
-//   than the width (v_load, v_join, vf_half), part_add / part_flush / scale_vector (the integer
+//   than the width (v_load, v_and_load, v_join, vf_half), part_add / part_flush / scale_vector (the integer
 //   sums of one sub-block), Q5_FLUSH / Q6_FLUSH (steps between flushes) and KR_KQUANT_TOKENS
 //   (tokens per tile),
 // and gets the matmuls kr_matmul_kquant_avx2 (file layout) and kr_matmul_packed_kquant_avx2
@@ -132,8 +132,9 @@ KR_INLINE void chunk_q45_K(const int is_q5, const int T, const int c, const char
     for (int t = 0; t < T; t++) part_low[t] = part_high[t] = v_zero();
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) {
-        const vec chunk = v_load(group + kr_q45_K_qs_at(is_q5, c, i), stride);
-        vec low = v_and(chunk, low4), high = in_place ? v_and(chunk, high4) : v_and(v_srli16(chunk, 4), low4);
+        const char *chunk = group + kr_q45_K_qs_at(is_q5, c, i);
+        vec low = v_and_load(chunk, stride, low4);  // loaded once more below, from L1
+        vec high = in_place ? v_and_load(chunk, stride, high4) : v_and(v_srli16(v_load(chunk, stride), 4), low4);
         if (is_q5) {  // bit 2c of qh is the fifth bit of the low nibble's weight, bit 2c + 1 the high one's
             const vec bits = v_load(group + kr_q5_K_qh_at(i), stride), five = v_bytes(0x10);
             low = v_or(low, v_and(shift_bits(bits, 4 - 2 * c), five));
@@ -194,7 +195,7 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, co
                                const char *next) {
     const char *scales = group + 16, *scales2 = group + (GROUPS == 2 ? stride : 0) + 16;
     prefetch_group(next, stride, Q6_K_GROUP);
-    const vec low4 = v_bytes(0x0f), top2 = v_bytes(0x30);
+    const vec low4 = v_bytes(0x0f);
     vec isum[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
@@ -223,11 +224,20 @@ KR_INLINE void superblock_q6_K(const int T, const char *group, size_t stride, co
 #pragma GCC unroll 4
                 for (int step = 0; step < 4; step++) {
                     const int i = 4 * half + step;
-                    const vec ql = v_load(group + kr_q6_K_ql_at(16 * h + 8 * q + i), stride);
-                    const vec qh = v_load(group + kr_q6_K_qh_at(8 * h + i), stride);
+                    const char *ql = group + kr_q6_K_ql_at(16 * h + 8 * q + i), *qh = group + kr_q6_K_qh_at(8 * h + i);
                     // bits 2q..2q+1 of qh are the top of the low nibble's weight, bits 4+2q..5+2q the high one's
-                    const vec low = v_or(v_and(ql, low4), v_and(shift_bits(qh, 4 - 2 * q), top2));
-                    const vec high = v_or(v_and(v_srli16(ql, 4), low4), v_and(shift_bits(qh, -2 * q), top2));
+#ifdef KQ_INDEXED_LOADS
+                    // each loaded through v_and_load: masked where it lies, then shifted into bits 4..5 (the
+                    // bits kept stay inside their byte, so the 16-bit shifts move nothing across bytes)
+                    const vec low = v_or(v_and_load(ql, stride, low4),
+                                         v_slli16(v_and_load(qh, stride, v_bytes((char)(3 << 2 * q))), 4 - 2 * q));
+                    const vec high = v_or(v_srli16(v_and_load(ql, stride, v_bytes((char)0xf0)), 4),
+                                          v_srli16(v_and_load(qh, stride, v_bytes((char)(0x30 << 2 * q))), 2 * q));
+#else
+                    const vec lows = v_load(ql, stride), highs = v_load(qh, stride), top2 = v_bytes(0x30);
+                    const vec low = v_or(v_and(lows, low4), v_and(shift_bits(highs, 4 - 2 * q), top2));
+                    const vec high = v_or(v_and(v_srli16(lows, 4), low4), v_and(shift_bits(highs, -2 * q), top2));
+#endif
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) {
                         part_low[t] = part_add(part_low[t], low, broadcast4(a[t]->q + 128 * h + 32 * q + 4 * i));

@@ -12,6 +12,7 @@
 
 #define KR_INLINE static inline __attribute__((always_inline))
 
+#define KQ_INDEXED_LOADS 1  // the weights through base+index loads (kquant_width256.h, v_and_load)
 #include "kernels/kquant_width256.h"
 KR_INLINE vec part_add(vec part, vec u, vec s) { return _mm256_dpbusd_epi32(part, u, s); }
 KR_INLINE vec part_flush(vec isum, vec part, vec scale) { return _mm256_add_epi32(isum, _mm256_mullo_epi32(part, scale)); }
