@@ -14,20 +14,12 @@ typedef __m256 vecf;
 #define V_SI(name) _mm256_##name##_si256
 KR_INLINE vec v_load(const char *p, size_t stride) { return _mm256_loadu_si256((const __m256i *)p); }
 // The 32 bytes at p ANDed with mask. A file that defines KQ_INDEXED_LOADS (kquant_vnni256.c, the
-// avx512 build's one-token tiles) gets it as one `vpand (base,index)` whose index register holds 0,
-// where the compiler would address the weights through a pointer it steps (`vpand (ptr)`): on the
-// Intel host of 7 Dec that made one-token q4_K and q6_K matrices stream 3-13% faster from memory and
-// Qwen2.5-Coder-1.5B generate 3-4% faster (docs/kernels.md, "Indexed loads in the one-token
-// tiles"). Only the address form differs: the same bytes, the same AND. AVX2's tiles (more
-// instructions per byte, int16 sums) lost 1-3% with it and leave the form to the compiler.
+// avx512 build's one-token tiles) gets it as indexed_load.h's `vpand (base,index)`: Qwen2.5-Coder-1.5B
+// generated 3-4% faster with it there. AVX2's tiles (int16 sums, more instructions per byte) lost
+// 1-3% with it and leave the address form to the compiler.
 #ifdef KQ_INDEXED_LOADS
-KR_INLINE vec v_and_load(const char *p, size_t stride, vec mask) {
-    size_t index;
-    __asm__("xor %k0, %k0" : "=r"(index));
-    vec out;
-    __asm__("vpand (%1,%2), %3, %0" : "=x"(out) : "r"(p), "r"(index), "x"(mask), "m"(*(const char(*)[32])p));
-    return out;
-}
+#include "kernels/indexed_load.h"
+KR_INLINE vec v_and_load(const char *p, size_t stride, vec mask) { return kr_and_load_indexed(p, mask); }
 #else
 KR_INLINE vec v_and_load(const char *p, size_t stride, vec mask) { return _mm256_and_si256(v_load(p, stride), mask); }
 #endif

@@ -12,6 +12,7 @@
 #include "krafla.h"
 
 #if defined(KR_HAVE_AVX2)
+#include "kernels/indexed_load.h"
 #include "kernels/tiles_avx2.h"
 
 // ---------------------------------------------------------------------------------------------
@@ -174,10 +175,21 @@ KR_INLINE void prefetch_block(const int32_t type, const int T, const char *at, s
 KR_INLINE __m256i packed_quants(const int32_t type, const char *group_block, const int i, const int high) {
     const size_t fifth_at = kr_legacy_packed_fifth(type), nibbles_at = kr_legacy_packed_nibbles(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+#if defined(KR_HAVE_AVX512)
+    // the avx512 build's one-token tiles: the nibbles masked as they are loaded (indexed_load.h),
+    // the high ones then shifted down (a 16-bit shift of bytes masked to their high nibble moves
+    // nothing across bytes)
+    const char *at = group_block + nibbles_at + 32 * i;
+    const __m256i chunk = high ? _mm256_srli_epi16(kr_and_load_indexed(at, _mm256_set1_epi8((char)0xf0)), 4)
+                               : kr_and_load_indexed(at, low4);
+    if (kr_legacy_grid_type(type)) return _mm256_shuffle_epi8(grid_lanes(type), chunk);
+    if (!kr_legacy_has_fifth(type)) return chunk;
+#else
     __m256i chunk = _mm256_loadu_si256((const __m256i *)(group_block + nibbles_at + 32 * i));
     if (high) chunk = _mm256_srli_epi16(chunk, 4);
     if (kr_legacy_grid_type(type)) return _mm256_shuffle_epi8(grid_lanes(type), _mm256_and_si256(chunk, low4));
     if (!kr_legacy_has_fifth(type)) return _mm256_and_si256(chunk, low4);
+#endif
     const __m256i bits = _mm256_loadu_si256((const __m256i *)(group_block + fifth_at));
     const int p = 4 * high + i;  // bit p of each byte -> bit 4
     const __m256i moved = p < 4 ? _mm256_slli_epi16(bits, 4 - p) : p > 4 ? _mm256_srli_epi16(bits, p - 4) : bits;
