@@ -1,0 +1,180 @@
+// stream_tile.c: how fast one core streams memory while it computes on what it reads as a one-token
+// q4_K tile does, against the bare read of the same buffer in the same run: the ceiling of a
+// generation step's share of the read roofline (docs/kernels.md, "The read roofline's loop").
+// Each loop reads 1 GiB on huge pages (as krafla's packed weights) in "super-blocks" of 1024 bytes
+// of 4-bit quants, as 4 chunk groups of 8 steps of 32 bytes, and gives the best of PASSES passes:
+//   read          `vpxor (base,index)` of every 32 bytes into four accumulators (stream_read's
+//                 faster loop)
+//   and           each 32 bytes loaded, ANDed with two masks, both XORed into sums
+//   vnni          a q4_K tile's integer work without its scales: low and high nibbles by AND, two
+//                 VNNI products with 4 activation bytes broadcast from L1, the 8 steps' sums
+//                 multiplied into a total per chunk group (kquant_tile.h's chunk_q45_K)
+//   vnni-indexed  the same with each AND a `vpand (base,index)` (kquant_width256.h, v_and_load)
+//   vnni-512      64-byte steps with 512-bit VNNI and 8 activation bytes broadcast per step
+//                 (a packed layout krafla does not have: each row's chunks in 8-byte pairs)
+// The sums are not a matmul's; the loops only do its kind and amount of work per byte. Built and
+// run by hand, on a machine with AVX-512 VNNI:
+//     gcc -O2 -march=native bench/stream_tile.c -o stream_tile && ./stream_tile [ROUNDS]
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "clock.h"
+
+#if defined(__x86_64__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define PASSES 4
+#define SUPER_BLOCK 1024
+
+static int8_t activations[256] __attribute__((aligned(64)));
+
+static __m256i read_indexed(const uint8_t *w, size_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    size_t at = 0;
+    __asm__ volatile(
+        "1:\n\t"
+        "vpxor (%[w],%[at]), %[a], %[a]\n\t"
+        "vpxor 32(%[w],%[at]), %[b], %[b]\n\t"
+        "vpxor 64(%[w],%[at]), %[c], %[c]\n\t"
+        "vpxor 96(%[w],%[at]), %[d], %[d]\n\t"
+        "add $128, %[at]\n\t"
+        "cmp %[n], %[at]\n\t"
+        "jb 1b"
+        : [at] "+r"(at), [a] "+x"(a), [b] "+x"(b), [c] "+x"(c), [d] "+x"(d)
+        : [w] "r"(w), [n] "r"(n)
+        : "cc", "memory");
+    return _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+}
+
+static __m256i and_xor(const uint8_t *w, size_t n) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
+    __m256i total = _mm256_setzero_si256();
+    for (size_t b = 0; b < n; b += SUPER_BLOCK)
+        for (int c = 0; c < 4; c++) {
+            __m256i low = _mm256_setzero_si256(), high = low;
+            for (int i = 0; i < 8; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(w + b + 256 * c + 32 * i));
+                low = _mm256_xor_si256(low, _mm256_and_si256(x, low4));
+                high = _mm256_xor_si256(high, _mm256_and_si256(x, high4));
+            }
+            total = _mm256_add_epi32(total, _mm256_add_epi32(low, high));
+        }
+    return total;
+}
+
+// One chunk group's 8 steps of low and high nibbles into a total, as chunk_q45_K's flush.
+#define FLUSH(total, low, high, low4, high4) \
+    _mm256_add_epi32(total, _mm256_add_epi32(_mm256_mullo_epi32(low, low4), _mm256_mullo_epi32(_mm256_srai_epi32(high, 4), high4)))
+
+static inline __m256i broadcast4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static __m256i vnni(const uint8_t *w, size_t n) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
+    __m256i total = _mm256_setzero_si256();
+    for (size_t b = 0; b < n; b += SUPER_BLOCK)
+        for (int c = 0; c < 4; c++) {
+            __m256i low = _mm256_setzero_si256(), high = low;
+            for (int i = 0; i < 8; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(w + b + 256 * c + 32 * i));
+                low = _mm256_dpbusd_epi32(low, _mm256_and_si256(x, low4), broadcast4(activations + 64 * c + 4 * i));
+                high = _mm256_dpbusd_epi32(high, _mm256_and_si256(x, high4), broadcast4(activations + 64 * c + 32 + 4 * i));
+            }
+            total = FLUSH(total, low, high, low4, high4);
+        }
+    return total;
+}
+
+static inline __m256i and_indexed(const uint8_t *w, size_t at, __m256i mask) {
+    __m256i out;
+    __asm__("vpand (%1,%2), %3, %0" : "=x"(out) : "r"(w), "r"(at), "x"(mask), "m"(*(const char(*)[32])(w + at)));
+    return out;
+}
+
+static __m256i vnni_indexed(const uint8_t *w, size_t n) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
+    __m256i total = _mm256_setzero_si256();
+    for (size_t b = 0; b < n; b += SUPER_BLOCK)
+        for (int c = 0; c < 4; c++) {
+            __m256i low = _mm256_setzero_si256(), high = low;
+            for (int i = 0; i < 8; i++) {
+                const size_t at = b + 256 * c + 32 * i;
+                low = _mm256_dpbusd_epi32(low, and_indexed(w, at, low4), broadcast4(activations + 64 * c + 4 * i));
+                high = _mm256_dpbusd_epi32(high, and_indexed(w, at, high4), broadcast4(activations + 64 * c + 32 + 4 * i));
+            }
+            total = FLUSH(total, low, high, low4, high4);
+        }
+    return total;
+}
+
+static __m256i vnni_512(const uint8_t *w, size_t n) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
+    __m512i total = _mm512_setzero_si512();
+    for (size_t b = 0; b < n; b += SUPER_BLOCK)
+        for (int c = 0; c < 4; c++) {
+            __m512i low = _mm512_setzero_si512(), high = low;
+            for (int i = 0; i < 4; i++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(w + b + 256 * c + 64 * i));
+                int64_t a_low, a_high;
+                memcpy(&a_low, activations + 64 * c + 8 * i, 8);
+                memcpy(&a_high, activations + 64 * c + 32 + 8 * i, 8);
+                low = _mm512_dpbusd_epi32(low, _mm512_and_si512(x, low4), _mm512_set1_epi64(a_low));
+                high = _mm512_dpbusd_epi32(high, _mm512_and_si512(x, high4), _mm512_set1_epi64(a_high));
+            }
+            total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(low, low4),
+                                                             _mm512_mullo_epi32(_mm512_srai_epi32(high, 4), high4)));
+        }
+    return _mm512_castsi512_si256(_mm512_xor_si512(total, _mm512_shuffle_i64x2(total, total, 0x4e)));
+}
+
+typedef __m256i loop_fn(const uint8_t *w, size_t n);
+static const struct {
+    const char *name;
+    loop_fn *run;
+} LOOPS[] = {{"read", read_indexed}, {"and", and_xor}, {"vnni", vnni}, {"vnni-indexed", vnni_indexed}, {"vnni-512", vnni_512}};
+#define N_LOOPS (int)(sizeof(LOOPS) / sizeof(LOOPS[0]))
+
+int main(int argc, char **argv) {
+    const int rounds = argc > 1 ? atoi(argv[1]) : 2;
+    const size_t bytes = (size_t)1 << 30, huge_page = (size_t)2 << 20;
+    uint8_t *buffer = aligned_alloc(huge_page, bytes);
+    if (!buffer || rounds < 1) {
+        fprintf(stderr, buffer ? "usage: %s [ROUNDS >= 1]\n" : "%s: cannot allocate 1 GiB\n", argv[0]);
+        return buffer ? 2 : 1;
+    }
+    madvise(buffer, bytes, MADV_HUGEPAGE);
+    for (size_t i = 0; i < bytes; i++) buffer[i] = (uint8_t)(i * 2654435761u >> 24);
+    for (int i = 0; i < 256; i++) activations[i] = (int8_t)(i * 7);
+    uint32_t check = 0;
+    for (int round = 0; round < rounds; round++) {
+        printf("round %d:", round + 1);
+        for (int l = 0; l < N_LOOPS; l++) {
+            double best = 1e30;
+            for (int pass = 0; pass < PASSES; pass++) {
+                const double start = now();
+                check ^= (uint32_t)_mm256_extract_epi32(LOOPS[l].run(buffer, bytes), 0);
+                const double seconds = now() - start;
+                if (seconds < best) best = seconds;
+            }
+            printf("  %s %.2f GB/s", LOOPS[l].name, (double)bytes / best / 1e9);
+            fflush(stdout);
+        }
+        printf("\n");
+    }
+    printf("(check %u)\n", check & 1);
+    free(buffer);
+    return 0;
+}
+#else
+int main(void) {
+    fprintf(stderr, "stream_tile: needs x86-64 with AVX-512 VNNI (build with -march=native on such a CPU)\n");
+    return 1;
+}
+#endif
