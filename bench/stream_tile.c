@@ -9,7 +9,8 @@
 //   vnni          a q4_K tile's integer work without its scales: low and high nibbles by AND, two
 //                 VNNI products with 4 activation bytes broadcast from L1, the 8 steps' sums
 //                 multiplied into a total per chunk group (kquant_tile.h's chunk_q45_K)
-//   vnni-indexed  the same with each AND a `vpand (base,index)` (kquant_width256.h, v_and_load)
+//   vnni-indexed  the same with each AND a `vpand (base,index)` (indexed_load.h, as the avx512
+//                 build's one-token tiles load their weights)
 //   vnni-512      64-byte steps with 512-bit VNNI and 8 activation bytes broadcast per step
 //                 (a packed layout krafla does not have: each row's chunks in 8-byte pairs)
 // The sums are not a matmul's; the loops only do its kind and amount of work per byte. Built and
@@ -50,46 +51,10 @@ static __m256i read_indexed(const uint8_t *w, size_t n) {
     return _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
 }
 
-static __m256i and_xor(const uint8_t *w, size_t n) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
-    __m256i total = _mm256_setzero_si256();
-    for (size_t b = 0; b < n; b += SUPER_BLOCK)
-        for (int c = 0; c < 4; c++) {
-            __m256i low = _mm256_setzero_si256(), high = low;
-            for (int i = 0; i < 8; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(w + b + 256 * c + 32 * i));
-                low = _mm256_xor_si256(low, _mm256_and_si256(x, low4));
-                high = _mm256_xor_si256(high, _mm256_and_si256(x, high4));
-            }
-            total = _mm256_add_epi32(total, _mm256_add_epi32(low, high));
-        }
-    return total;
-}
-
-// One chunk group's 8 steps of low and high nibbles into a total, as chunk_q45_K's flush.
-#define FLUSH(total, low, high, low4, high4) \
-    _mm256_add_epi32(total, _mm256_add_epi32(_mm256_mullo_epi32(low, low4), _mm256_mullo_epi32(_mm256_srai_epi32(high, 4), high4)))
-
 static inline __m256i broadcast4(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, 4);
     return _mm256_set1_epi32(v);
-}
-
-static __m256i vnni(const uint8_t *w, size_t n) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
-    __m256i total = _mm256_setzero_si256();
-    for (size_t b = 0; b < n; b += SUPER_BLOCK)
-        for (int c = 0; c < 4; c++) {
-            __m256i low = _mm256_setzero_si256(), high = low;
-            for (int i = 0; i < 8; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(w + b + 256 * c + 32 * i));
-                low = _mm256_dpbusd_epi32(low, _mm256_and_si256(x, low4), broadcast4(activations + 64 * c + 4 * i));
-                high = _mm256_dpbusd_epi32(high, _mm256_and_si256(x, high4), broadcast4(activations + 64 * c + 32 + 4 * i));
-            }
-            total = FLUSH(total, low, high, low4, high4);
-        }
-    return total;
 }
 
 static inline __m256i and_indexed(const uint8_t *w, size_t at, __m256i mask) {
@@ -98,7 +63,14 @@ static inline __m256i and_indexed(const uint8_t *w, size_t at, __m256i mask) {
     return out;
 }
 
-static __m256i vnni_indexed(const uint8_t *w, size_t n) {
+// The 32 bytes at w + at ANDed with mask: through the compiler's addresses, or `vpand (base,index)`.
+static inline __attribute__((always_inline)) __m256i and_load(const uint8_t *w, size_t at, __m256i mask, const int indexed) {
+    return indexed ? and_indexed(w, at, mask) : _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + at)), mask);
+}
+
+// Every 32 bytes ANDed with the two nibble masks, then (products) multiplied as VNNI does, or
+// (no products) only XORed into the sums.
+static inline __attribute__((always_inline)) __m256i steps(const uint8_t *w, size_t n, const int products, const int indexed) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8((char)0xf0);
     __m256i total = _mm256_setzero_si256();
     for (size_t b = 0; b < n; b += SUPER_BLOCK)
@@ -106,13 +78,25 @@ static __m256i vnni_indexed(const uint8_t *w, size_t n) {
             __m256i low = _mm256_setzero_si256(), high = low;
             for (int i = 0; i < 8; i++) {
                 const size_t at = b + 256 * c + 32 * i;
-                low = _mm256_dpbusd_epi32(low, and_indexed(w, at, low4), broadcast4(activations + 64 * c + 4 * i));
-                high = _mm256_dpbusd_epi32(high, and_indexed(w, at, high4), broadcast4(activations + 64 * c + 32 + 4 * i));
+                const __m256i x_low = and_load(w, at, low4, indexed), x_high = and_load(w, at, high4, indexed);
+                if (products) {
+                    low = _mm256_dpbusd_epi32(low, x_low, broadcast4(activations + 64 * c + 4 * i));
+                    high = _mm256_dpbusd_epi32(high, x_high, broadcast4(activations + 64 * c + 32 + 4 * i));
+                } else {
+                    low = _mm256_xor_si256(low, x_low);
+                    high = _mm256_xor_si256(high, x_high);
+                }
             }
-            total = FLUSH(total, low, high, low4, high4);
+            total = products ? _mm256_add_epi32(total, _mm256_add_epi32(_mm256_mullo_epi32(low, low4),
+                                                                        _mm256_mullo_epi32(_mm256_srai_epi32(high, 4), high4)))
+                             : _mm256_add_epi32(total, _mm256_add_epi32(low, high));
         }
     return total;
 }
+
+static __m256i and_xor(const uint8_t *w, size_t n) { return steps(w, n, 0, 0); }
+static __m256i vnni(const uint8_t *w, size_t n) { return steps(w, n, 1, 0); }
+static __m256i vnni_indexed(const uint8_t *w, size_t n) { return steps(w, n, 1, 1); }
 
 static __m256i vnni_512(const uint8_t *w, size_t n) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
