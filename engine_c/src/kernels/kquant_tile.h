@@ -5,9 +5,10 @@
 //   KR_INLINE, ROWS (8 or 16), the types vec (integer lanes) and vecf (float lanes), V(name) and
 //   V_SI(name) (the width's intrinsic: V(add_epi32) is _mm256_add_epi32 or _mm512_add_epi32,
 //   V_SI(and) _mm256_and_si256 or _mm512_and_si512), the operations whose code differs by more
-//   than the width (v_load, v_and_load, v_join, vf_half), part_add / part_flush / scale_vector (the integer
-//   sums of one sub-block), Q5_FLUSH / Q6_FLUSH (steps between flushes) and KR_KQUANT_TOKENS
-//   (tokens per tile),
+//   than the width (v_load, v_and_load, v_join, vf_half), part_add / part_flush / scale_vector
+//   (the integer sums of one sub-block), Q5_FLUSH / Q6_FLUSH (steps between flushes) and
+//   KR_KQUANT_TOKENS (tokens per tile), and KQ_INDEXED_LOADS where v_and_load is an indexed load
+//   (kquant_width256.h), so that q6_K takes all its loads through it,
 // and gets the matmuls kr_matmul_kquant_avx2 (file layout) and kr_matmul_packed_kquant_avx2
 // (packed) of kernels.h: an ISA=avx2 build takes them from kquant_avx2.c, an ISA=avx512 build from
 // kquant_avx512.c. A file may name them otherwise with KQ_NAME (kquant_vnni256.c's _vnni256), and
