@@ -11,7 +11,7 @@
 //
 // The same read has two loops on x86-64 with AVX2, run in turns, and the roofline is the faster:
 // the compiler's (a pointer that steps through the slice: `vpxor (ptr)`) and one in assembly whose
-// loads are all `vpxor (base,index)`. The loads, the xors and the bytes are the same, but on the
+// loads are all `vpxor (base,index)` (indexed_read.h). The loads, the xors and the bytes are the same, but on the
 // Intel Xeon of 7 Dec the indexed form streamed 17-18 GB/s at one thread and 33-35 at two, where the
 // compiler's read 14-15 and 28-29 (docs/kernels.md, "The read roofline's loop"). Both figures are
 // in the output, with the faster as gb_per_s.
@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #if defined(__x86_64__) && defined(__AVX2__)
-#include <immintrin.h>
+#include "indexed_read.h"
 #define HAVE_INDEXED_LOOP 1
 #else
 #define HAVE_INDEXED_LOOP 0
@@ -96,31 +96,11 @@ READ_SLICES(read_narrow, words, lanes)
 READ_SLICES(read_wide, wide_words, wide_lanes)
 
 #if HAVE_INDEXED_LOOP
-// The slice's whole 256-byte steps as eight `vpxor (base,index)` a step into four accumulators; the
-// tail of fewer than 256 bytes as the compiler's loop reads it.
+// The slice's whole 256-byte steps as indexed_read.h reads them; the tail of fewer than 256 bytes as
+// the compiler's loop reads it.
 static void read_indexed(slice *s) {
     const size_t steps = s->bytes & ~(size_t)255;
-    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-    if (steps) {
-        size_t at = 0;
-        __asm__ volatile(
-            "1:\n\t"
-            "vpxor (%[base],%[at]), %[a], %[a]\n\t"
-            "vpxor 32(%[base],%[at]), %[b], %[b]\n\t"
-            "vpxor 64(%[base],%[at]), %[c], %[c]\n\t"
-            "vpxor 96(%[base],%[at]), %[d], %[d]\n\t"
-            "vpxor 128(%[base],%[at]), %[a], %[a]\n\t"
-            "vpxor 160(%[base],%[at]), %[b], %[b]\n\t"
-            "vpxor 192(%[base],%[at]), %[c], %[c]\n\t"
-            "vpxor 224(%[base],%[at]), %[d], %[d]\n\t"
-            "add $256, %[at]\n\t"
-            "cmp %[steps], %[at]\n\t"
-            "jb 1b"
-            : [at] "+r"(at), [a] "+x"(a), [b] "+x"(b), [c] "+x"(c), [d] "+x"(d)
-            : [base] "r"(s->start), [steps] "r"(steps)
-            : "cc", "memory");
-    }
-    const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    const __m256i all = indexed_read(s->start, steps);
     slice tail = {s->start + steps, s->bytes - steps, 0, 0, 0, 0};
     read_narrow(&tail);
     s->folded = tail.folded ^ (uint64_t)_mm256_extract_epi64(all, 0) ^ (uint64_t)_mm256_extract_epi64(all, 1) ^

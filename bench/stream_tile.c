@@ -3,19 +3,19 @@
 // generation step's share of the read roofline (docs/kernels.md, "The read roofline's loop").
 // Each loop reads 1 GiB on huge pages (as krafla's packed weights) in "super-blocks" of 1024 bytes
 // of 4-bit quants, as 4 chunk groups of 8 steps of 32 bytes, and gives the best of PASSES passes:
-//   read          `vpxor (base,index)` of every 32 bytes into four accumulators (stream_read's
-//                 faster loop)
+//   read          `vpxor (base,index)` of every 32 bytes into four accumulators (indexed_read.h,
+//                 stream_read's faster loop)
 //   and           each 32 bytes loaded, ANDed with two masks, both XORed into sums
 //   vnni          a q4_K tile's integer work without its scales: low and high nibbles by AND, two
 //                 VNNI products with 4 activation bytes broadcast from L1, the 8 steps' sums
 //                 multiplied into a total per chunk group (kquant_tile.h's chunk_q45_K)
-//   vnni-indexed  the same with each AND a `vpand (base,index)` (indexed_load.h, as the avx512
-//                 build's one-token tiles load their weights)
+//   vnni-indexed  the same with each AND a `vpand (base,index)` (the engine's indexed_load.h, as
+//                 the avx512 build's one-token tiles load their weights)
 //   vnni-512      64-byte steps with 512-bit VNNI and 8 activation bytes broadcast per step
 //                 (a packed layout krafla does not have: each row's chunks in 8-byte pairs)
 // The sums are not a matmul's; the loops only do its kind and amount of work per byte. Built and
 // run by hand, on a machine with AVX-512 VNNI:
-//     gcc -O2 -march=native bench/stream_tile.c -o stream_tile && ./stream_tile [ROUNDS]
+//     gcc -O2 -march=native -Iengine_c/src bench/stream_tile.c -o stream_tile && ./stream_tile [ROUNDS]
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -28,28 +28,15 @@
 #if defined(__x86_64__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
+#include "indexed_read.h"
+#include "kernels/indexed_load.h"
+
 #define PASSES 4
 #define SUPER_BLOCK 1024
 
 static int8_t activations[256] __attribute__((aligned(64)));
 
-static __m256i read_indexed(const uint8_t *w, size_t n) {
-    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-    size_t at = 0;
-    __asm__ volatile(
-        "1:\n\t"
-        "vpxor (%[w],%[at]), %[a], %[a]\n\t"
-        "vpxor 32(%[w],%[at]), %[b], %[b]\n\t"
-        "vpxor 64(%[w],%[at]), %[c], %[c]\n\t"
-        "vpxor 96(%[w],%[at]), %[d], %[d]\n\t"
-        "add $128, %[at]\n\t"
-        "cmp %[n], %[at]\n\t"
-        "jb 1b"
-        : [at] "+r"(at), [a] "+x"(a), [b] "+x"(b), [c] "+x"(c), [d] "+x"(d)
-        : [w] "r"(w), [n] "r"(n)
-        : "cc", "memory");
-    return _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
-}
+static __m256i read_indexed(const uint8_t *w, size_t n) { return indexed_read(w, n); }
 
 static inline __m256i broadcast4(const int8_t *q) {
     int32_t v;
@@ -57,15 +44,11 @@ static inline __m256i broadcast4(const int8_t *q) {
     return _mm256_set1_epi32(v);
 }
 
-static inline __m256i and_indexed(const uint8_t *w, size_t at, __m256i mask) {
-    __m256i out;
-    __asm__("vpand (%1,%2), %3, %0" : "=x"(out) : "r"(w), "r"(at), "x"(mask), "m"(*(const char(*)[32])(w + at)));
-    return out;
-}
-
-// The 32 bytes at w + at ANDed with mask: through the compiler's addresses, or `vpand (base,index)`.
+// The 32 bytes at w + at ANDed with mask: through the compiler's addresses, or as the avx512 build's
+// one-token tiles load their weights (indexed_load.h).
 static inline __attribute__((always_inline)) __m256i and_load(const uint8_t *w, size_t at, __m256i mask, const int indexed) {
-    return indexed ? and_indexed(w, at, mask) : _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + at)), mask);
+    const char *p = (const char *)(w + at);
+    return indexed ? kr_and_load_indexed(p, mask) : _mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), mask);
 }
 
 // Every 32 bytes ANDed with the two nibble masks, then (products) multiplied as VNNI does, or
