@@ -13,6 +13,9 @@
 //                 the avx512 build's one-token tiles load their weights)
 //   vnni-512      64-byte steps with 512-bit VNNI and 8 activation bytes broadcast per step
 //                 (a packed layout krafla does not have: each row's chunks in 8-byte pairs)
+//   vnni-512-permute  the same 64-byte steps on krafla's layout, whose 64 bytes are two chunks of the
+//                 same 8 rows: each step's activations permuted (`vpermd`) from the chunk group's 64
+//                 bytes, chunk 2j's word in the low 8 lanes and chunk 2j + 1's in the high 8
 // The sums are not a matmul's; the loops only do its kind and amount of work per byte. Built and
 // run by hand, on a machine with AVX-512 VNNI:
 //     gcc -O2 -march=native -Iengine_c/src bench/stream_tile.c -o stream_tile && ./stream_tile [ROUNDS]
@@ -101,11 +104,33 @@ static __m256i vnni_512(const uint8_t *w, size_t n) {
     return _mm512_castsi512_si256(_mm512_xor_si512(total, _mm512_shuffle_i64x2(total, total, 0x4e)));
 }
 
+// Lanes 0-7 word `word` of a vector, lanes 8-15 word `word` + 1.
+static inline __m512i pair_words(const int word) { return _mm512_mask_set1_epi32(_mm512_set1_epi32(word), 0xff00, word + 1); }
+
+static __m256i vnni_512_permute(const uint8_t *w, size_t n) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
+    __m512i total = _mm512_setzero_si512();
+    for (size_t b = 0; b < n; b += SUPER_BLOCK)
+        for (int c = 0; c < 4; c++) {
+            const __m512i a = _mm512_load_si512((const void *)(activations + 64 * c));
+            __m512i low = _mm512_setzero_si512(), high = low;
+            for (int j = 0; j < 4; j++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(w + b + 256 * c + 64 * j));
+                low = _mm512_dpbusd_epi32(low, _mm512_and_si512(x, low4), _mm512_permutexvar_epi32(pair_words(2 * j), a));
+                high = _mm512_dpbusd_epi32(high, _mm512_and_si512(x, high4), _mm512_permutexvar_epi32(pair_words(8 + 2 * j), a));
+            }
+            total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(low, low4),
+                                                             _mm512_mullo_epi32(_mm512_srai_epi32(high, 4), high4)));
+        }
+    return _mm512_castsi512_si256(_mm512_xor_si512(total, _mm512_shuffle_i64x2(total, total, 0x4e)));
+}
+
 typedef __m256i loop_fn(const uint8_t *w, size_t n);
 static const struct {
     const char *name;
     loop_fn *run;
-} LOOPS[] = {{"read", read_indexed}, {"and", and_xor}, {"vnni", vnni}, {"vnni-indexed", vnni_indexed}, {"vnni-512", vnni_512}};
+} LOOPS[] = {{"read", read_indexed}, {"and", and_xor}, {"vnni", vnni}, {"vnni-indexed", vnni_indexed}, {"vnni-512", vnni_512},
+                {"vnni-512-permute", vnni_512_permute}};
 #define N_LOOPS (int)(sizeof(LOOPS) / sizeof(LOOPS[0]))
 
 int main(int argc, char **argv) {
