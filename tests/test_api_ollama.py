@@ -184,6 +184,17 @@ class OllamaModelsTests:
         assert entry.details.family == "llama" and entry.details.quantization_level == "Q4_0"
         assert entry.details.parameter_size.endswith("M") and abs(float(entry.details.parameter_size[:-1]) - 135) < 1
 
+    def test_quantization_level_is_the_file_type(self):
+        """A Q4_K_M file whose first matrix is q5_0 (Qwen2.5-0.5B's rows of 896 are too short for
+        super-blocks) is Q4_K_M, as Ollama says; a file converted before `file_type` was recorded
+        falls back to its first matrix's type."""
+        from types import SimpleNamespace
+
+        from krafla_twisted.api.ollama import quantization_level
+
+        assert quantization_level(SimpleNamespace(info={"file_type": "Q4_K_M"}, weight_type="q5_0")) == "Q4_K_M"
+        assert quantization_level(SimpleNamespace(info={}, weight_type="q5_0")) == "Q5_0"
+
     def test_show(self, client, smollm):
         """show: model_info with Ollama's GGUF key names (SmolLM2-135M: 30 layers, dim 576), the parameters, the template."""
         shown = client.show(NAME)

@@ -26,14 +26,14 @@ EXPECTED_METADATA = {
         n_kv_heads=3, head_dim=64, ffn_dim=1536, max_seq=8192, norm_eps=1e-5, rope_theta=100000.0,
         rope_theta_local=100000.0, rope_scale=1.0, rope_style="norm", rope_dims=64, activation="silu",
         tied_embeddings=1, embedding_scale=1.0, attn_scale=1 / 8, sliding_window=0, layer_types=[0] * 30,
-        attn_softcap=0.0, final_softcap=0.0),
+        attn_softcap=0.0, final_softcap=0.0, file_type="Q4_0"),
     "qwen2.5-coder-0.5b": dict(
         name="Qwen2.5-Coder-0.5B-Instruct", arch="qwen2", n_vocab=151936, dim=896, n_layers=24, n_heads=14,
         n_kv_heads=2, head_dim=64, ffn_dim=4864, max_seq=32768, norm_eps=1e-6, rope_theta=1000000.0,
         rope_theta_local=1000000.0, rope_scale=1.0, rope_style="neox", rope_dims=64, activation="silu",
         # Qwen2.5-0.5B ties its head in config.json, but this GGUF carries output.weight (Q8_0).
         tied_embeddings=0, embedding_scale=1.0, attn_scale=1 / 8, sliding_window=0, layer_types=[0] * 24,
-        attn_softcap=0.0, final_softcap=0.0),
+        attn_softcap=0.0, final_softcap=0.0, file_type="Q4_0"),
     "gemma3-270m": dict(
         name="gemma-3-270m", arch="gemma3", n_vocab=262144, dim=640, n_layers=18, n_heads=4, n_kv_heads=1,
         head_dim=256, ffn_dim=2048, max_seq=32768, norm_eps=1e-6, rope_theta=1000000.0,
@@ -42,7 +42,7 @@ EXPECTED_METADATA = {
         sliding_window=512,
         # config.json layer_types: five sliding_attention layers, then one full_attention, three times.
         layer_types=[1, 1, 1, 1, 1, 0] * 3,
-        attn_softcap=0.0, final_softcap=0.0),
+        attn_softcap=0.0, final_softcap=0.0, file_type="Q4_0"),
 }
 
 LAYER_TENSORS = {
@@ -442,6 +442,7 @@ class TinyConversionTests:
         mlb, mlt = convert_gguf(source, tmp_path / "tiny.mlb", tmp_path / "tiny.mlt", type_name, progress=False)
         model = formats.read(mlb)
         assert model.metadata["tied_embeddings"] == 1 and model.metadata["name"] == "tiny"
+        assert model.metadata["file_type"] == type_name.upper()
         embedding_type = "q8_0" if type_name == "q4_0" else type_name
         for name, wanted in (("blk.0.ffn_up.weight", type_name), ("token_embd.weight", embedding_type)):
             assert model.tensors[name].type.name == wanted
@@ -457,6 +458,15 @@ class TinyConversionTests:
             assert len(loaded.tensors) == len(model.tensors)
         with ContainerFile(str(mlt)) as loaded:
             assert loaded.magic == formats.TOKENIZER_MAGIC
+
+    @pytest.mark.parametrize("file_type, label", [(15, "Q4_K_M"), (0, "F32"), (7, "Q8_0"), (1024, None), (None, None)])
+    def test_file_type_of_a_kept_conversion(self, tmp_path, file_type, label):
+        """Without --type, `file_type` is the GGUF's general.file_type by llama.cpp's name (15 is
+        MOSTLY_Q4_K_M), and absent when the GGUF gives none or only "guessed" (1024)."""
+        kv = {} if file_type is None else {"general.file_type": file_type}
+        source = write_gguf(tmp_path / "kept.gguf", kv=kv)
+        model = formats.read(convert_gguf(source, tmp_path / "k.mlb", tmp_path / "k.mlt", progress=False)[0])
+        assert model.metadata.get("file_type") == label
 
     def test_separate_head_under_q4_0(self, tmp_path):
         """With output.weight present: embedding q4_0, head q8_0, tied_embeddings 0."""

@@ -418,7 +418,7 @@ def model_facts(api):
         "family": arch,
         "families": [arch] if arch else None,
         "parameter_size": parameter_size(n_params) if n_params else "",
-        "quantization_level": (getattr(model, "weight_type", "") or "").upper(),
+        "quantization_level": quantization_level(model),
     }
     return {
         "name": backend.model_id,
@@ -428,6 +428,14 @@ def model_facts(api):
         "digest": hashlib.sha256(identity).hexdigest(),
         "details": details,
     }
+
+
+def quantization_level(model):
+    """Ollama's `quantization_level`: the file type the model was converted as (its `file_type`
+    metadata, e.g. `Q4_K_M`, docs/formats.md), else, for a file converted before krafla recorded
+    it, the type of its first layer's first matrix."""
+    info = getattr(model, "info", None) or {}
+    return str(info.get("file_type") or getattr(model, "weight_type", "") or "").upper()
 
 
 def parameter_size(n_params):

@@ -250,6 +250,7 @@ def convert_bert(src, out_mlb, out_mlt, type_name="f16", progress=True, *, name=
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or str(config.get("_name_or_path") or "").split("/")[-1] or src.name
     model.metadata.update(metadata)
+    model.metadata["file_type"] = type_name.upper()
     for krafla, shape in expected.items():
         hf_name = mapped[krafla]
         tensor_type = (formats.F32 if krafla in _F32_ALWAYS
@@ -363,6 +364,9 @@ def convert_bert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, n
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or fields.get("general.name") or src.stem
     model.metadata.update(metadata)
+    file_type = gguf_convert.file_type_label(reader, type_name)
+    if file_type:
+        model.metadata["file_type"] = file_type
     for krafla, shape in expected.items():
         source_name, first_row = parts.get(krafla, (krafla, 0))
         tensor, file_shape = sources[source_name]

@@ -137,6 +137,25 @@ def output_names(src, type_name=None, directory=None, *, name=None):
     return folder / f"{stem}.mlb", folder / f"{stem}.mlt"
 
 
+def file_type_label(reader, type_name=None):
+    """What a converted file's matrices are, as llama.cpp names a file type (the `file_type` key of
+    docs/formats.md): the --type it was converted to (`Q4_0`), else the GGUF's `general.file_type`
+    (`Q4_K_M`: mostly q4_K with q6_K, and q5_0 or q8_0 where rows are too short for super-blocks),
+    or None when the GGUF does not say."""
+    import gguf
+
+    if type_name:
+        return type_name.upper()
+    field = reader.fields.get("general.file_type")
+    try:
+        name = gguf.LlamaFileType(int(field.contents())).name
+    except (AttributeError, TypeError, ValueError):  # absent, not an integer, or not a type llama.cpp names
+        return None
+    if name == "GUESSED":
+        return None
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 class _Fields:
     """Typed access to a GGUF file's key/value metadata, with errors naming the file."""
 
@@ -557,6 +576,9 @@ def convert_gguf(src, out_mlb, out_mlt, type_name=None, progress=True, *, name=N
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or model_base_name(out_mlb)
     model.metadata.update(metadata)
+    file_type = file_type_label(reader, type_name)
+    if file_type:
+        model.metadata["file_type"] = file_type
     if yarn is not None:  # gpt-oss's YaRN, as the Hugging Face converter writes it
         model.add(_ROPE_FREQS, formats.F32, yarn[0].shape, yarn[0])
 

@@ -627,6 +627,7 @@ def convert_hf(src, out_mlb, out_mlt, type_name="q4_0", progress=True, *, name=N
     model = formats.Container(formats.MODEL_MAGIC)
     model.metadata["name"] = name or str(config.get("_name_or_path") or "").split("/")[-1] or src.name
     model.metadata.update(metadata)
+    model.metadata["file_type"] = type_name.upper()
     tied = bool(metadata["tied_embeddings"])
     bar = None
     if progress:
