@@ -14,6 +14,7 @@ import re
 import shutil
 
 import httpx
+import numpy as np
 import pytest
 
 from krafla_twisted.cli import registry
@@ -252,11 +253,29 @@ def test_listings_and_metrics_name_every_model(server):
     chat(server, "smollm", QUESTIONS[0])
     tags = httpx.get(server.root_url("/api/tags")).json()["models"]
     assert [m["name"] for m in tags] == ["smollm", "coder", "embed", "broken", "gguf"]
+    details = {m["name"]: m["details"] for m in tags}
+    # loaded or not, a model's details are its file's: the tiny BERT was converted as f32
+    assert (details["embed"]["family"], details["embed"]["quantization_level"]) == ("bert", "F32")
+    assert details["smollm"]["family"] == "llama" and details["smollm"]["quantization_level"] == "Q4_0"
+    assert details["broken"]["family"] == "" and details["broken"]["quantization_level"] == ""
     assert "smollm" in [m["name"] for m in httpx.get(server.root_url("/api/ps")).json()["models"]]
     assert httpx.get(server.url("/models/small")).json()["id"] == "smollm"
     text = httpx.get(server.root_url("/metrics")).text
     assert re.search(r'krafla_requests_total\{endpoint="chat/completions",status="200",model="smollm"\} \d+', text)
     assert re.search(r'krafla_completion_tokens_total\{model="coder"\} \d+', text)
+
+
+def test_file_header_is_what_the_file_holds(files):
+    """registry.file_header, the details of a model not loaded: the file's arch and file_type and the
+    elements of all its tensors; nothing for a damaged header or a .gguf (read when converted)."""
+    from krafla_twisted.engine import formats
+
+    container = formats.read(files["embed"][0])
+    header = registry.file_header(str(files["embed"][0]))
+    n_elements = sum(int(np.prod(t.shape)) for t in container.tensors.values())
+    assert header == {"arch": "bert", "n_params": n_elements, "file_type": "F32"}
+    assert registry.file_header(str(files["broken"][0])) == {}
+    assert registry.file_header(str(files["gguf"][0])) == {}
 
 
 def test_memory_budget_is_never_passed(files, server, reference):

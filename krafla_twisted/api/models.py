@@ -37,7 +37,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.api.anthropic import AnthropicErrors
 from krafla_twisted.api.errors import APIError, NotFound
-from krafla_twisted.api.ollama import NEVER, OllamaErrors, model_facts, rfc3339
+from krafla_twisted.api.ollama import NEVER, OllamaErrors, model_facts, parameter_size, rfc3339
 from krafla_twisted.api.resources import API, APIResource, Endpoint, error_response, json_response
 from krafla_twisted.api.routes import build_root
 from krafla_twisted.api.site import REQUEST_DEADLINE_SECONDS
@@ -495,10 +495,14 @@ def _facts(entry):
     except OSError:
         size, mtime, stamp = 0, 0, 0
     identity = f"{entry.spec.path}\0{size}\0{stamp}".encode("utf-8", "replace")
+    header = getattr(entry.spec, "header", None) or {}  # cli/registry.file_header, read when the server started
+    arch, n_params = header.get("arch", ""), header.get("n_params", 0)
     return {"name": entry.name, "model": entry.name, "modified_at": rfc3339(mtime), "size": size,
             "digest": hashlib.sha256(identity).hexdigest(),
             "details": {"parent_model": "", "format": os.path.splitext(entry.spec.path)[1].lstrip("."),
-                        "family": "", "families": None, "parameter_size": "", "quantization_level": ""}}
+                        "family": arch, "families": [arch] if arch else None,
+                        "parameter_size": parameter_size(n_params) if n_params else "",
+                        "quantization_level": header.get("file_type", "")}}
 
 
 class OllamaTags(OllamaErrors, Endpoint):

@@ -42,6 +42,7 @@ class ModelSpec:
     embeddings: bool = False
     settings: dict = dataclasses.field(default_factory=dict)   # option name -> value, over the command line's
     estimate: int = 0   # resident bytes its first load is expected to take
+    header: dict = dataclasses.field(default_factory=dict)  # file_header(path): what its header says, for listings
 
     def config(self, base):
         """The option mapping that loads this model: `base` (the server's options) with this model's over
@@ -156,7 +157,7 @@ def _spec(item, index, folder, base, where):
         raise ModelsFileError(f"{label}: {e}") from None
     estimate = memory_estimate(path, 0 if embeddings else parallel, merged["ctx"], merged["kv"])
     return ModelSpec(name=name, path=path, tokenizer=tokenizer, aliases=tuple(aliases), embeddings=embeddings,
-                     settings=settings, estimate=estimate)
+                     settings=settings, estimate=estimate, header=file_header(path))
 
 
 def converted_files(gguf_path):
@@ -190,6 +191,27 @@ def is_encoder(path):
     except Exception:  # noqa: BLE001 - a damaged file is refused when it loads, with the loader's error
         return False
     return "pooling" in meta or str(meta.get("arch", "")).endswith("bert")
+
+
+def file_header(path):
+    """What a model file's header says of it, for Ollama's listings of models not loaded yet: `arch`,
+    `n_params` (the elements of its tensors, as the loader counts them) and `file_type` (docs/formats.md;
+    for a file converted before krafla recorded it, the type of blk.0.attn_q.weight). Empty for a .gguf
+    (read when it is converted, at its first load) and for a header that cannot be read."""
+    import math
+
+    from krafla_twisted.engine.container import ContainerFile
+
+    if path.endswith(".gguf"):
+        return {}
+    try:
+        with ContainerFile(path) as container:
+            meta, tensors = container.metadata, container.tensors
+    except Exception:  # noqa: BLE001 - a damaged file is refused when it loads, with the loader's error
+        return {}
+    first = next((type_name for name, type_name, _, _ in tensors if name == "blk.0.attn_q.weight"), "")
+    return {"arch": str(meta.get("arch", "")), "n_params": sum(math.prod(shape) for _, _, shape, _ in tensors),
+            "file_type": str(meta.get("file_type") or first).upper()}
 
 
 def memory_estimate(path, parallel, ctx, kv):
