@@ -369,3 +369,40 @@ class OllamaToolsTests:
                      "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": result}])
         assert answer.message.content == openai.choices[0].message.content
+
+
+# Qwen2.5-Coder's fill-in-the-middle format, as its model card gives it: the code before the gap, the
+# code after it, then the model writes the middle.
+FIM_PREFIX, FIM_SUFFIX = "def fibonacci(n):\n    ", "\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+QWEN_FIM = f"<|fim_prefix|>{FIM_PREFIX}<|fim_suffix|>{FIM_SUFFIX}<|fim_middle|>"
+
+
+class FillInTheMiddleTests:
+    """`suffix` on /api/generate (Ollama's insert, as code completion in editors sends it) and on /v1/completions."""
+
+    def test_suffix_is_the_model_cards_prompt(self, qwen_client, qwen_server):
+        """/api/generate with prompt and suffix gives the reply of a raw completion of Qwen2.5-Coder's own
+        fill-in-the-middle prompt (its special tokens spelled out and parsed by /tokenize), token for token; so
+        does /v1/completions with `suffix`, streamed or not."""
+        from openai import OpenAI
+
+        ids = [t for t in httpx2.post(qwen_server.root_url("/tokenize"), json={"content": QWEN_FIM},
+                                      timeout=60).json()["tokens"]]
+        assert ids[0] == 151659 and ids[-1] == 151660  # <|fim_prefix|> ... <|fim_middle|>
+        options = {"temperature": 0, "num_predict": 24}
+        reply = qwen_client.generate(model=QWEN, prompt=FIM_PREFIX, suffix=FIM_SUFFIX, options=options)
+        client = OpenAI(base_url=qwen_server.base_url, api_key="none", max_retries=0)
+        reference = client.completions.create(model="local", prompt=ids, max_tokens=24, temperature=0)
+        assert reply.response == reference.choices[0].text and reply.response.strip()
+        assert reply.prompt_eval_count == len(ids) == reference.usage.prompt_tokens
+        inserted = client.completions.create(model="local", prompt=FIM_PREFIX, suffix=FIM_SUFFIX, max_tokens=24,
+                                             temperature=0)
+        assert inserted.choices[0].text == reply.response
+        streamed = qwen_client.generate(model=QWEN, prompt=FIM_PREFIX, suffix=FIM_SUFFIX, options=options, stream=True)
+        assert "".join(chunk.response for chunk in streamed) == reply.response
+
+    def test_a_vocabulary_without_fill_in_the_middle_is_refused(self, client):
+        """SmolLM2's vocabulary has no fill-in-the-middle tokens: a 400 naming `suffix`, in Ollama's shape."""
+        with pytest.raises(ollama.ResponseError) as caught:
+            client.generate(model=NAME, prompt="def f():", suffix="\n    return 1\n")
+        assert caught.value.status_code == 400 and "fill-in-the-middle" in caught.value.error

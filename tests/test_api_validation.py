@@ -79,7 +79,7 @@ class ParseErrorTests(unittest.TestCase):
 
 
 class RefusalTests(unittest.TestCase):
-    """What the original refuses and still does: legacy functions, images, echo, suffix, best_of>1, n!=1; and
+    """What the original refuses and still does: legacy functions, images, echo, best_of>1, n!=1; and
     the new fields' bad values (top_logprobs without logprobs, logit_bias out of range, unknown response_format)."""
 
     def setUp(self):
@@ -128,13 +128,24 @@ class RefusalTests(unittest.TestCase):
             self.assertEqual(response.code, 200, path)
 
     def test_completion_refusals(self):
-        """echo, suffix, best_of above 1, logprobs above 5, n above 1 and several prompts are refused for completions."""
-        for extra, param in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),
+        """echo, best_of above 1, logprobs above 5, n above 1, several prompts, and a suffix that is not text or
+        follows token ids are refused for completions."""
+        for extra, param in (({"echo": True}, "echo"), ({"suffix": 5}, "suffix"), ({"prompt": [1, 2], "suffix": "end"}, "suffix"),
+                             ({"best_of": 2}, "best_of"),
                              ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"), ({"n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
             self.refused("/v1/completions", dict({"prompt": "hi"}, **extra), param)
         for harmless in ({"echo": False}, {"suffix": None}, {"best_of": 1}, {"logprobs": None}, {"prompt": ["one"]}):
             response, _ = self.harness.fetch("POST", "/v1/completions", dict({"prompt": "hi"}, **harmless))
             self.assertEqual(response.code, 200, harmless)
+
+    def test_suffix_reaches_the_backend(self):
+        """A text prompt with a suffix is a fill-in-the-middle request: the backend gets both texts (whether the
+        model can fill in is the backend's to say); an empty suffix is none."""
+        for suffix, expected in (("\n    return c\n", "\n    return c\n"), ("", None)):
+            response, _ = self.harness.fetch("POST", "/v1/completions", {"prompt": "def f(a, b):", "suffix": suffix})
+            self.assertEqual(response.code, 200, suffix)
+            completion = self.harness.backend.calls[-1]
+            self.assertEqual((completion.prompt_text, completion.suffix), ("def f(a, b):", expected))
 
     def test_stream_options_need_stream(self):
         """stream_options without stream is refused; include_usage must be a boolean."""

@@ -16,7 +16,7 @@ import dataclasses
 import os
 
 from krafla_twisted import __version__
-from krafla_twisted.api.errors import ContextTooLong, InvalidRequest
+from krafla_twisted.api.errors import ContextTooLong, InvalidRequest, Unsupported
 from krafla_twisted.chat import templates
 from krafla_twisted.generation import generate, grammar, tools
 from krafla_twisted.generation.scheduler import Pending, Scheduler
@@ -64,6 +64,9 @@ class Backend:
             leave_out = completion.tool_choice == "none" and getattr(self.tool_format, "constrains_text", False)
             return generate.build_prompt(self.runtime, messages=completion.messages, stop=completion.stop,
                                          tools=None if leave_out else completion.tools or None)
+        if completion.suffix is not None:  # fill in the middle
+            return generate.build_prompt(self.runtime, infill=(completion.prompt_text, completion.suffix),
+                                         stop=completion.stop)
         if completion.prompt_tokens is not None:
             return generate.build_prompt(self.runtime, tokens=completion.prompt_tokens, stop=completion.stop)
         return generate.build_prompt(self.runtime, text=completion.prompt_text, stop=completion.stop)
@@ -138,6 +141,8 @@ class Backend:
         except templates.ChatError as e:
             no_format = completion.kind == "chat" and completion.tools and self.tool_format is None
             raise InvalidRequest(str(e), param="tools" if no_format else param) from None
+        except generate.NoFillInTheMiddle as e:
+            raise Unsupported(f"'suffix' cannot be used: {e}", param="suffix") from None
         except ValueError as e:  # an empty prompt, a token id the engine refuses
             raise InvalidRequest(str(e), param=param) from None
         constraint, closes = self.constraint(completion)

@@ -212,10 +212,9 @@ def generate_request(body, backend):
     prompt (Ollama's way to load a model). `raw` (or a server without a chat template) continues
     the prompt as it is; otherwise `system` and `prompt` are a chat of one user message."""
     streamed = _common(body)
-    for name, what in (("template", "its own chat template"), ("suffix", "fill-in-the-middle")):
-        if _string(body, name):
-            raise Unsupported(f"'{name}': krafla does not take {what} in a request; the server's chat template "
-                              f"(--chat) renders every prompt", param=name)
+    if _string(body, "template"):
+        raise Unsupported("'template': krafla does not take its own chat template in a request; the server's chat "
+                          "template (--chat) renders every prompt", param="template")
     if body.get("images"):
         raise Unsupported("'images': krafla serves text models and reads no images; send text only", param="images")
     if body.get("context"):
@@ -226,6 +225,12 @@ def generate_request(body, backend):
     raw = body.get("raw")
     if raw is not None and not isinstance(raw, bool):
         raise InvalidRequest(f"'raw' must be a boolean, not {_type(raw)}", param="raw")
+    suffix = _string(body, "suffix")
+    if suffix:  # fill in the middle: the reply goes between the prompt and the suffix, with no chat around them
+        if system:
+            raise InvalidRequest("'system' cannot be used with 'suffix': a fill-in-the-middle prompt is the code "
+                                 "before and after the insertion only", param="system")
+        return _translated(parse_completion_request, {"prompt": prompt, "suffix": suffix}, body, backend), streamed
     if not prompt:
         return None, streamed
     if raw or not backend.has_chat:

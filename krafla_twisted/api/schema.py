@@ -41,6 +41,7 @@ class CompletionRequest:
     messages: tuple = ()
     prompt_text: str | None = None
     prompt_tokens: tuple | None = None
+    suffix: str | None = None           # fill in the middle: the reply goes between prompt_text and this
     max_tokens: int | None = None
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stop: tuple = ()
@@ -522,8 +523,7 @@ def parse_completion_request(body, n_vocab):
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest(f"'suffix' must be a string, not {json_type(suffix)}", param="suffix")
-    if suffix:
-        raise Unsupported("This server does not insert text ('suffix')", param="suffix")
+    suffix = check_text(suffix, "suffix") if suffix else None
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of > 1:
         raise Unsupported(f"'best_of' must be 1: this server makes one reply per request; got {best_of}", param="best_of")
@@ -533,11 +533,15 @@ def parse_completion_request(body, n_vocab):
     if logprobs is not None and not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}; got {logprobs}", param="logprobs")
     prompt_text, prompt_tokens = _prompt(body.get("prompt"), n_vocab)
+    if suffix is not None and prompt_tokens is not None:
+        raise InvalidRequest("'suffix' goes with a text prompt, not with token ids: the text before the insertion "
+                             "and 'suffix' the text after it", param="suffix")
     stream, include_usage = _stream(body)
     return CompletionRequest(
         kind="text",
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
+        suffix=suffix,
         **_generation_fields(body, n_vocab),
         stream=stream,
         include_usage=include_usage,

@@ -402,18 +402,40 @@ class Prompt:
     stop_strings: tuple         # the reply ends before the first of these
 
 
-def build_prompt(runtime, *, messages=None, text=None, tokens=None, stop=(), tools=None):
+# Fill-in-the-middle: the spellings of the prefix, suffix and middle tokens in the vocabularies that
+# have them, each prompt in prefix-suffix-middle order: Qwen2.5-Coder, Qwen3-Coder and CodeGemma, then
+# StarCoder, StarCoder2 and Granite Code.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
+
+class NoFillInTheMiddle(ValueError):
+    """The model's vocabulary has no fill-in-the-middle tokens."""
+
+
+def fim_token_ids(tokenizer):
+    """(prefix, suffix, middle) token ids of the tokenizer's fill-in-the-middle format, or None."""
+    for spellings in FIM_TOKENS:
+        ids = tuple(tokenizer.token_id(spelling) for spelling in spellings)
+        if None not in ids:
+            return ids
+    return None
+
+
+def build_prompt(runtime, *, messages=None, text=None, tokens=None, infill=None, stop=(), tools=None):
     """The one place a request becomes its prompt tokens and stop strings, for `krafla run` and the
     server alike. Exactly one of: `messages`, a chat rendered turn by turn by the runtime's template
     (with its system prompt for chats that have none, and `tools`, OpenAI's tool definitions, in the
     template's own way), whose stop strings join `stop`; `text`,
-    encoded as plain text (BOS as the tokenizer says); `tokens`, the ids as given.
+    encoded as plain text (BOS as the tokenizer says); `tokens`, the ids as given; `infill`, a
+    (prefix, suffix) pair of code whose middle the reply is: BOS as the tokenizer says, then the
+    vocabulary's fill-in-the-middle tokens around the two texts (FIM_TOKENS), encoded as plain text.
+    The reply ends at one of the tokenizer's end-of-text tokens, as every reply does.
 
     Raises templates.ChatError when the template refuses the chat (or there is no template), ValueError
-    when the text encodes to no tokens.
+    when the text encodes to no tokens, NoFillInTheMiddle for an infill the vocabulary cannot spell.
     """
-    if sum(x is not None for x in (messages, text, tokens)) != 1:
-        raise TypeError("build_prompt takes exactly one of messages, text and tokens")
+    if sum(x is not None for x in (messages, text, tokens, infill)) != 1:
+        raise TypeError("build_prompt takes exactly one of messages, text, tokens and infill")
     if tools and messages is None:
         raise TypeError("build_prompt takes tools only with messages")
     stop = tuple(stop)
@@ -424,6 +446,15 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, stop=(), too
         return Prompt(tuple(ids), stop + tuple(runtime.template.stop_strings))
     if tokens is not None:
         return Prompt(tuple(int(t) for t in tokens), stop)
+    if infill is not None:
+        tokenizer = runtime.tokenizer
+        fim = fim_token_ids(tokenizer)
+        if fim is None:
+            raise NoFillInTheMiddle("this model's vocabulary has no fill-in-the-middle tokens "
+                                    f"({', '.join(spellings[0] for spellings in FIM_TOKENS)}, ...)")
+        prefix, suffix = (tokenizer.encode(part, add_bos=False, add_eos=False) if part else [] for part in infill)
+        bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        return Prompt(tuple(bos + [fim[0], *prefix, fim[1], *suffix, fim[2]]), stop)
     ids = runtime.tokenizer.encode(text)
     if not ids:
         raise ValueError("the prompt is empty: it encodes to no tokens")
