@@ -357,6 +357,32 @@ class StructuredTests:
         assert response.text.format.type == "json_schema" and response.text.format.name == "person"
 
 
+class LogprobsTests:
+    def test_output_text_logprobs_are_the_chats(self, smollm):
+        """include message.output_text.logprobs with top_logprobs gives each output token's log probability and
+        alternatives, those of the same chat on /v1/chat/completions; streamed, the deltas carry them token by
+        token and output_text.done all of them; without include, none."""
+        client = client_of(smollm)
+        fields = dict(model="local", input=QUESTION, max_output_tokens=12, temperature=0, top_logprobs=3,
+                      include=["message.output_text.logprobs"])
+        response = client.responses.create(**fields)
+        _, chat = chat_text(smollm, [{"role": "user", "content": QUESTION}], max_tokens=12, logprobs=True,
+                            top_logprobs=3)
+        def spelled(entries):
+            return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries]
+        expected = spelled(chat.choices[0].logprobs.content)
+        assert spelled(response.output[0].content[0].logprobs) == expected and len(expected[0][2]) == 3
+        assert "".join(e.token for e in response.output[0].content[0].logprobs) == response.output_text
+        events = list(client.responses.create(stream=True, **fields))
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        assert spelled([entry for e in deltas for entry in e.logprobs]) == expected
+        (done,) = [e for e in events if e.type == "response.output_text.done"]
+        assert spelled(done.logprobs) == expected
+        plain = client.responses.create(model="local", input=QUESTION, max_output_tokens=12, temperature=0,
+                                        include=["reasoning.encrypted_content"])
+        assert plain.output[0].content[0].logprobs == [] and plain.output_text == response.output_text
+
+
 class ErrorTests:
     @pytest.mark.parametrize("fields, param", [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -370,6 +396,8 @@ class ErrorTests:
         ({"temperature": "hot"}, "temperature"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"tool_choice": {"type": "function", "name": "missing"}, "tools": [WEATHER_TOOL]}, "tool_choice"),
+        ({"include": "message.output_text.logprobs"}, "include"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ])
     def test_bad_request(self, smollm, fields, param):
         """Unsupported or invalid fields are 400s in OpenAI's shape naming the field; the server keeps serving."""

@@ -334,6 +334,20 @@ def _refuse_unsupported(body):
         raise _invalid(f"'truncation' must be \"auto\" or \"disabled\"; got {json.dumps(truncation)}", "truncation")
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _include(value):
+    """Whether `include` asks for the output text's log probabilities. Its other values name what
+    this server has none of (encrypted reasoning, built-in tools' results) and are accepted as asking
+    for nothing, as the Codex CLI's `reasoning.encrypted_content` must be."""
+    if value is None:
+        return False
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _invalid(f"'include' must be an array of strings, not {json_type(value)}", "include")
+    return LOGPROBS_INCLUDE in value
+
+
 def parse_responses_request(body, n_vocab, store):
     """A validated Responses request (InvalidRequest, Unsupported or NotFound on the first bad field),
     continuing the stored conversation of `previous_response_id`. This must be called in the I/O
@@ -374,6 +388,11 @@ def parse_responses_request(body, n_vocab, store):
         chat["tool_choice"] = tool_choice
     if response_format is not None:
         chat["response_format"] = response_format
+    top_logprobs = body.get("top_logprobs")
+    if _include(body.get("include")) or top_logprobs is not None:  # the chat's logprobs, checked there
+        chat["logprobs"] = True
+        if top_logprobs is not None:
+            chat["top_logprobs"] = top_logprobs
     try:
         completion = parse_chat_request(chat, n_vocab)
     except APIError as error:
@@ -395,6 +414,7 @@ def parse_responses_request(body, n_vocab, store):
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
         "background": False,
         "service_tier": "default",
+        "top_logprobs": completion.logprobs,
     }
     for name, value in echo.items():   # echoed into the response: they must be text (no lone surrogate)
         try:
@@ -451,6 +471,7 @@ class ResponseReply(Reply):
         self.reasoning_open = False     # streamed: the reasoning item is added and not yet done
         self.streamed_reasoning = []
         self.message_index = 0          # the message's output_index: 1 after a reasoning item
+        self.streamed_logprobs = []     # streamed: the logprobs entries sent so far
         if self.stream is not None:
             self.stream = _TypedEvents(self, request)
 
@@ -486,8 +507,9 @@ class ResponseReply(Reply):
         return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}]}
 
-    def _message_item(self, text, status):
-        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    def _message_item(self, text, status, logprobs=()):
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                            "logprobs": list(logprobs)}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def _call_items(self, calls):
@@ -551,8 +573,10 @@ class ResponseReply(Reply):
 
     def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         self.streamed_text.append(text)
+        entries = logprobs["content"] if logprobs else []  # Reply._logprobs's chat object
+        self.streamed_logprobs += entries
         return {"type": "response.output_text.delta", "item_id": self.message_id, "output_index": self.message_index,
-                "content_index": 0, "delta": text, "logprobs": []}
+                "content_index": 0, "delta": text, "logprobs": entries}
 
     def _stream_result(self, response, text, rest):
         self._open_stream()
@@ -561,10 +585,11 @@ class ResponseReply(Reply):
         if len(response["output"]) > index and response["output"][index]["type"] == "message":
             self._open_message()
             if rest:
-                self.stream.send(self._chunk(rest, None))
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                self.stream.send(self._chunk(rest, None, logprobs=self._take_logprobs()))
+            logprobs = response["output"][index]["content"][0]["logprobs"]
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             self.stream.send({"type": "response.output_text.done", "item_id": self.message_id, "output_index": index,
-                              "content_index": 0, "text": text, "logprobs": []})
+                              "content_index": 0, "text": text, "logprobs": logprobs})
             self.stream.send({"type": "response.content_part.done", "item_id": self.message_id, "output_index": index,
                               "content_index": 0, "part": part})
             self.stream.send({"type": "response.output_item.done", "output_index": index,
@@ -591,8 +616,14 @@ class ResponseReply(Reply):
         output = [self._reasoning_item(reasoning)] if reasoning else []
         self.message_index = len(output)
         text = content or ""
+        logprobs = ()
+        if self.completion.logprobs is not None:  # every token's, as the chat's
+            if self.stream is None:
+                logprobs = self._logprobs(result.logprobs)["content"]
+            else:  # those sent, and those the last delta (_stream_result) will send
+                logprobs = self.streamed_logprobs + self._logprobs(self.pending_logprobs)["content"]
         if text or not calls:
-            output.append(self._message_item(text, item_status))
+            output.append(self._message_item(text, item_status, logprobs))
         call_items = self._call_items(calls)
         output += call_items
         response = self.response_object("incomplete" if incomplete else "completed", output, self._usage(result),
