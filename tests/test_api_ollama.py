@@ -97,6 +97,30 @@ class OllamaChatTests:
         assert reply.eval_count == openai.usage.completion_tokens
         assert reply.prompt_eval_count == openai.usage.prompt_tokens
 
+    def test_logprobs_are_the_openai_chats(self, client, server):
+        """logprobs with top_logprobs: each token's log probability and alternatives, those of /v1/chat/completions
+        for the same messages; streamed, each chunk carries its own tokens'; raw /api/generate has them too;
+        top_logprobs without logprobs is a 400."""
+        from openai import OpenAI
+
+        openai = OpenAI(base_url=server.base_url, api_key="none", max_retries=0).chat.completions.create(
+            model="local", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+        def spelled(entries):
+            return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries]
+        expected = spelled(openai.choices[0].logprobs.content)
+        options = {"temperature": 0, "num_predict": 8}
+        reply = client.chat(model=NAME, messages=MESSAGES, logprobs=True, top_logprobs=3, options=options)
+        assert spelled(reply.logprobs) == expected and len(expected[0][2]) == 3
+        chunks = list(client.chat(model=NAME, messages=MESSAGES, logprobs=True, top_logprobs=3, options=options,
+                                  stream=True))
+        assert spelled([entry for chunk in chunks for entry in chunk.logprobs or ()]) == expected
+        raw = client.generate(model=NAME, prompt="1, 2, 3,", raw=True, logprobs=True, options=options)
+        assert len(raw.logprobs) == raw.eval_count and all(e.top_logprobs == [] for e in raw.logprobs)
+        assert client.chat(model=NAME, messages=MESSAGES, options=options).logprobs is None
+        with pytest.raises(ollama.ResponseError) as caught:
+            client.chat(model=NAME, messages=MESSAGES, top_logprobs=3)
+        assert caught.value.status_code == 400 and "logprobs" in caught.value.error
+
     def test_streams_ndjson_by_default(self, server):
         """Without "stream" the reply is NDJSON: one JSON object a line, the last with Ollama's counts as integers."""
         body = {"model": NAME, "messages": MESSAGES, "options": {"temperature": 0, "num_predict": 8}}

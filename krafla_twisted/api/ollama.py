@@ -149,14 +149,29 @@ def _translated(parse, fields, body, backend):
     inside: a reply with "stream": false is the folded chunks."""
     options, unlimited = _options(body, backend.n_ctx)
     response_format = _response_format(body)
+    logprobs = _logprobs(body)
     try:
         completion = parse({**fields, **options}, backend.n_vocab)
     except InvalidRequest as error:
         raise _renamed(error) from None
-    changes = {"stream": True, "response_format": response_format}
+    changes = {"stream": True, "response_format": response_format, "logprobs": logprobs}
     if unlimited:
         changes["max_tokens"] = 0  # the Generation's "until the context is full"
     return dataclasses.replace(completion, **changes)
+
+
+def _logprobs(body):
+    """How many alternatives `logprobs: true` asks for at each token (`top_logprobs`, 0 to 20), or None
+    without it."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequest(f"'logprobs' must be a boolean, not {_type(wanted)}", param="logprobs")
+    if top is not None and (not schema.is_int(top) or not 0 <= top <= schema.MAX_TOP_LOGPROBS):
+        raise InvalidRequest(f"'top_logprobs' must be an integer from 0 to {schema.MAX_TOP_LOGPROBS}, not {top!r}",
+                             param="top_logprobs")
+    if top and not wanted:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _renamed(error):
@@ -269,8 +284,12 @@ class WholeReply:
 
 
 def fold(chunks):
-    """Streamed chunks as Ollama's one reply: the last chunk with all the text (and tool calls)."""
+    """Streamed chunks as Ollama's one reply: the last chunk with all the text (and tool calls, and
+    log probabilities)."""
     whole = dict(chunks[-1])
+    logprobs = [entry for chunk in chunks for entry in chunk.get("logprobs", ())]
+    if logprobs:
+        whole["logprobs"] = logprobs
     if "message" in whole:
         message = {"role": "assistant", "content": "".join(chunk["message"]["content"] for chunk in chunks)}
         thinking = "".join(chunk["message"].get("thinking", "") for chunk in chunks)
@@ -320,6 +339,13 @@ class OllamaReply(OllamaErrors, Reply):
         self.result = result  # for the counts of the last chunk
         super()._finished(result)
 
+    def _logprobs(self, entries):
+        """Ollama's logprobs of these (bytes, logprob, top) entries: a list, one object per token."""
+        def item(piece, value):
+            return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
+
+        return [{**item(piece, value), "top_logprobs": [item(p, v) for p, v in top]} for piece, value, top in entries]
+
     def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         chunk = {"model": self.api.backend.model_id, "created_at": rfc3339(self.api.clock.seconds())}
         if self.endpoint == "chat":
@@ -329,6 +355,8 @@ class OllamaReply(OllamaErrors, Reply):
             chunk["message"] = message
         else:
             chunk["response"] = text or ""
+        if logprobs:
+            chunk["logprobs"] = logprobs
         chunk["done"] = finish_reason is not None
         if finish_reason is not None:
             chunk.update(self._counts(finish_reason))
