@@ -108,6 +108,23 @@ class MessagesTests:
                                         messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
         assert text_of(blocks) == text_of(reply)
 
+    def test_text_documents_are_read(self, client, openai_client):
+        """A plain-text document block (a `text` or `content` source) is read as its title, a blank line, its
+        text and a blank line, before the text that follows: the same reply and prompt tokens as that text
+        sent to the OpenAI endpoint."""
+        question = "What color is the sky in these notes?"
+        sources = ({"type": "text", "media_type": "text/plain", "data": "The sky is green."},
+                   {"type": "content", "content": [{"type": "text", "text": "The sky "}, {"type": "text", "text": "is green."}]})
+        chat = openai_client.chat.completions.create(
+            model="local", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": f"Notes\n\nThe sky is green.\n\n{question}"}])
+        for source in sources:
+            reply = client.messages.create(model="local", max_tokens=16, extra_body={"temperature": 0}, messages=[
+                {"role": "user", "content": [{"type": "document", "title": "Notes", "source": source},
+                                             {"type": "text", "text": question}]}])
+            assert text_of(reply) == chat.choices[0].message.content
+            assert total_input(reply.usage) == chat.usage.prompt_tokens
+
     def test_stream_equals_plain(self, client, server):
         """`messages.stream` gives Anthropic's events in order, and its final message equals the plain reply."""
         request = dict(model="local", max_tokens=20, messages=[{"role": "user", "content": QUESTION}])
@@ -285,6 +302,10 @@ class ErrorTests:
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]}),
         ("messages.0.content.0.text", {"max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "text", "text": 7}]}]}),
+        ("messages.0.content.0.source", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": ""}}]}]}),
+        ("messages.0.content.0.source.data", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": 5}}]}]}),
         ("messages.0.content.0.input", {"max_tokens": 4, "messages": [{"role": "assistant", "content": [
             {"type": "tool_use", "id": "toolu_1", "name": "f", "input": "{}"}]}]}),
         ("messages.0.content.0.tool_use_id", {"max_tokens": 4, "messages": [{"role": "user", "content": [

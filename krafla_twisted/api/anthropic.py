@@ -124,6 +124,24 @@ def _bad_block(kind, where, allowed):
                           param=f"{where}.type")
 
 
+def _document(block, where):
+    """The text parts of a plain-text document block: its `title` and `context` (when given) on lines of
+    their own, a blank line, its text, from a `text` source (`data`) or a `content` source (a string or
+    text blocks), and a blank line, so what follows is not run into it. Other sources (PDFs, URLs,
+    files) are not text this server can read."""
+    source = _object(block.get("source"), f"{where}.source")
+    kind = source.get("type")
+    if kind == "text":
+        body = [{"type": "text", "text": _text(source.get("data"), f"{where}.source.data")}]
+    elif kind == "content":
+        body = _text_blocks(source.get("content"), f"{where}.source.content")
+    else:
+        raise Unsupported(f"{where}.source: this server reads only text; a document's source must be of type 'text' "
+                          f"or 'content', not {kind!r}", param=f"{where}.source")
+    head = [_text(block[name], f"{where}.{name}") for name in ("title", "context") if block.get(name) is not None]
+    return ([{"type": "text", "text": "\n".join(head) + "\n\n"}] if head else []) + body + [{"type": "text", "text": "\n\n"}]
+
+
 def _system(body):
     system = body.get("system")
     if system is None:
@@ -143,11 +161,14 @@ def _user(content, where):
     for index, block in enumerate(content):
         at = f"{where}.content.{index}"
         kind = _block_type(block, at)
-        if kind == "text":
+        if kind in ("text", "document"):
             if parts is None:
                 parts = []
                 out.append({"role": "user", "content": parts})
-            parts.append({"type": "text", "text": _text(block.get("text"), f"{at}.text")})
+            if kind == "text":
+                parts.append({"type": "text", "text": _text(block.get("text"), f"{at}.text")})
+            else:
+                parts.extend(_document(block, at))
         elif kind == "tool_result":
             parts = None
             call_id = _text(block.get("tool_use_id"), f"{at}.tool_use_id")
@@ -157,7 +178,7 @@ def _user(content, where):
                 raise InvalidRequest(f"{at}.is_error: must be a boolean, not {json_type(is_error)}", param=f"{at}.is_error")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text_blocks(result, f"{at}.content")})
         else:
-            raise _bad_block(kind, at, ("text", "tool_result"))
+            raise _bad_block(kind, at, ("text", "document", "tool_result"))
     return out or [{"role": "user", "content": ""}]
 
 
