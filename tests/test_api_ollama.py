@@ -425,6 +425,20 @@ class FillInTheMiddleTests:
         streamed = qwen_client.generate(model=QWEN, prompt=FIM_PREFIX, suffix=FIM_SUFFIX, options=options, stream=True)
         assert "".join(chunk.response for chunk in streamed) == reply.response
 
+    def test_a_raw_prompt_reads_the_special_tokens_it_spells(self, qwen_client, qwen_server):
+        """A client that renders the fill-in-the-middle prompt itself (Continue does, for a model whose Ollama
+        template it does not know) sends QWEN_FIM as a raw prompt: its special tokens are read as those tokens,
+        as Ollama and llama-server read them, so the reply is the `suffix` request's; /v1/completions the same."""
+        from openai import OpenAI
+
+        options = {"temperature": 0, "num_predict": 24}
+        reply = qwen_client.generate(model=QWEN, prompt=FIM_PREFIX, suffix=FIM_SUFFIX, options=options)
+        raw = qwen_client.generate(model=QWEN, prompt=QWEN_FIM, raw=True, options=options)
+        assert (raw.response, raw.prompt_eval_count) == (reply.response, reply.prompt_eval_count)
+        client = OpenAI(base_url=qwen_server.base_url, api_key="none", max_retries=0)
+        text = client.completions.create(model="local", prompt=QWEN_FIM, max_tokens=24, temperature=0)
+        assert (text.choices[0].text, text.usage.prompt_tokens) == (reply.response, reply.prompt_eval_count)
+
     def test_a_vocabulary_without_fill_in_the_middle_is_refused(self, client):
         """SmolLM2's vocabulary has no fill-in-the-middle tokens: a 400 naming `suffix`, in Ollama's shape."""
         with pytest.raises(ollama.ResponseError) as caught:

@@ -425,8 +425,11 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, infill=None,
     """The one place a request becomes its prompt tokens and stop strings, for `krafla run` and the
     server alike. Exactly one of: `messages`, a chat rendered turn by turn by the runtime's template
     (with its system prompt for chats that have none, and `tools`, OpenAI's tool definitions, in the
-    template's own way), whose stop strings join `stop`; `text`,
-    encoded as plain text (BOS as the tokenizer says); `tokens`, the ids as given; `infill`, a
+    template's own way), whose stop strings join `stop`; `text`, a raw prompt, encoded with BOS as
+    the tokenizer says and the special tokens it spells (`<|im_start|>`, `<|fim_prefix|>`) as those
+    tokens, as llama-server's completions and Ollama's raw mode read a prompt (a client that renders
+    its own template or fill-in-the-middle prompt spells them; a chat's texts are never read so);
+    `tokens`, the ids as given; `infill`, a
     (prefix, suffix) pair of code whose middle the reply is: BOS as the tokenizer says, then the
     vocabulary's fill-in-the-middle tokens around the two texts (FIM_TOKENS), encoded as plain text.
     The reply ends at one of the tokenizer's end-of-text tokens, as every reply does.
@@ -455,7 +458,7 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, infill=None,
         prefix, suffix = (tokenizer.encode(part, add_bos=False, add_eos=False) if part else [] for part in infill)
         bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
         return Prompt(tuple(bos + [fim[0], *prefix, fim[1], *suffix, fim[2]]), stop)
-    ids = runtime.tokenizer.encode(text)
+    ids = runtime.tokenizer.encode(text, special=True)
     if not ids:
         raise ValueError("the prompt is empty: it encodes to no tokens")
     return Prompt(tuple(ids), stop)
