@@ -439,8 +439,11 @@ class FillInTheMiddleTests:
         text = client.completions.create(model="local", prompt=QWEN_FIM, max_tokens=24, temperature=0)
         assert (text.choices[0].text, text.usage.prompt_tokens) == (reply.response, reply.prompt_eval_count)
 
-    def test_a_vocabulary_without_fill_in_the_middle_is_refused(self, client):
-        """SmolLM2's vocabulary has no fill-in-the-middle tokens: a 400 naming `suffix`, in Ollama's shape."""
+    def test_a_vocabulary_without_fill_in_the_middle_is_refused(self, client, qwen_client):
+        """SmolLM2's vocabulary has no fill-in-the-middle tokens: a 400 naming `suffix`, in Ollama's shape, and
+        /api/show lists no "insert" capability, which Qwen2.5-Coder's lists."""
+        assert "insert" not in client.show(NAME).capabilities
+        assert "insert" in qwen_client.show(QWEN).capabilities
         with pytest.raises(ollama.ResponseError) as caught:
             client.generate(model=NAME, prompt="def f():", suffix="\n    return 1\n")
         assert caught.value.status_code == 400 and "fill-in-the-middle" in caught.value.error

@@ -35,6 +35,8 @@ class Backend:
         # the template's native tool format, else the generic one (tools in the system prompt, replies as JSON)
         tool_format = getattr(self.template, "tool_format", None) or "generic"
         self.tool_format = tools.FORMATS[tool_format] if self.has_chat else None
+        # whether the vocabulary has fill-in-the-middle tokens (a request's `suffix`)
+        self.fills_in = generate.fim_token_ids(self.tokenizer) is not None
 
     @classmethod
     def serving(cls, runtime, alias=None):

@@ -521,7 +521,8 @@ class Show(OllamaEndpoint):
         backend = self.api.backend
         facts = model_facts(self.api)
         template = getattr(backend, "template", None)
-        capabilities = ["completion"] + (["tools"] if getattr(backend, "tool_format", None) else [])
+        capabilities = ["completion"] + (["tools"] if getattr(backend, "tool_format", None) else []) \
+            + (["insert"] if getattr(backend, "fills_in", False) else [])  # Ollama's word for `suffix`
         if getattr(backend, "embeddings", None) is not None:  # --embeddings: Ollama's word for it
             capabilities = ["embedding"]
         parameters = self._parameters(backend, template)
