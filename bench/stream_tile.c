@@ -84,46 +84,42 @@ static __m256i and_xor(const uint8_t *w, size_t n) { return steps(w, n, 0, 0); }
 static __m256i vnni(const uint8_t *w, size_t n) { return steps(w, n, 1, 0); }
 static __m256i vnni_indexed(const uint8_t *w, size_t n) { return steps(w, n, 1, 1); }
 
-static __m256i vnni_512(const uint8_t *w, size_t n) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
-    __m512i total = _mm512_setzero_si512();
-    for (size_t b = 0; b < n; b += SUPER_BLOCK)
-        for (int c = 0; c < 4; c++) {
-            __m512i low = _mm512_setzero_si512(), high = low;
-            for (int i = 0; i < 4; i++) {
-                const __m512i x = _mm512_loadu_si512((const void *)(w + b + 256 * c + 64 * i));
-                int64_t a_low, a_high;
-                memcpy(&a_low, activations + 64 * c + 8 * i, 8);
-                memcpy(&a_high, activations + 64 * c + 32 + 8 * i, 8);
-                low = _mm512_dpbusd_epi32(low, _mm512_and_si512(x, low4), _mm512_set1_epi64(a_low));
-                high = _mm512_dpbusd_epi32(high, _mm512_and_si512(x, high4), _mm512_set1_epi64(a_high));
-            }
-            total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(low, low4),
-                                                             _mm512_mullo_epi32(_mm512_srai_epi32(high, 4), high4)));
-        }
-    return _mm512_castsi512_si256(_mm512_xor_si512(total, _mm512_shuffle_i64x2(total, total, 0x4e)));
-}
-
 // Lanes 0-7 word `word` of a vector, lanes 8-15 word `word` + 1.
 static inline __m512i pair_words(const int word) { return _mm512_mask_set1_epi32(_mm512_set1_epi32(word), 0xff00, word + 1); }
 
-static __m256i vnni_512_permute(const uint8_t *w, size_t n) {
+// 64-byte steps with 512-bit VNNI: step j's activations as 8 bytes broadcast (the 8-byte-pair layout)
+// or (permute) chunk 2j's and 2j + 1's words permuted from the chunk group's 64 bytes (krafla's layout).
+static inline __attribute__((always_inline)) __m256i steps_512(const uint8_t *w, size_t n, const int permute) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
     __m512i total = _mm512_setzero_si512();
     for (size_t b = 0; b < n; b += SUPER_BLOCK)
         for (int c = 0; c < 4; c++) {
-            const __m512i a = _mm512_load_si512((const void *)(activations + 64 * c));
+            const __m512i group = _mm512_load_si512((const void *)(activations + 64 * c));
             __m512i low = _mm512_setzero_si512(), high = low;
             for (int j = 0; j < 4; j++) {
                 const __m512i x = _mm512_loadu_si512((const void *)(w + b + 256 * c + 64 * j));
-                low = _mm512_dpbusd_epi32(low, _mm512_and_si512(x, low4), _mm512_permutexvar_epi32(pair_words(2 * j), a));
-                high = _mm512_dpbusd_epi32(high, _mm512_and_si512(x, high4), _mm512_permutexvar_epi32(pair_words(8 + 2 * j), a));
+                __m512i a_low, a_high;
+                if (permute) {
+                    a_low = _mm512_permutexvar_epi32(pair_words(2 * j), group);
+                    a_high = _mm512_permutexvar_epi32(pair_words(8 + 2 * j), group);
+                } else {
+                    int64_t bytes_low, bytes_high;
+                    memcpy(&bytes_low, activations + 64 * c + 8 * j, 8);
+                    memcpy(&bytes_high, activations + 64 * c + 32 + 8 * j, 8);
+                    a_low = _mm512_set1_epi64(bytes_low);
+                    a_high = _mm512_set1_epi64(bytes_high);
+                }
+                low = _mm512_dpbusd_epi32(low, _mm512_and_si512(x, low4), a_low);
+                high = _mm512_dpbusd_epi32(high, _mm512_and_si512(x, high4), a_high);
             }
             total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(low, low4),
                                                              _mm512_mullo_epi32(_mm512_srai_epi32(high, 4), high4)));
         }
     return _mm512_castsi512_si256(_mm512_xor_si512(total, _mm512_shuffle_i64x2(total, total, 0x4e)));
 }
+
+static __m256i vnni_512(const uint8_t *w, size_t n) { return steps_512(w, n, 0); }
+static __m256i vnni_512_permute(const uint8_t *w, size_t n) { return steps_512(w, n, 1); }
 
 typedef __m256i loop_fn(const uint8_t *w, size_t n);
 static const struct {

@@ -29,7 +29,7 @@ from krafla_twisted.api import schema
 from krafla_twisted.api.errors import APIError, InvalidRequest, Unsupported
 from krafla_twisted.api.embeddings import EmbeddingsOnly, embedding_runtime, ollama_embed_work
 from krafla_twisted.api.resources import (APIResource, Endpoint, Group, NotFoundResource, QueuedReply, Reply, json_response,
-                                          require_chat)
+                                          require_chat, token_logprobs)
 from krafla_twisted.api.schema import parse_chat_request, parse_completion_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
@@ -341,10 +341,7 @@ class OllamaReply(OllamaErrors, Reply):
 
     def _logprobs(self, entries):
         """Ollama's logprobs of these (bytes, logprob, top) entries: a list, one object per token."""
-        def item(piece, value):
-            return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
-
-        return [{**item(piece, value), "top_logprobs": [item(p, v) for p, v in top]} for piece, value, top in entries]
+        return token_logprobs(entries)
 
     def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         chunk = {"model": self.api.backend.model_id, "created_at": rfc3339(self.api.clock.seconds())}

@@ -319,6 +319,15 @@ def call_ids(completion, calls, prefix):
     return ids
 
 
+def token_logprobs(entries):
+    """(bytes, logprob, top) entries as a list of {"token", "logprob", "bytes", "top_logprobs"}, one per
+    token: the chat's `logprobs.content`, the Responses API's and Ollama's `logprobs`."""
+    def item(piece, value):
+        return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
+
+    return [{**item(piece, value), "top_logprobs": [item(p, v) for p, v in top]} for piece, value, top in entries]
+
+
 class Reply(QueuedReply):
     """One completion request in flight, from queueing to the last byte. I/O thread, except where noted."""
 
@@ -414,11 +423,7 @@ class Reply(QueuedReply):
     def _logprobs(self, entries):
         """OpenAI's logprobs object for these (bytes, logprob, top) entries."""
         if self.chat:
-            def item(piece, value):
-                return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
-
-            return {"content": [{**item(piece, value), "top_logprobs": [item(p, v) for p, v in top]}
-                                for piece, value, top in entries], "refusal": None}
+            return {"content": token_logprobs(entries), "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for piece, value, top in entries:
             token = piece.decode("utf-8", "replace")

@@ -23,7 +23,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from krafla_twisted.chat.templates import tool_json
 from krafla_twisted.api.errors import APIError, InvalidRequest, NotFound, Unsupported
-from krafla_twisted.api.resources import APIResource, Endpoint, Reply, call_ids, json_response, require_chat
+from krafla_twisted.api.resources import (APIResource, Endpoint, Reply, call_ids, json_response, require_chat,
+                                          token_logprobs)
 from krafla_twisted.api.schema import check_text, json_type, parse_chat_request, parse_json_body
 from krafla_twisted.api.sse import EventStream
 
@@ -571,9 +572,13 @@ class ResponseReply(Reply):
         self._open_stream()
         self._open_message()
 
+    def _logprobs(self, entries):
+        """The output text's logprobs of these (bytes, logprob, top) entries: a list, one object per token."""
+        return token_logprobs(entries)
+
     def _chunk(self, text, finish_reason, role=False, logprobs=None, tool_calls=None):
         self.streamed_text.append(text)
-        entries = logprobs["content"] if logprobs else []  # Reply._logprobs's chat object
+        entries = logprobs or []
         self.streamed_logprobs += entries
         return {"type": "response.output_text.delta", "item_id": self.message_id, "output_index": self.message_index,
                 "content_index": 0, "delta": text, "logprobs": entries}
@@ -619,9 +624,9 @@ class ResponseReply(Reply):
         logprobs = ()
         if self.completion.logprobs is not None:  # every token's, as the chat's
             if self.stream is None:
-                logprobs = self._logprobs(result.logprobs)["content"]
+                logprobs = self._logprobs(result.logprobs)
             else:  # those sent, and those the last delta (_stream_result) will send
-                logprobs = self.streamed_logprobs + self._logprobs(self.pending_logprobs)["content"]
+                logprobs = self.streamed_logprobs + self._logprobs(self.pending_logprobs)
         if text or not calls:
             output.append(self._message_item(text, item_status, logprobs))
         call_items = self._call_items(calls)

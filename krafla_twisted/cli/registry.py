@@ -155,9 +155,10 @@ def _spec(item, index, folder, base, where):
         options.validate(merged)
     except ValueError as e:
         raise ModelsFileError(f"{label}: {e}") from None
-    estimate = memory_estimate(path, 0 if embeddings else parallel, merged["ctx"], merged["kv"])
+    header = read_header(path)  # once, for the estimate and the listings
+    estimate = memory_estimate(path, header, 0 if embeddings else parallel, merged["ctx"], merged["kv"])
     return ModelSpec(name=name, path=path, tokenizer=tokenizer, aliases=tuple(aliases), embeddings=embeddings,
-                     settings=settings, estimate=estimate, header=file_header(path))
+                     settings=settings, estimate=estimate, header=_listing(header))
 
 
 def converted_files(gguf_path):
@@ -183,45 +184,52 @@ def converted_files(gguf_path):
 def is_encoder(path):
     """Whether the .mlb is an embedding model (a BERT-family encoder, which `krafla convert` writes
     with its pooling); False for a file whose header cannot be read."""
+    header = read_header(path)
+    meta = header[0] if header is not None else {}
+    return "pooling" in meta or str(meta.get("arch", "")).endswith("bert")
+
+
+def read_header(path):
+    """(metadata, tensors) of a .mlb's header (engine/container.ContainerFile's), or None for a .gguf
+    (read when it is converted, at its first load) and for a header that cannot be read (the load
+    refuses the file then, with the loader's error)."""
     from krafla_twisted.engine.container import ContainerFile
 
+    if path.endswith(".gguf"):
+        return None
     try:
         with ContainerFile(path) as container:
-            meta = container.metadata
+            return container.metadata, container.tensors
     except Exception:  # noqa: BLE001 - a damaged file is refused when it loads, with the loader's error
-        return False
-    return "pooling" in meta or str(meta.get("arch", "")).endswith("bert")
+        return None
 
 
 def file_header(path):
     """What a model file's header says of it, for Ollama's listings of models not loaded yet: `arch`,
     `n_params` (the elements of its tensors, as the loader counts them) and `file_type` (docs/formats.md;
     for a file converted before krafla recorded it, the type of blk.0.attn_q.weight). Empty for a .gguf
-    (read when it is converted, at its first load) and for a header that cannot be read."""
+    and for a header that cannot be read (read_header)."""
+    return _listing(read_header(path))
+
+
+def _listing(header):
     import math
 
-    from krafla_twisted.engine.container import ContainerFile
-
-    if path.endswith(".gguf"):
+    if header is None:
         return {}
-    try:
-        with ContainerFile(path) as container:
-            meta, tensors = container.metadata, container.tensors
-    except Exception:  # noqa: BLE001 - a damaged file is refused when it loads, with the loader's error
-        return {}
+    meta, tensors = header
     first = next((type_name for name, type_name, _, _ in tensors if name == "blk.0.attn_q.weight"), "")
     return {"arch": str(meta.get("arch", "")), "n_params": sum(math.prod(shape) for _, _, shape, _ in tensors),
             "file_type": str(meta.get("file_type") or first).upper()}
 
 
-def memory_estimate(path, parallel, ctx, kv):
-    """The resident bytes loading the model at `path` may take at its peak: twice its file (repacking
-    copies the weights out of the mapped file before the mapping goes), its KV cache of `parallel`
-    slots of `ctx` positions (0: the model's own, at most 4096) and a little more. A file whose
-    header cannot be read is counted as its size only: its load fails and says why."""
+def memory_estimate(path, header, parallel, ctx, kv):
+    """The resident bytes loading the model at `path` (its read_header: `header`) may take at its peak:
+    twice its file (repacking copies the weights out of the mapped file before the mapping goes), its
+    KV cache of `parallel` slots of `ctx` positions (0: the model's own, at most 4096) and a little
+    more. A file whose header cannot be read is counted as its size only: its load fails and says why."""
     import types
 
-    from krafla_twisted.engine.container import ContainerFile
     from krafla_twisted.generation import generate
 
     size = os.path.getsize(path)
@@ -229,9 +237,10 @@ def memory_estimate(path, parallel, ctx, kv):
     if path.endswith(".gguf"):  # its KV cache is known once converted; until then, the file and a margin
         return 2 * size + LOAD_OVERHEAD_BYTES
     if parallel:
+        if header is None:
+            return size
+        meta = header[0]
         try:
-            with ContainerFile(path) as container:
-                meta = container.metadata
             dims = types.SimpleNamespace(n_layers=meta["n_layers"], n_kv_heads=meta["n_kv_heads"],
                                          head_dim=meta["head_dim"])
             n_ctx = ctx or min(meta.get("max_seq", 4096), 4096)

@@ -455,7 +455,7 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, infill=None,
         if fim is None:
             raise NoFillInTheMiddle("this model's vocabulary has no fill-in-the-middle tokens "
                                     f"({', '.join(spellings[0] for spellings in FIM_TOKENS)}, ...)")
-        prefix, suffix = (tokenizer.encode(part, add_bos=False, add_eos=False) if part else [] for part in infill)
+        prefix, suffix = (tokenizer.encode(part, add_bos=False, add_eos=False) for part in infill)
         bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
         return Prompt(tuple(bos + [fim[0], *prefix, fim[1], *suffix, fim[2]]), stop)
     ids = runtime.tokenizer.encode(text, special=True)
