@@ -185,6 +185,8 @@ def mlb_from_safetensors(folder, out):
         # its place; llama.cpp applies none either), so these models have no attention softcap.
         "attn_softcap": 0.0,
         "final_softcap": float(config.get("final_logit_softcapping") or 0.0),
+        # every matrix below is written as f32, which llama.cpp names file type F32
+        "file_type": "F32",
     }
     container = formats.Container(formats.MODEL_MAGIC, metadata)
 
