@@ -390,6 +390,28 @@ class EngineErrorTests:
             del model
             gc.collect()
 
+    def test_model_and_session_collected_together(self, tiny):
+        """A model and its session in one reference cycle (a runtime held by a failed request's
+        traceback) are collected in any order of their finalizers: the session's is run first, since
+        freeing it after its model read freed memory. Run in a child process: the bug segfaulted."""
+        import subprocess
+        import sys
+
+        code = (
+            "import gc, sys\n"
+            "from krafla_twisted.engine.model import Model\n"
+            "for _ in range(30):\n"
+            "    model = Model(sys.argv[1], threads=2)\n"
+            "    session = model.session(ctx=32)\n"
+            "    session.eval([1, 2, 3])\n"
+            "    holder = {'model': model, 'session': session}\n"
+            "    holder['self'] = holder\n"
+            "    del model, session, holder\n"
+            "    gc.collect()\n"
+            "print('collected')\n")
+        out = subprocess.run([sys.executable, "-c", code, str(tiny("llama"))], capture_output=True, text=True)
+        assert (out.returncode, out.stdout.strip()) == (0, "collected"), out.stderr[-2000:]
+
     def test_bad_session_arguments(self, tiny):
         """Unknown KV types, q8_0 for heads that are not whole q8_0 blocks, bad contexts and batches are refused."""
         with Model(tiny("llama")) as model:

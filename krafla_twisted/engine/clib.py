@@ -113,13 +113,15 @@ def loaded_isa():
 class OwnedHandle:
     """Owns one C handle, freed exactly once: by close(), on leaving a `with` block, or when the
     object is collected. A subclass calls `_own(handle, free)` once its C call succeeded and
-    names itself in `_closed_error` for calls made after close()."""
+    names itself in `_closed_error` for calls made after close(). `keep`, the object whose handle
+    this one's uses (a session's model), is held by the finalizer: when both are collected at once
+    (a reference cycle), this handle is freed before that one, never after."""
 
     _handle = None
 
-    def _own(self, handle, free):
+    def _own(self, handle, free, keep=None):
         self._handle = handle
-        self._finalizer = weakref.finalize(self, free, handle)
+        self._finalizer = weakref.finalize(self, _free_before, free, handle, keep)
 
     def _closed_error(self):
         return KraflaError(f"{type(self).__name__} is closed", KR_ERR_STATE)
@@ -145,6 +147,11 @@ class OwnedHandle:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _free_before(free, handle, _kept):
+    # _kept is only held: weakref.finalize keeps its arguments alive until the call
+    free(handle)
 
 
 _lock = threading.Lock()

@@ -319,7 +319,7 @@ class Session(clib.OwnedHandle):
     def __init__(self, model, handle, kv):
         self.model = model
         self._lib = model._lib
-        self._own(handle, self._lib.kr_session_free)
+        self._own(handle, self._lib.kr_session_free, keep=model)
         self.kv = kv
         self.n_ctx = self._lib.kr_session_n_ctx(handle)
         self.batch = self._lib.kr_session_n_batch(handle)
