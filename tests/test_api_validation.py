@@ -79,7 +79,7 @@ class ParseErrorTests(unittest.TestCase):
 
 
 class RefusalTests(unittest.TestCase):
-    """What the original refuses and still does: legacy functions, images, echo, best_of>1, n!=1; and
+    """What the original refuses and still does: legacy functions, images, best_of>1, n!=1; and
     the new fields' bad values (top_logprobs without logprobs, logit_bias out of range, unknown response_format)."""
 
     def setUp(self):
@@ -128,13 +128,16 @@ class RefusalTests(unittest.TestCase):
             self.assertEqual(response.code, 200, path)
 
     def test_completion_refusals(self):
-        """echo, best_of above 1, logprobs above 5, n above 1, several prompts, and a suffix that is not text or
-        follows token ids are refused for completions."""
-        for extra, param in (({"echo": True}, "echo"), ({"suffix": 5}, "suffix"), ({"prompt": [1, 2], "suffix": "end"}, "suffix"),
+        """echo with a suffix, max_tokens 0 without echo, best_of above 1, logprobs above 5, n above 1, several
+        prompts, and a suffix that is not text or follows token ids are refused for completions."""
+        for extra, param in (({"echo": True, "suffix": "end"}, "echo"), ({"max_tokens": 0}, "max_tokens"),
+                             ({"echo": True, "max_tokens": -1}, "max_tokens"), ({"echo": 1}, "echo"),
+                             ({"suffix": 5}, "suffix"), ({"prompt": [1, 2], "suffix": "end"}, "suffix"),
                              ({"best_of": 2}, "best_of"),
                              ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"), ({"n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
             self.refused("/v1/completions", dict({"prompt": "hi"}, **extra), param)
-        for harmless in ({"echo": False}, {"suffix": None}, {"best_of": 1}, {"logprobs": None}, {"prompt": ["one"]}):
+        for harmless in ({"echo": False}, {"suffix": None}, {"best_of": 1}, {"logprobs": None}, {"prompt": ["one"]},
+                         {"echo": True}, {"echo": True, "max_tokens": 0}):
             response, _ = self.harness.fetch("POST", "/v1/completions", dict({"prompt": "hi"}, **harmless))
             self.assertEqual(response.code, 200, harmless)
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import treq
 from twisted.internet import defer
@@ -177,7 +178,8 @@ class EndpointTests:
         """The original's refusals reach a real client as 400 naming the field."""
         for path, body, param in (
             ("/chat/completions", chat_body("x", n=2), "n"),
-            ("/completions", {"prompt": "x", "echo": True}, "echo"),
+            ("/completions", {"prompt": "x", "echo": True, "suffix": "y"}, "echo"),
+            ("/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
             ("/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
             ("/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ):
@@ -395,6 +397,56 @@ class ClientTests:
         pieces = "".join(c.choices[0].text for c in client.completions.create(
             model="local", prompt="The capital of France is", max_tokens=6, stream=True) if c.choices)
         assert pieces == completion.choices[0].text and completion.usage.completion_tokens == 6
+
+    def test_echo_logprobs_as_lm_eval_asks(self, server, model):
+        """lm-evaluation-harness's loglikelihood request (its local-completions model: the prompt as
+        token ids, echo, logprobs 1, max_tokens 1, temperature 0), sent with the openai library and read
+        as lm-eval reads it: a logprob for each prompt token, the first null, then the generated
+        token's. They are the numpy reference forward pass's (q4_0 weights and q8_0 activations on
+        both sides); the generated token's is bitwise what a plain request reports for it; max_tokens
+        0 gives the prompt alone with the same values, streamed or not, and a text prompt echoes its
+        text."""
+        from openai import OpenAI
+
+        from tests.support.reference import ReferenceModel
+
+        client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        ids = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4649, 314]  # "The capital of France is Paris. The capital of France is"
+        reply = client.completions.create(model="local", prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0,
+                                          seed=1234)
+        logprobs = reply.choices[0].logprobs
+        assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+        assert logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+        assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 1
+        # lm-eval's parse_logprobs: the continuation's logprobs, and whether each was the top token.
+        # SmolLM2-135M's top picks: " is" after the second " France", not " capital" after " The".
+        def greedy(context):
+            return all(value == max(top.values()) for value, top in
+                       zip(logprobs.token_logprobs[context:-1], logprobs.top_logprobs[context:-1]))
+
+        assert greedy(11) and not greedy(8)
+        reference = ReferenceModel(model.mlb, q8_activations=True).forward(ids).astype(np.float64)
+        reference -= reference.max(axis=1, keepdims=True)
+        reference -= np.log(np.exp(reference).sum(axis=1, keepdims=True))
+        want = reference[np.arange(len(ids) - 1), ids[1:]]
+        # q4_0 with SmolLM2's outlier activations: a q8_0 block may round the other way on either side
+        # (test_engine.py's RealModelReferenceTests), up to 0.3 apart here; a token scored at the wrong
+        # position is nats off
+        np.testing.assert_allclose(logprobs.token_logprobs[1:len(ids)], want, atol=0.4)
+        plain = client.completions.create(model="local", prompt=[ids], max_tokens=1, logprobs=1, temperature=0)
+        assert plain.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[-1:]
+        assert reply.choices[0].text.endswith(plain.choices[0].text)
+        alone = client.completions.create(model="local", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+        assert alone.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+        assert alone.choices[0].finish_reason == "length" and alone.usage.completion_tokens == 0
+        streamed = list(client.completions.create(model="local", prompt=ids, max_tokens=0, logprobs=1, echo=True,
+                                                  stream=True))
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == alone.choices[0].text
+        assert [v for c in streamed if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs] == alone.choices[0].logprobs.token_logprobs
+        text = client.completions.create(model="local", prompt="The capital of France is", max_tokens=3, echo=True,
+                                         temperature=0)
+        assert text.choices[0].text.startswith("The capital of France is ")
 
     def test_openai_node(self, server):
         """The openai npm package under node: chat and completions, plain and streamed, models, a wrong key is fine here."""

@@ -148,6 +148,9 @@ class Backend:
         except ValueError as e:  # an empty prompt, a token id the engine refuses
             raise InvalidRequest(str(e), param=param) from None
         constraint, closes = self.constraint(completion)
+        echo = Echo(self, completion, prompt.tokens) if getattr(completion, "echo", False) else None
+        if echo is not None and on_text is not None:
+            on_text, on_logprobs = echo.streaming(on_text, on_logprobs)
         if on_logprobs is not None:
             streamed, on_logprobs = on_logprobs, lambda entries: streamed(self.logprob_pieces(entries))
         max_tokens = completion.max_tokens if completion.max_tokens is not None else self.runtime.max_tokens
@@ -164,7 +167,11 @@ class Backend:
                 logit_bias=completion.logit_bias,
                 logprobs=completion.logprobs,
                 on_logprobs=on_logprobs,
+                prompt_logprobs=completion.logprobs if echo is not None else None,
+                reply=echo is None or completion.max_tokens != 0,
             )
+        if echo is not None:
+            echo.generation = generation
         if closes:
             constraint.close_within(generation.limit)
 
@@ -173,9 +180,9 @@ class Backend:
                 if finished.error is not None:
                     raise finished.error
                 result = finished.result
-                if completion.logprobs is None:
-                    return result
-                return dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
+                if completion.logprobs is not None:
+                    result = dataclasses.replace(result, logprobs=self.logprob_pieces(result.logprobs))
+                return echo.conclude(result) if echo is not None else result
 
         return Pending(generation, conclude)
 
@@ -212,6 +219,67 @@ class Backend:
     def detokenize(self, tokens):
         """/detokenize's answer. This must be called in the worker thread."""
         return detokenize(self.tokenizer, tokens)
+
+
+class Echo:
+    """A text completion's `echo`: the reply comes after the prompt, and with `logprobs` each prompt
+    token has its own (the log probability the model gives it after the tokens before it; the
+    first has none, null in the reply, unless a BOS the tokenizer added precedes it, which is not
+    echoed: the echo is the prompt as sent). The echoed text is those tokens' text, so that
+    `text_offset` points into it. Worker thread only."""
+
+    def __init__(self, backend, completion, prompt_ids):
+        tokenizer = backend.tokenizer
+        self.backend = backend
+        self.logprobs = completion.logprobs
+        # a text prompt gets the tokenizer's BOS first; token ids are the prompt as given
+        added = completion.prompt_tokens is None and tokenizer.add_bos and tokenizer.bos_id is not None \
+            and prompt_ids[:1] == (tokenizer.bos_id,)
+        self.skip = 1 if added else 0
+        self.ids = prompt_ids[self.skip:]
+        self.text = tokenizer.decode(self.ids, special=True).decode("utf-8", "replace")
+        self.generation = None   # set once made: its prompt entries are read when the prompt is in
+        self.sent = False        # streamed: the echo went out before the reply's first text
+
+    def entries(self):
+        """(bytes, logprob, top) of each echoed token; the first token scored after nothing is
+        (bytes, None, None)."""
+        scored = self.backend.logprob_pieces(self.generation.result.prompt_logprobs
+                                             if self.generation.result is not None
+                                             else self.generation.prompt_entries)
+        entries = list(scored)   # after the added BOS, the first echoed token's is its first
+        if not self.skip:
+            entries.insert(0, (self.backend.tokenizer.token_bytes(self.ids[0]), None, None))
+        return entries
+
+    def streaming(self, on_text, on_logprobs):
+        """The Generation's on_text and on_logprobs for a streamed reply: the echo (its text, and
+        with logprobs its entries) goes before the reply's first piece."""
+        def text(piece):
+            if not self.sent:
+                self.sent = True
+                piece = self.text + piece
+            on_text(piece)
+
+        def logprobs(entries):
+            if not self.sent:
+                entries = tuple(self.entries()) + tuple(entries)
+            on_logprobs(entries)
+
+        self.on_text, self.on_logprobs = on_text, on_logprobs
+        return text, (logprobs if on_logprobs is not None else None)
+
+    def conclude(self, result):
+        """The result with the echo before the reply (streamed: sent now, if no piece took it)."""
+        if hasattr(self, "on_text"):
+            if not self.sent:
+                self.sent = True
+                if self.on_logprobs is not None:
+                    self.on_logprobs(tuple(self.entries()))
+                self.on_text(self.text)
+            return result
+        logprobs = tuple(self.entries()) + result.logprobs if self.logprobs is not None else result.logprobs
+        return dataclasses.replace(result, text=self.text + result.text, logprobs=logprobs)
 
 
 def tokenize(tokenizer, content, *, add_special, parse_special, with_pieces):

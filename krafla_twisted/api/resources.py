@@ -429,7 +429,8 @@ class Reply(QueuedReply):
             token = piece.decode("utf-8", "replace")
             out["tokens"].append(token)
             out["token_logprobs"].append(value)
-            out["top_logprobs"].append({p.decode("utf-8", "replace"): v for p, v in top})
+            # an echoed prompt's first token has no logprob and no alternatives (null)
+            out["top_logprobs"].append(None if top is None else {p.decode("utf-8", "replace"): v for p, v in top})
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(token)
         return out

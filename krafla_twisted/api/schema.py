@@ -42,6 +42,7 @@ class CompletionRequest:
     prompt_text: str | None = None
     prompt_tokens: tuple | None = None
     suffix: str | None = None           # fill in the middle: the reply goes between prompt_text and this
+    echo: bool = False                  # text completions: the reply follows the prompt (with its logprobs)
     max_tokens: int | None = None
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stop: tuple = ()
@@ -208,16 +209,16 @@ def _sampling(body):
     )
 
 
-def _generation_fields(body, n_vocab):
+def _generation_fields(body, n_vocab, fewest_tokens=1):
     """The fields both endpoints read the same way (in this order, after the messages or the prompt)."""
-    return {"max_tokens": _max_tokens(body), "sampling": _sampling(body), "stop": _stop(body),
+    return {"max_tokens": _max_tokens(body, fewest_tokens), "sampling": _sampling(body), "stop": _stop(body),
             "logit_bias": _logit_bias(body, n_vocab)}
 
 
-def _max_tokens(body):
+def _max_tokens(body, fewest=1):
     # max_completion_tokens is the newer name; when both are set it wins, as in OpenAI's API.
-    newer = _integer(body, "max_completion_tokens", 1)
-    older = _integer(body, "max_tokens", 1)
+    newer = _integer(body, "max_completion_tokens", fewest)
+    older = _integer(body, "max_tokens", fewest)
     return newer if newer is not None else older
 
 
@@ -518,12 +519,14 @@ def parse_completion_request(body, n_vocab):
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise InvalidRequest(f"'echo' must be a boolean, not {json_type(echo)}", param="echo")
-    if echo:
-        raise Unsupported("This server does not echo the prompt ('echo')", param="echo")
+    echo = bool(echo)
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest(f"'suffix' must be a string, not {json_type(suffix)}", param="suffix")
     suffix = check_text(suffix, "suffix") if suffix else None
+    if echo and suffix is not None:
+        raise InvalidRequest("'echo' and 'suffix' cannot be used together: the reply of a fill in the middle "
+                             "goes between two texts, not after the prompt", param="echo")
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of > 1:
         raise Unsupported(f"'best_of' must be 1: this server makes one reply per request; got {best_of}", param="best_of")
@@ -542,10 +545,12 @@ def parse_completion_request(body, n_vocab):
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
         suffix=suffix,
-        **_generation_fields(body, n_vocab),
+        # with echo, max_tokens 0 asks for the prompt alone (its logprobs, as lm-evaluation-harness does)
+        **_generation_fields(body, n_vocab, fewest_tokens=0 if echo else 1),
         stream=stream,
         include_usage=include_usage,
         logprobs=None if logprobs is None or logprobs is False else int(logprobs),
+        echo=echo,
     )
 
 

@@ -95,6 +95,7 @@ class GenerationResult:
     stop_string: str = None     # the stop string the reply was cut at (None: it ended otherwise)
     proposed_tokens: int = 0    # tokens speculation proposed (krafla_twisted/generation/speculate.py)
     accepted_tokens: int = 0    # of those, the ones the model's own sampling confirmed
+    prompt_logprobs: tuple = () # TokenLogprobs of the prompt's tokens after the first, when asked for
 
     @property
     def prompt_tokens_per_second(self):
@@ -467,6 +468,10 @@ def build_prompt(runtime, *, messages=None, text=None, tokens=None, infill=None,
 # ---------------------------------------------------------------------------------------------
 # Generation: one request's reply, step by step
 
+# With prompt_logprobs every prompt position's logits are kept for a step (a row of n_vocab floats
+# each): at most this many prompt tokens per step bounds that to a few tens of MB.
+PROMPT_LOGPROBS_CHUNK = 64
+
 
 class Generation:
     """One request's reply as a state machine, so one driver can run it alone (Generator.generate)
@@ -486,7 +491,7 @@ class Generation:
 
     def __init__(self, runtime, prompt_tokens, *, max_tokens=None, sampling=None, stop_strings=(), on_text=None,
                  cancelled=lambda: False, on_prompt_progress=None, constraint=None, logit_bias=None,
-                 logprobs=None, on_logprobs=None):
+                 logprobs=None, on_logprobs=None, prompt_logprobs=None, reply=True):
         self.runtime = runtime
         prompt = [int(t) for t in prompt_tokens]
         sampling = (sampling or runtime.sampling).check()
@@ -505,6 +510,8 @@ class Generation:
         self.sampling = dataclasses.replace(sampling, seed=seed)
         self.prompt = prompt
         self.limit = n_ctx - len(prompt) if not max_tokens else min(n_ctx - len(prompt), max_tokens)
+        if not reply:
+            self.limit = 0          # the prompt alone: its logprobs, no reply
         self.stop_strings = stop_strings
         self.on_text = on_text
         self.cancelled = cancelled
@@ -513,6 +520,8 @@ class Generation:
         self.logit_bias = logit_bias
         self.logprobs = logprobs
         self.on_logprobs = on_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_entries = []    # TokenLogprobs of prompt tokens 1.. when prompt_logprobs is set
         self.history_size = self.sampling.repeat_last_n if self.sampling.repeat_last_n >= 0 else n_ctx
         self.slot = None
         self.position = 0           # prompt tokens in the slot's cache
@@ -549,14 +558,16 @@ class Generation:
         self.started = time.perf_counter()
         prompt = self.prompt
         common = slot.common_prefix(prompt)
-        if common == len(prompt) == len(slot.cached) and slot.cached_logits is not None:
+        if self.prompt_logprobs is not None:
+            common = 0  # every position runs again: its logits score the prompt token after it
+        elif common == len(prompt) == len(slot.cached) and slot.cached_logits is not None:
             self.position = self.cached_count = common
             self._prompt_done()
             self._next_token(slot.cached_logits)
             return
         if common == len(prompt):
             common -= 1  # the last prompt token runs again to give its logits
-        seeded = self.runtime.seed_slot(slot, prompt, common)
+        seeded = self.runtime.seed_slot(slot, prompt, common) if self.prompt_logprobs is None else None
         if seeded is not None:
             common = seeded
         elif common < slot.session.n_tokens:
@@ -573,15 +584,21 @@ class Generation:
         """(token ids, logits mode) to evaluate next in self.slot.session: up to `budget` prompt
         tokens ("none" while more of the prompt follows, "last" for its end), or the last reply
         token ("last"), followed, when the runtime speculates, by up to budget - 1 proposed tokens
-        ("all": every position's logits are needed to check them). The ids are empty when budget
-        is 0 during the prompt. None once the generation is over. Cancellation is noticed before
-        each prompt chunk and before each token is sampled."""
+        ("all": every position's logits are needed to check them). With prompt_logprobs, prompt
+        chunks of at most PROMPT_LOGPROBS_CHUNK tokens ask for every position's logits too ("all").
+        The ids are empty when budget is 0 during the prompt. None once the generation is over.
+        Cancellation is noticed before each prompt chunk and before each token is sampled."""
         if self.result is not None:
             return None
         if self.prefilling:
             if self.cancelled():
                 self._end("cancelled")
                 return None
+            if self.prompt_logprobs is not None:
+                budget = min(budget, PROMPT_LOGPROBS_CHUNK)
+                chunk = self.prompt[self.position:self.position + max(0, budget)]
+                self.pending = chunk
+                return chunk, ("all" if len(chunk) > 1 else "last")  # a lone token's row is its last
             chunk = self.prompt[self.position:self.position + max(0, budget)]
             self.pending = chunk
             return chunk, ("last" if self.position + len(chunk) == len(self.prompt) else "none")
@@ -610,9 +627,12 @@ class Generation:
 
     def feed(self, logits):
         """The session evaluated what next_input gave; `logits` are the last token's (None for "none"),
-        or the rows of every position when it gave proposed tokens ("all")."""
+        or the rows of every position when it gave proposed tokens or asked for the prompt's
+        logprobs ("all")."""
         if len(self.pending) > 1 and not self.prefilling:
             return self._verify(logits)
+        if self.prefilling and self.prompt_logprobs is not None:
+            logits = self._score_prompt(logits)
         slot = self.slot
         slot.cached.extend(self.pending)
         slot.cached_logits = logits
@@ -623,7 +643,21 @@ class Generation:
             if self.position < len(self.prompt):
                 return
             self._prompt_done()
+            if self.limit == 0:
+                return self._end("length")
         self._next_token(logits)
+
+    def _score_prompt(self, rows):
+        """Record, from the rows of a prompt chunk, each next prompt token's TokenLogprob; returns the
+        last row (the logits after the chunk)."""
+        prompt = self.prompt
+        if not isinstance(rows, list):
+            rows = [rows]
+        for index, row in enumerate(rows):
+            after = self.position + index + 1
+            if after < len(prompt):
+                self.prompt_entries.append(token_logprob(row, prompt[after], self.prompt_logprobs))
+        return rows[len(self.pending) - 1]
 
     def _verify(self, rows):
         """Sample position by position from `rows` (row j after pending[j]) exactly as without
@@ -742,7 +776,7 @@ class Generation:
         self.result = GenerationResult("".join(self.pieces), finish, len(self.prompt), len(self.reply),
                                        self.cached_count, self.prompt_seconds, time.perf_counter() - self.started,
                                        tuple(self.reply), self.sampling.seed, tuple(self.token_logprobs),
-                                       self.stops.matched, self.proposed, self.accepted)
+                                       self.stops.matched, self.proposed, self.accepted, tuple(self.prompt_entries))
 
     def _close_sampler(self):
         if self.sampler is not None:
