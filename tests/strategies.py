@@ -157,7 +157,7 @@ _sampling_invalid = {
     "stop": (_not("string", "array") | st.lists(st.text(min_size=1), min_size=5, max_size=7)
              | st.lists(_not("string"), min_size=1, max_size=3) | st.just([""])),
     "stream": _not("bool"),
-    "n": _not("int") | st.integers(-(2**40), 2**40).filter(lambda n: n != 1),
+    "n": _not("int") | _integer_outside(1, 128),
     "model": _not("string"),
 }
 # Types only; the refusals and the new fields' values are tested on their own.
@@ -177,7 +177,7 @@ _chat_invalid = dict(
 _completion_invalid = dict(
     _sampling_invalid,
     prompt=(_not("string", "array") | st.just([]) | st.lists(st.integers(1000, 2**40), min_size=1, max_size=3)
-            | st.lists(st.integers(-(2**40), -1), min_size=1, max_size=3) | st.lists(st.text(), min_size=2, max_size=3)),
+            | st.lists(st.integers(-(2**40), -1), min_size=1, max_size=3) | st.lists(st.lists(st.text(), min_size=1, max_size=2), min_size=1, max_size=2)),
     echo=_not("bool"),
     suffix=_not("string"),
     best_of=_not("int") | _integer_outside(1),

@@ -79,7 +79,7 @@ class ParseErrorTests(unittest.TestCase):
 
 
 class RefusalTests(unittest.TestCase):
-    """What the original refuses and still does: legacy functions, images, best_of>1, n!=1; and
+    """What the original refuses and still does: legacy functions, images, best_of>1; and
     the new fields' bad values (top_logprobs without logprobs, logit_bias out of range, unknown response_format)."""
 
     def setUp(self):
@@ -102,14 +102,14 @@ class RefusalTests(unittest.TestCase):
                              ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                              ({"tool_choice": "required"}, "tool_choice"),
                              ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
-                             ({"n": 2}, "n"),
+                             ({"n": 129}, "n"), ({"n": 0}, "n"),
                              ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
                              ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
                              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                               "messages[0].content[0]")):
             error = self.refused("/v1/chat/completions", dict(base, **extra), param)
             self.assertEqual(error["type"], "invalid_request_error")
-        for harmless in ({"logprobs": False}, {"tools": []}, {"response_format": {"type": "text"}}, {"n": 1},
+        for harmless in ({"logprobs": False}, {"tools": []}, {"response_format": {"type": "text"}}, {"n": 1}, {"n": 3},
                          {"top_logprobs": None}, {"tool_choice": "none"}):
             response, _ = self.harness.fetch("POST", "/v1/chat/completions", dict(base, **harmless))
             self.assertEqual(response.code, 200, harmless)
@@ -128,16 +128,20 @@ class RefusalTests(unittest.TestCase):
             self.assertEqual(response.code, 200, path)
 
     def test_completion_refusals(self):
-        """echo with a suffix, max_tokens 0 without echo, best_of above 1, logprobs above 5, n above 1, several
-        prompts, and a suffix that is not text or follows token ids are refused for completions."""
+        """echo with a suffix, max_tokens 0 without echo, best_of above 1, logprobs above 5, more than 128
+        choices (n times the prompts), an empty or nested prompt in a batch, and a suffix that is not text
+        or follows token ids are refused for completions."""
         for extra, param in (({"echo": True, "suffix": "end"}, "echo"), ({"max_tokens": 0}, "max_tokens"),
                              ({"echo": True, "max_tokens": -1}, "max_tokens"), ({"echo": 1}, "echo"),
                              ({"suffix": 5}, "suffix"), ({"prompt": [1, 2], "suffix": "end"}, "suffix"),
                              ({"best_of": 2}, "best_of"),
-                             ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"), ({"n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
+                             ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"),
+                             ({"n": 65, "prompt": ["a", "b"]}, "n"), ({"prompt": ["a"] * 129}, "prompt"),
+                             ({"prompt": [[1, 2], []]}, "prompt"), ({"prompt": [[[1]]]}, "prompt"),
+                             ({"prompt": [[1], [2]], "suffix": "end"}, "suffix")):
             self.refused("/v1/completions", dict({"prompt": "hi"}, **extra), param)
         for harmless in ({"echo": False}, {"suffix": None}, {"best_of": 1}, {"logprobs": None}, {"prompt": ["one"]},
-                         {"echo": True}, {"echo": True, "max_tokens": 0}):
+                         {"echo": True}, {"echo": True, "max_tokens": 0}, {"n": 2}, {"prompt": ["a", [1, 2]], "n": 64}):
             response, _ = self.harness.fetch("POST", "/v1/completions", dict({"prompt": "hi"}, **harmless))
             self.assertEqual(response.code, 200, harmless)
 

@@ -177,7 +177,7 @@ class EndpointTests:
     def test_refusals(self, server):
         """The original's refusals reach a real client as 400 naming the field."""
         for path, body, param in (
-            ("/chat/completions", chat_body("x", n=2), "n"),
+            ("/chat/completions", chat_body("x", n=200), "n"),
             ("/completions", {"prompt": "x", "echo": True, "suffix": "y"}, "echo"),
             ("/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
             ("/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
@@ -447,6 +447,52 @@ class ClientTests:
         text = client.completions.create(model="local", prompt="The capital of France is", max_tokens=3, echo=True,
                                          temperature=0)
         assert text.choices[0].text.startswith("The capital of France is ")
+
+    def test_several_choices_and_prompts(self, server):
+        """`n` and a batch of prompts through the openai library. Choice i of a seeded chat is the reply
+        the same request gets with n 1 and seed + i (each choice is a generation of its own); a batch's
+        choices are its prompts' replies in order, n for each; usage counts each prompt once and
+        every reply. Streamed, each choice's chunks carry its index and join to the same texts, with
+        one usage chunk after the last. A prompt of the batch too long for the context makes the
+        whole request a 400, and the server goes on."""
+        from openai import BadRequestError, OpenAI
+
+        client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Name a colour."}]
+        options = dict(model="local", messages=messages, max_tokens=8, temperature=1.0, top_p=0.95)
+        reply = client.chat.completions.create(n=3, seed=40, **options)
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        alone = [client.chat.completions.create(seed=40 + i, **options) for i in range(3)]
+        assert [c.message.content for c in reply.choices] == [a.choices[0].message.content for a in alone]
+        assert len({c.message.content for c in reply.choices}) > 1, "sampled with different seeds"
+        assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+        assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+        prompts = ["The capital of France is", "One, two, three,"]
+        batch = client.completions.create(model="local", prompt=prompts, n=2, max_tokens=6, temperature=0)
+        singles = [client.completions.create(model="local", prompt=p, max_tokens=6, temperature=0) for p in prompts]
+        assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+        assert batch.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+
+        status, events, _ = stream(server, "/chat/completions", dict(options, n=3, seed=40, stream=True,
+                                                                     stream_options={"include_usage": True}))
+        assert status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        texts = ["", "", ""]
+        for event in events[:-1]:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content") or ""
+        assert texts == [c.message.content for c in reply.choices]
+        usages = [e["usage"] for e in events[:-1] if e.get("usage")]
+        assert [u["completion_tokens"] for u in usages] == [reply.usage.completion_tokens]
+        assert len({e["id"] for e in events[:-1]}) == 1
+
+        with pytest.raises(BadRequestError) as raised:
+            client.completions.create(model="local", prompt=["Hi", "hello " * 5000], max_tokens=4)
+        assert raised.value.code == "context_length_exceeded"
+        assert client.completions.create(model="local", prompt=prompts[0], max_tokens=6,
+                                         temperature=0).choices[0].text == singles[0].choices[0].text
 
     def test_openai_node(self, server):
         """The openai npm package under node: chat and completions, plain and streamed, models, a wrong key is fine here."""

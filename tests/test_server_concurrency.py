@@ -153,3 +153,31 @@ class ConcurrencyTests:
         follow = first + [one["choices"][0]["message"], {"role": "user", "content": "And a river?"}]
         again = ask(follow)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"]
+
+    def test_choices_side_by_side(self, server):
+        """A seeded chat with n 4 on four slots runs its choices in the same forward steps, and each
+        choice is the reply a request with n 1 and seed + index gets alone; a client that leaves a
+        streamed n 4 request frees every slot."""
+        client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        body = chat("Write a line about the sea.", temperature=0.9, seed=70)
+        fields = {k: v for k, v in body.items() if k not in ("model", "messages")}
+        alone = []
+        for index in range(PARALLEL):
+            reply = client.chat.completions.create(model="local", messages=body["messages"], **dict(fields, seed=70 + index))
+            alone.append(reply.choices[0].message.content)
+        before = histogram(server)
+        together = client.chat.completions.create(model="local", messages=body["messages"], n=PARALLEL, **fields)
+        assert [c.message.content for c in together.choices] == alone
+        after = histogram(server)
+        full = after[("krafla_batch_sequences_count", None)] - after[("krafla_batch_sequences_bucket", str(PARALLEL - 1))]
+        full_before = before[("krafla_batch_sequences_count", None)] - before[("krafla_batch_sequences_bucket", str(PARALLEL - 1))]
+        assert full > full_before, "no forward step held all four choices"
+        start = len(server.lines)
+        stream = client.chat.completions.create(model="local", messages=body["messages"], n=PARALLEL, stream=True,
+                                                **dict(fields, max_tokens=200))
+        for count, _ in enumerate(stream):
+            if count == 3:
+                stream.close()
+                break
+        server.wait_for(lambda line: "client gone" in line, start=start)
+        assert histogram(server)[("krafla_slots_busy", None)] == 0

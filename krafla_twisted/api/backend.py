@@ -73,10 +73,15 @@ class Backend:
             return generate.build_prompt(self.runtime, tokens=completion.prompt_tokens, stop=completion.stop)
         return generate.build_prompt(self.runtime, text=completion.prompt_text, stop=completion.stop)
 
-    def sampling(self, overrides):
-        """The server's default SamplingParams (its -T, -p, ... options) with the request's fields over them."""
+    def sampling(self, overrides, choice=0):
+        """The server's default SamplingParams (its -T, -p, ... options) with the request's fields over them;
+        the `choice`th of a request's n replies samples with the seed plus `choice` (so they differ, and a
+        seeded request repeats all of them)."""
         changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)}
-        return dataclasses.replace(self.runtime.sampling, **{k: v for k, v in changes.items() if v is not None})
+        sampling = dataclasses.replace(self.runtime.sampling, **{k: v for k, v in changes.items() if v is not None})
+        if choice and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + choice) % 2**64)
+        return sampling
 
     def token_pieces(self, tokens):
         """Each token's bytes, in order."""
@@ -159,7 +164,7 @@ class Backend:
                 self.runtime,
                 prompt.tokens,
                 max_tokens=max_tokens,
-                sampling=self.sampling(completion.sampling),
+                sampling=self.sampling(completion.sampling, getattr(completion, "choice", 0)),
                 stop_strings=prompt.stop_strings,
                 on_text=on_text,
                 cancelled=cancelled,

@@ -6,6 +6,7 @@ one tree.
 Every resource here runs in the I/O thread. The engine is reached only through the EngineWorker.
 """
 
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -223,7 +224,10 @@ class Completions(Endpoint):
         else:
             completion = parse_completion_request(body, backend.n_vocab)
         self.api.admit()
-        Reply(self.api, request, completion).start()
+        if completion.n == 1 and not completion.batch:
+            Reply(self.api, request, completion).start()
+        else:
+            Choices(self.api, request, completion).start()
         return NOT_DONE_YET
 
 
@@ -482,10 +486,14 @@ class Reply(QueuedReply):
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
-    def _finished(self, result):
+    def _job_over(self, result):
+        """The worker is done with this reply's job (`result` None: skipped or failed)."""
         if result is not None:
             self.request.completion_stats = result
         self.request.work_done()
+
+    def _finished(self, result):
+        self._job_over(result)
         if self.gone or result is None or result.finish_reason == "cancelled":
             return
         text, reasoning = result.text, None
@@ -540,10 +548,14 @@ class Reply(QueuedReply):
             choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": finish_reason}
         reply["choices"] = [choice]
         reply["usage"] = self._usage(result)
+        self._deliver(reply)
+
+    def _deliver(self, reply):
+        """Send the whole (not streamed) reply object."""
         self._write_whole(json_response(self.request, reply))
 
     def _failed(self, failure):
-        self.request.work_done()
+        self._job_over(None)
         if self.gone:
             return
         error = self._api_error(failure)
@@ -557,3 +569,209 @@ class Reply(QueuedReply):
         """End a started stream with the error as its last event (a dialect names its own event)."""
         self.stream.send(self.error_body(error))
         self.stream.end()
+
+
+def choice_requests(completion):
+    """The one-reply requests of `completion`'s choices, in the order of their index: for each prompt
+    of a batch (or the one prompt, or the chat), `n` replies."""
+    prompts = completion.batch or ((completion.prompt_text, completion.prompt_tokens),)
+    return [dataclasses.replace(completion, prompt_text=text, prompt_tokens=tokens, batch=(), n=1, choice=choice)
+            for text, tokens in prompts for choice in range(completion.n)]
+
+
+class Choices:
+    """A request with several choices (`n` above 1, or a batch of prompts): each choice is a
+    ChoiceReply, a job of its own that joins the scheduler as any request does (side by side with
+    --parallel), and they answer as one response whose choices carry their index. Not streamed,
+    it is written once every choice is done; streamed, the choices' chunks go out as they come,
+    each with its index, and the stream ends (with the usage of all of them) after the last.
+    An error in any choice is the response's; the others are cancelled. I/O thread."""
+
+    def __init__(self, api, request, completion):
+        self.api = api
+        self.request = request
+        self.n = completion.n
+        completions = choice_requests(completion)
+        first = completions[0]
+        self.chat = first.kind == "chat"
+        self.include_usage = first.include_usage
+        self.stream = EventStream(request, on_stop=self._client_gone) if first.stream else None
+        self.members = [ChoiceReply(self, index, completion) for index, completion in enumerate(completions)]
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(api.clock.seconds())
+        self.replies = {}        # index -> the choice's whole reply (not streamed)
+        self.usages = {}         # index -> its usage
+        self.results = {}        # index -> its GenerationResult, for the log line
+        self.jobs_left = len(self.members)
+        self.ends_left = len(self.members)
+        self.over = False        # the response is written, failed, or its client left
+
+    def start(self):
+        self.request.work_pending = True
+        self.api.replies.add(self)
+        self.request.notifyFinish().addBoth(self._request_over)
+        for member in self.members:
+            member.start()
+
+    def _request_over(self, result):
+        self.api.replies.discard(self)
+        if isinstance(result, Failure):
+            self._client_gone()
+
+    def _client_gone(self, _=None):
+        self.over = True
+        for member in self.members:
+            member.cancel()
+
+    def shut_down(self):
+        """SIGTERM: every choice stops; the client gets the 503 (or, streamed, the error event)."""
+        if not self.over:
+            self.fail(ShuttingDown())
+
+    def job_over(self, index, result):
+        if result is not None:
+            self.results[index] = result
+        self.jobs_left -= 1
+        if self.jobs_left == 0:
+            if self.results:
+                self.request.completion_stats = self._combined_stats()
+            self.request.work_done()
+
+    def _combined_stats(self):
+        """One GenerationResult for the log line and /metrics: the choices' tokens summed (each
+        prompt's once), the first choice's timings."""
+        results = [self.results[i] for i in sorted(self.results)]
+        firsts = [self.results[i] for i in sorted(self.results) if i % self.n == 0] or results[:1]
+        return dataclasses.replace(results[0], prompt_tokens=sum(r.prompt_tokens for r in firsts),
+                                   cached_tokens=sum(r.cached_tokens for r in firsts),
+                                   completion_tokens=sum(r.completion_tokens for r in results),
+                                   proposed_tokens=sum(r.proposed_tokens for r in results),
+                                   accepted_tokens=sum(r.accepted_tokens for r in results))
+
+    def _usage(self):
+        """The usage of the whole response: each prompt's tokens once, every choice's reply tokens."""
+        usages = [self.usages[i] for i in sorted(self.usages)]
+        firsts = [self.usages[i] for i in sorted(self.usages) if i % self.n == 0]
+        prompt = sum(u["prompt_tokens"] for u in firsts)
+        completion = sum(u["completion_tokens"] for u in usages)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
+            "completion_tokens_details": {
+                "reasoning_tokens": sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)},
+        }
+
+    def deliver(self, index, reply):
+        """A choice's whole reply (not streamed); the response is written with the last."""
+        if self.over:
+            return
+        self.replies[index] = reply
+        self.usages[index] = reply["usage"]
+        if len(self.replies) < len(self.members):
+            return
+        self.over = True
+        response = dict(self.replies[0])
+        response["choices"] = [dict(self.replies[i]["choices"][0], index=i) for i in range(len(self.members))]
+        response["usage"] = self._usage()
+        body = json_response(self.request, response)
+        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
+        self.request.write(body)
+        self.request.finish()
+
+    def send(self, index, chunk):
+        """A choice's streamed chunk: its choice takes the choice's index; its usage chunk is held for the end."""
+        if self.over:
+            return
+        if not chunk.get("choices") and chunk.get("usage"):
+            self.usages[index] = chunk["usage"]
+            return
+        chunk["id"], chunk["created"] = self.id, self.created
+        for choice in chunk["choices"]:
+            choice["index"] = index
+        self.stream.send(chunk)
+
+    def end(self, index):
+        """A choice's stream ended; the response's ends after the last (with the usage of all, if asked)."""
+        self.ends_left -= 1
+        if self.over or self.ends_left:
+            return
+        self.over = True
+        if self.include_usage:
+            usage = self.members[0]._envelope("chat.completion.chunk" if self.chat else "text_completion")
+            usage["choices"] = []
+            usage["usage"] = self._usage()
+            self.stream.send(usage)
+        self.stream.end()
+
+    def fail(self, error):
+        """A choice failed (or the server stops): the others are cancelled and the client gets the error,
+        as a last event once the stream has started."""
+        if self.over:
+            return
+        self._client_gone()
+        if self.stream is not None and self.stream.started:
+            self.stream.send(self.members[0].error_body(error))
+            self.stream.end()
+            return
+        body = error_response(self.request, error, self.members[0].error_body(error))
+        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
+        self.request.write(body)
+        self.request.finish()
+
+
+class ChoiceStream:
+    """What a ChoiceReply streams through: its chunks go to the response's stream with its index."""
+
+    def __init__(self, group, index):
+        self.group = group
+        self.index = index
+        self.started = False     # per choice: each chat choice's first chunk carries the role
+
+    def start(self):
+        self.started = True
+        if not self.group.over:
+            self.group.stream.start()
+
+    def send(self, chunk):
+        self.started = True
+        self.group.send(self.index, chunk)
+
+    def end(self):
+        self.group.end(self.index)
+
+
+class ChoiceReply(Reply):
+    """One choice of a Choices response: a Reply whose output goes to the group instead of the request."""
+
+    def __init__(self, group, index, completion):
+        super().__init__(group.api, group.request, completion)
+        self.group = group
+        self.index = index
+        if self.stream is not None:
+            self.stream = ChoiceStream(group, index)
+
+    def start(self):
+        self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
+
+    def cancel(self):
+        self.gone = True
+        self.job.cancel()
+
+    def _envelope(self, kind):
+        envelope = super()._envelope(kind)
+        envelope["id"], envelope["created"] = self.group.id, self.group.created
+        return envelope
+
+    def _job_over(self, result):
+        self.group.job_over(self.index, result)
+
+    def _deliver(self, reply):
+        self.group.deliver(self.index, reply)
+
+    def _write_error(self, error):
+        self.group.fail(error)
+
+    def _stream_error(self, error):
+        self.group.fail(error)

@@ -19,6 +19,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_CHOICES = 128  # replies one request may ask for: `n` of them for each prompt of a batch
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class CompletionRequest:
     tools: tuple = ()                   # OpenAI tool objects ({"type": "function", "function": {...}})
     tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
     parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
+    n: int = 1                          # replies to make (for each prompt of a batch); choice i's seed is seed + i
+    batch: tuple = ()                   # text completions: (prompt_text, prompt_tokens) of each prompt, when several
+    choice: int = 0                     # which of the n replies this request is (resources.Choices splits them)
 
     @property
     def requires_call(self):
@@ -260,18 +264,17 @@ def _stream(body):
 
 
 def _common_checks(body):
+    """The fields every request has: `model`, and `n`, which is returned."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest(f"'model' must be a string, not {json_type(model)}", param="model")
-    n = _integer(body, "n", 1)
-    if n is not None and n != 1:
-        raise Unsupported(f"'n' must be 1: this server makes one reply per request; got {n}", param="n")
+    return _integer(body, "n", 1, MAX_CHOICES) or 1
 
 
 def parse_chat_request(body, n_vocab):
     """A validated chat request from a parsed JSON object (InvalidRequest on the first bad field);
     logit_bias's token ids are checked against the vocabulary size."""
-    _common_checks(body)
+    n = _common_checks(body)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InvalidRequest(f"'logprobs' must be a boolean, not {json_type(logprobs)}", param="logprobs")
@@ -292,6 +295,7 @@ def parse_chat_request(body, n_vocab):
                              param="parallel_tool_calls")
     stream, include_usage = _stream(body)
     return CompletionRequest(
+        n=n,
         kind="chat",
         messages=_messages(body),
         **_generation_fields(body, n_vocab),
@@ -515,7 +519,7 @@ def _content(content, where):
 def parse_completion_request(body, n_vocab):
     """A validated text completion request; token ids (the prompt's, logit_bias's) are checked
     against the vocabulary size."""
-    _common_checks(body)
+    n = _common_checks(body)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise InvalidRequest(f"'echo' must be a boolean, not {json_type(echo)}", param="echo")
@@ -535,12 +539,18 @@ def parse_completion_request(body, n_vocab):
         raise InvalidRequest(f"'logprobs' must be an integer, not {json_type(logprobs)}", param="logprobs")
     if logprobs is not None and not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}; got {logprobs}", param="logprobs")
-    prompt_text, prompt_tokens = _prompt(body.get("prompt"), n_vocab)
-    if suffix is not None and prompt_tokens is not None:
+    batch = _prompts(body.get("prompt"), n_vocab)
+    if len(batch) * n > MAX_CHOICES:
+        raise InvalidRequest(f"'n' times the number of prompts is at most {MAX_CHOICES}; got {n} x {len(batch)}",
+                             param="n")
+    prompt_text, prompt_tokens = batch[0]
+    if suffix is not None and any(tokens is not None for _, tokens in batch):
         raise InvalidRequest("'suffix' goes with a text prompt, not with token ids: the text before the insertion "
                              "and 'suffix' the text after it", param="suffix")
     stream, include_usage = _stream(body)
     return CompletionRequest(
+        n=n,
+        batch=batch if len(batch) > 1 else (),
         kind="text",
         prompt_text=prompt_text,
         prompt_tokens=prompt_tokens,
@@ -554,22 +564,31 @@ def parse_completion_request(body, n_vocab):
     )
 
 
-def _prompt(prompt, n_vocab):
+def _prompts(prompt, n_vocab):
+    """((text, None) or (None, token ids)) of each prompt: `prompt` is a string, an array of token
+    ids, or a batch: an array of strings or of token id arrays (OpenAI's four forms)."""
     if prompt is None:
         raise InvalidRequest("'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise InvalidRequest(f"'prompt' holds at most {MAX_CHOICES} prompts; got {len(prompt)}", param="prompt")
+        return tuple(_prompt(item, n_vocab, f"prompt[{index}]") for index, item in enumerate(prompt))
+    return (_prompt(prompt, n_vocab, "prompt"),)
+
+
+def _prompt(prompt, n_vocab, where):
     if isinstance(prompt, str):
-        return check_text(prompt, "prompt"), None
+        return check_text(prompt, where), None
     if not isinstance(prompt, list):
-        raise InvalidRequest(f"'prompt' must be a string or an array of token ids, not {json_type(prompt)}", param="prompt")
+        raise InvalidRequest(f"'{where}' must be a string or an array of token ids, not {json_type(prompt)}", param="prompt")
     if not prompt:
-        raise InvalidRequest("'prompt' must not be an empty array", param="prompt")
+        raise InvalidRequest(f"'{where}' must not be an empty array", param="prompt")
     if any(isinstance(item, (str, list)) for item in prompt):
-        raise InvalidRequest("'prompt' holds one prompt per request: a string or one array of token ids", param="prompt")
+        raise InvalidRequest(f"'{where}' must be a string or an array of token ids, not an array of arrays",
+                             param="prompt")
     for index, token in enumerate(prompt):
         if not is_int(token):
-            raise InvalidRequest(f"'prompt[{index}]' must be a token id (an integer), not {json_type(token)}", param="prompt")
+            raise InvalidRequest(f"'{where}[{index}]' must be a token id (an integer), not {json_type(token)}", param="prompt")
         if not 0 <= token < n_vocab:
-            raise InvalidRequest(f"'prompt[{index}]' is {token}, not a token id (0 to {n_vocab - 1})", param="prompt")
+            raise InvalidRequest(f"'{where}[{index}]' is {token}, not a token id (0 to {n_vocab - 1})", param="prompt")
     return None, tuple(prompt)
