@@ -303,9 +303,14 @@ class QueuedReply:
         return error
 
     def _write_whole(self, body):
-        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
-        self.request.write(body)
-        self.request.finish()
+        write_whole(self.request, body)
+
+
+def write_whole(request, body):
+    """Send `body` (bytes) as the whole response and finish it."""
+    request.setHeader(b"content-length", str(len(body)).encode("ascii"))
+    request.write(body)
+    request.finish()
 
 
 def call_ids(completion, calls, prefix):
@@ -675,10 +680,7 @@ class Choices:
         response = dict(self.replies[0])
         response["choices"] = [dict(self.replies[i]["choices"][0], index=i) for i in range(len(self.members))]
         response["usage"] = self._usage()
-        body = json_response(self.request, response)
-        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
-        self.request.write(body)
-        self.request.finish()
+        write_whole(self.request, json_response(self.request, response))
 
     def send(self, index, chunk):
         """A choice's streamed chunk: its choice takes the choice's index; its usage chunk is held for the end."""
@@ -715,10 +717,7 @@ class Choices:
             self.stream.send(self.members[0].error_body(error))
             self.stream.end()
             return
-        body = error_response(self.request, error, self.members[0].error_body(error))
-        self.request.setHeader(b"content-length", str(len(body)).encode("ascii"))
-        self.request.write(body)
-        self.request.finish()
+        write_whole(self.request, error_response(self.request, error, self.members[0].error_body(error)))
 
 
 class ChoiceStream:
