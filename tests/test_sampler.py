@@ -4,6 +4,7 @@ follow the softmax, and the random stream is xoshiro256** seeded by splitmix64 (
 here in Python), so a seed fixes the output. Also the rest of what a reply does with a row of
 logits in C: its log probabilities and a grammar's mask."""
 
+import collections
 import ctypes
 import math
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class Params:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 def draws(params, logits, n, history=()):
@@ -36,12 +39,22 @@ logit_rows = st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=60).map
     lambda values: np.array(values, dtype=np.float32))
 
 
-def penalised(logits, history, penalty, last_n):
-    """llama.cpp's repeat penalty, in numpy: each distinct id of the window once."""
+def penalised(logits, history, penalty, last_n, frequency=0.0, presence=0.0):
+    """llama.cpp's penalties, in numpy float32: for each distinct id of the window once, the repeat
+    penalty (positive logits divided, negative multiplied), then count * frequency + presence
+    subtracted (llama_sampler_penalties' order); a result that overflows saturates."""
     out = logits.astype(np.float32).copy()
     window = history if last_n < 0 else history[max(0, len(history) - last_n):] if last_n else []
-    for token in set(int(t) for t in window):
-        out[token] = out[token] / np.float32(penalty) if out[token] > 0 else out[token] * np.float32(penalty)
+    counts = collections.Counter(int(t) for t in window)
+    with np.errstate(over="ignore"):
+        for token, count in counts.items():
+            if out[token] == -np.inf:
+                continue
+            value = out[token] / np.float32(penalty) if out[token] > 0 else out[token] * np.float32(penalty)
+            value = value - (np.float32(count) * np.float32(frequency) + np.float32(presence))
+            if np.isinf(value):
+                value = np.float32(np.finfo(np.float32).max) * np.sign(value)
+            out[token] = value
     return out
 
 
@@ -110,6 +123,34 @@ class GreedyTests:
         expected = int(np.argmax(penalised(logits, history, penalty, last_n)))
         params = Params(repeat_penalty=penalty, repeat_last_n=last_n)
         assert draws(params, logits, 1, history) == [expected]
+
+    @settings(max_examples=200, deadline=None)
+    @given(logits=logit_rows, history=st.lists(st.integers(0, 3), max_size=12),
+           penalty=st.sampled_from([1.0, 1.3]), last_n=st.integers(-1, 12),
+           frequency=st.floats(-2, 2, width=32), presence=st.floats(-2, 2, width=32),
+           temperature=st.sampled_from([0.0, 0.7, 1.5]), seed=st.integers(0, 2**64 - 1))
+    def test_frequency_and_presence_penalties_match_llama_cpp_rule(self, logits, history, penalty, last_n, frequency,
+                                                                   presence, temperature, seed):
+        """OpenAI's frequency and presence penalties, after the repeat penalty as llama.cpp applies
+        them: the draws (greedy or sampled, same seed) are the draws from the numpy-penalised logits
+        with no penalty, so every penalised logit is the reference's to the bit."""
+        history = [t % len(logits) for t in history]
+        expected = draws(Params(temperature=temperature, seed=seed), penalised(logits, history, penalty, last_n,
+                                                                                frequency, presence), 3)
+        params = Params(temperature=temperature, seed=seed, repeat_penalty=penalty, repeat_last_n=last_n,
+                        frequency_penalty=frequency, presence_penalty=presence)
+        assert draws(params, logits, 3, history) == expected
+
+    def test_frequency_penalty_counts_repeats(self):
+        """A token seen three times loses 3 x the frequency penalty, one seen once 1 x; the presence
+        penalty takes the same from both: so frequency reorders them and presence does not."""
+        logits = np.array([5.0, 4.5, 3.0], dtype=np.float32)
+        history = [0, 0, 0, 1]
+        assert draws(Params(presence_penalty=1.0), logits, 1, history) == [0]    # 4 > 3.5 > 3
+        assert draws(Params(frequency_penalty=0.5), logits, 1, history) == [1]   # 5 - 1.5 < 4.5 - 0.5
+        assert draws(Params(frequency_penalty=2.0), logits, 1, history) == [2]   # -1 and 2.5 < 3
+        assert draws(Params(frequency_penalty=-1.0), logits, 1, [1, 1, 1, 1, 1, 1]) == [1]  # negative: encouraged
+        assert draws(Params(frequency_penalty=1.0, repeat_last_n=0), logits, 1, history) == [0]  # window off
 
     @pytest.mark.parametrize("last_n", [1, 3, 8])
     def test_window_edge(self, last_n):
@@ -297,6 +338,8 @@ class ValidationTests:
         ("repeat_penalty", 0.0, "repeat_penalty"),
         ("repeat_penalty", math.nan, "repeat_penalty"),
         ("repeat_last_n", -2, "repeat_last_n"),
+        ("frequency_penalty", math.nan, "frequency_penalty"),
+        ("presence_penalty", math.inf, "presence_penalty"),
     ])
     def test_bad_parameters(self, field, value, fragment):
         """A bad parameter is refused at creation with a message naming it."""

@@ -331,8 +331,10 @@ int32_t kr_model_pooled_size(const kr_model *model, int32_t pooling);
 // ---------------------------------------------------------------------------------------------
 // --- Sampler (sampler.c; owner: generate)
 //
-// Repeat penalty over the last repeat_last_n history tokens (a positive logit is divided by the
-// penalty, a negative one multiplied; each distinct id once), then greedy when temperature is 0,
+// Penalties over the last repeat_last_n history tokens, each distinct id once, as llama.cpp applies
+// them: the repeat penalty (a positive logit is divided by it, a negative one multiplied), then
+// OpenAI's frequency and presence penalties (count * frequency_penalty + presence_penalty is
+// subtracted, count being the id's occurrences in that window); then greedy when temperature is 0,
 // top_k is 1 or top_p is 0 (ties to the lowest id), else softmax(logits / temperature) -> top-k
 // -> top-p -> one draw from a xoshiro256** stream seeded with `seed`. Deterministic: the result
 // depends only on the arguments and on how many draws this sampler made before.
@@ -344,8 +346,10 @@ typedef struct {
     float top_p;           // 0..1; 1 = off
     int32_t top_k;         // >= 0; 0 = off
     float repeat_penalty;  // > 0; 1 = off
-    int32_t repeat_last_n; // >= 0, or -1 for the whole history; 0 = off
+    int32_t repeat_last_n; // >= 0, or -1 for the whole history; 0 = off (for all three penalties)
     uint64_t seed;
+    float frequency_penalty;  // finite; 0 = off (OpenAI's range is -2..2)
+    float presence_penalty;   // finite; 0 = off
 } kr_sampler_params;
 
 // A sampler over n_vocab tokens; NULL and err filled for a bad parameter (named in the message).

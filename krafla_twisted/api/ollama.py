@@ -43,6 +43,8 @@ OPTIONS = {
     "stop": "stop",
     "repeat_penalty": "repeat_penalty",
     "repeat_last_n": "repeat_last_n",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
 }
 # The names the schema's error messages use, as an Ollama client wrote them.
 RENAMED = {**{field: f"options.{option}" for option, field in OPTIONS.items()}, "response_format": "format"}
@@ -547,6 +549,8 @@ class Show(OllamaEndpoint):
         if sampling is not None:
             lines += [f"temperature {sampling.temperature:g}", f"top_p {sampling.top_p:g}", f"top_k {sampling.top_k}",
                       f"repeat_penalty {sampling.repeat_penalty:g}", f"repeat_last_n {sampling.repeat_last_n}"]
+            lines += [f"{name} {value:g}" for name, value in (("frequency_penalty", sampling.frequency_penalty),
+                                                               ("presence_penalty", sampling.presence_penalty)) if value]
             if sampling.seed is not None:
                 lines.append(f"seed {sampling.seed}")
         lines.append(f"num_ctx {backend.n_ctx}")

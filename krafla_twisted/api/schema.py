@@ -1,8 +1,8 @@
 """Request bodies: parse, check every field the server reads, refuse what it cannot do.
 
 Each check raises InvalidRequest (400) naming the field in `param`, so no body can reach the
-engine with a value of the wrong type or range. Fields the server does not use (frequency_penalty,
-user, ...) are ignored, as the original says.
+engine with a value of the wrong type or range. Fields the server does not use (user, metadata,
+...) are ignored, as the original says.
 """
 
 import json
@@ -32,6 +32,8 @@ class SamplingOverrides:
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
     seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,8 @@ def _sampling(body):
         repeat_penalty=_number(body, penalty_name, 0.0, FLOAT32_MAX, low_open=True),  # the sampler's float
         repeat_last_n=_integer(body, "repeat_last_n", -1, INT32_MAX),
         seed=None if seed is None else seed & UINT64_MAX,
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
     )
 
 

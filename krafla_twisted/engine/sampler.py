@@ -18,6 +18,8 @@ class kr_sampler_params(ctypes.Structure):
         ("repeat_penalty", ctypes.c_float),
         ("repeat_last_n", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
+        ("frequency_penalty", ctypes.c_float),
+        ("presence_penalty", ctypes.c_float),
     ]
 
 
@@ -55,7 +57,7 @@ class Sampler(clib.OwnedHandle):
     """Chooses tokens from logits with one seeded random stream; see krafla.h for the rules.
 
     `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n and seed
-    attributes (generate.SamplingParams); seed must be an int here (the caller picks one for None).
+    attributes, and optionally frequency_penalty and presence_penalty (generate.SamplingParams); seed must be an int here (the caller picks one for None).
     A bad value raises clib.KraflaError with the C library's message.
     """
 
@@ -68,6 +70,8 @@ class Sampler(clib.OwnedHandle):
             repeat_penalty=float(params.repeat_penalty),
             repeat_last_n=_int32(params.repeat_last_n, "repeat_last_n"),
             seed=int(params.seed) % SEED_MODULUS,
+            frequency_penalty=float(getattr(params, "frequency_penalty", 0.0)),
+            presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
         )
         err = clib.kr_error()
         handle = self._lib.kr_sampler_new(ctypes.byref(raw), _int32(n_vocab, "n_vocab"), ctypes.byref(err))

@@ -58,6 +58,13 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = None  # None: a new random seed for each generation
+    frequency_penalty: float = 0.0  # OpenAI's: count in the last repeat_last_n tokens times this is subtracted
+    presence_penalty: float = 0.0   # subtracted once from every token among them
+
+    @property
+    def penalises(self):
+        """Whether any penalty looks at the history."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def check(self):
         """Raise ValueError naming the first bad field; return self."""
@@ -75,6 +82,8 @@ class SamplingParams:
         integer("top_k", self.top_k, lambda v: 0 <= v < 2**31, "an integer >= 0")
         number("repeat_penalty", self.repeat_penalty, lambda v: v > 0, "a number > 0")
         integer("repeat_last_n", self.repeat_last_n, lambda v: -1 <= v < 2**31, "an integer >= -1")
+        number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "a number from -2 to 2")
+        number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "a number from -2 to 2")
         if self.seed is not None:
             integer("seed", self.seed, lambda v: 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
         return self
@@ -723,7 +732,7 @@ class Generation:
         sampling = self.sampling
         constraint = self.constraint
         history = ()
-        if self.history_size and sampling.repeat_penalty != 1.0:
+        if self.history_size and sampling.penalises:
             history = self.slot.cached[-self.history_size:]
         chosen_from = logits
         if self.logit_bias:

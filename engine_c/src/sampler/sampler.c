@@ -32,6 +32,7 @@ struct kr_sampler {
     double *weights;      // (n_vocab,) exp((logit - max) / temperature)
     kr_candidate *candidates;  // (n_vocab,) tokens under consideration (kept ones first)
     uint8_t *seen;        // (n_vocab,) marks ids already penalised in this call
+    int32_t *counts;      // (n_vocab,) occurrences in the window (frequency penalty only; else NULL)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +81,9 @@ static int check_params(const kr_sampler_params *p, kr_error *err) {
     if (!isfinite(p->repeat_penalty) || p->repeat_penalty <= 0.0f)
         return kr_fail(err, KR_ERR_ARGUMENT, "repeat_penalty must be a finite number > 0 (1 = off), got %g",
                        (double)p->repeat_penalty);
+    if (!isfinite(p->frequency_penalty) || !isfinite(p->presence_penalty))
+        return kr_fail(err, KR_ERR_ARGUMENT, "frequency_penalty and presence_penalty must be finite numbers, got %g and %g",
+                       (double)p->frequency_penalty, (double)p->presence_penalty);
     if (p->repeat_last_n < -1)
         return kr_fail(err, KR_ERR_ARGUMENT, "repeat_last_n must be >= 0, or -1 for the whole history, got %d",
                        p->repeat_last_n);
@@ -103,7 +107,8 @@ kr_sampler *kr_sampler_new(const kr_sampler_params *params, int32_t n_vocab, kr_
     s->weights = malloc((size_t)n_vocab * sizeof *s->weights);
     s->candidates = malloc((size_t)n_vocab * sizeof *s->candidates);
     s->seen = calloc((size_t)n_vocab, 1);
-    if (!s->logits || !s->weights || !s->candidates || !s->seen) {
+    s->counts = params->frequency_penalty != 0.0f ? calloc((size_t)n_vocab, sizeof *s->counts) : NULL;
+    if (!s->logits || !s->weights || !s->candidates || !s->seen || (params->frequency_penalty != 0.0f && !s->counts)) {
         kr_sampler_free(s);
         kr_fail(err, KR_ERR_MEMORY, "out of memory for a sampler over %d tokens", n_vocab);
         return NULL;
@@ -119,33 +124,44 @@ void kr_sampler_free(kr_sampler *sampler) {
     free(sampler->weights);
     free(sampler->candidates);
     free(sampler->seen);
+    free(sampler->counts);
     free(sampler);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Sampling
 
-// Whether the repeat penalty changes anything for this history.
+// Whether the penalties change anything for this history.
 static bool penalises(const kr_sampler_params *p, int32_t n_history) {
-    return p->repeat_penalty != 1.0f && p->repeat_last_n != 0 && n_history > 0;
+    bool any = p->repeat_penalty != 1.0f || p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f;
+    return any && p->repeat_last_n != 0 && n_history > 0;
 }
 
-// Penalise each distinct id among the last `window` history tokens once (when penalises()).
-static void apply_repeat_penalty(kr_sampler *s, const int32_t *history, int32_t n_history) {
-    float penalty = s->params.repeat_penalty;
-    int32_t window = s->params.repeat_last_n;
+// Penalise each distinct id among the last `window` history tokens once (when penalises()): the
+// repeat penalty, then count * frequency_penalty + presence_penalty subtracted (llama.cpp's order).
+static void apply_penalties(kr_sampler *s, const int32_t *history, int32_t n_history) {
+    const kr_sampler_params *p = &s->params;
+    int32_t window = p->repeat_last_n;
     int32_t start = (window < 0 || window >= n_history) ? 0 : n_history - window;
+    if (s->counts)
+        for (int32_t i = start; i < n_history; i++) s->counts[history[i]]++;
     for (int32_t i = start; i < n_history; i++) {
         int32_t id = history[i];
         if (s->seen[id]) continue;
         s->seen[id] = 1;
         float x = s->logits[id];
-        float y = x > 0.0f ? x / penalty : x * penalty;
+        if (x == -INFINITY) continue;  // a masked token stays masked
+        float y = x > 0.0f ? x / p->repeat_penalty : x * p->repeat_penalty;
+        float count = s->counts ? (float)s->counts[id] : 1.0f;
+        y -= count * p->frequency_penalty + p->presence_penalty;
         // Saturate: a penalty must neither make +inf (NaN weights) nor mask a token with -inf.
-        if (x != -INFINITY && isinf(y)) y = y > 0.0f ? FLT_MAX : -FLT_MAX;
+        if (isinf(y)) y = y > 0.0f ? FLT_MAX : -FLT_MAX;
         s->logits[id] = y;
     }
-    for (int32_t i = start; i < n_history; i++) s->seen[history[i]] = 0;
+    for (int32_t i = start; i < n_history; i++) {
+        s->seen[history[i]] = 0;
+        if (s->counts) s->counts[history[i]] = 0;
+    }
 }
 
 // The order tokens are ranked in: higher weight first, ties to the lower id (a total order).
@@ -286,7 +302,7 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
     const float *row = logits;
     if (penalises(p, n_history)) {
         memcpy(s->logits, logits, (size_t)n * sizeof *s->logits);
-        apply_repeat_penalty(s, history, n_history);
+        apply_penalties(s, history, n_history);
         row = s->logits;
         best = kr_argmax_f32(row, n);
     }
