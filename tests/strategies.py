@@ -153,6 +153,7 @@ _sampling_invalid = {
     "repeat_last_n": _not("int") | _integer_outside(-1, 2**31 - 1),
     "frequency_penalty": _not("int", "number") | _number_outside(-2, 2),
     "presence_penalty": _not("int", "number") | _number_outside(-2, 2),
+    "min_p": _not("int", "number") | _number_outside(0, 1),
     "seed": _not("int") | _integer_outside(-(2**63), 2**64 - 1),
     "max_tokens": _not("int") | _integer_outside(1),
     "max_completion_tokens": _not("int") | _integer_outside(1),

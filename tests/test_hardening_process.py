@@ -122,7 +122,7 @@ NUMERIC = {
     "temperature": (0, 2, False), "top_p": (0, 1, False), "top_k": (0, 2**31 - 1, True),
     "repeat_penalty": (0, 3.4028234663852886e38, False), "repeat_last_n": (-1, 2**31 - 1, True), "seed": (None, None, True), "max_tokens": (1, None, True),
     "max_completion_tokens": (1, None, True), "n": (1, 128, True),
-    "frequency_penalty": (-2, 2, False), "presence_penalty": (-2, 2, False),
+    "frequency_penalty": (-2, 2, False), "presence_penalty": (-2, 2, False), "min_p": (0, 1, False),
 }
 EDGE_VALUES = ["NaN", "Infinity", "-Infinity", "-NaN", "1e999", "-1e999", "-1", "0", "0.5", "1", "1e308", "-1e308",
                "18446744073709551616", "9223372036854775808", "-9223372036854775809", "1" + "0" * 5000,

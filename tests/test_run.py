@@ -31,11 +31,11 @@ class TwistdOptions(usage.Options):
 
 
 ALL = ["-z", "t.mlt", "--chat", "qwen", "--system", "Be brief.", "-t", "2", "--ctx", "128", "--kv", "f16",
-       "--batch", "8", "--no-pack", "--eos", "7", "-T", "0.5", "--top-k", "5", "--repeat-penalty", "1.2",
+       "--batch", "8", "--no-pack", "--eos", "7", "-T", "0.5", "--top-k", "5", "--min-p", "0.05", "--repeat-penalty", "1.2",
        "--repeat-last-n", "32", "--frequency-penalty", "0.25", "--presence-penalty", "-0.5", "-s", "3", "-n", "10", "--spec", "none", "--draft", "d.mlb", "--draft-tokenizer",
        "d.mlt", "--mlock"]
 EXPECTED = {"tokenizer": "t.mlt", "chat": "qwen", "system": "Be brief.", "threads": 2, "ctx": 128, "kv": "f16",
-            "batch": 8, "no_pack": True, "pack_cache": False, "eos": 7, "temperature": 0.5, "top_k": 5,
+            "batch": 8, "no_pack": True, "pack_cache": False, "eos": 7, "temperature": 0.5, "top_k": 5, "min_p": 0.05,
             "repeat_penalty": 1.2, "repeat_last_n": 32, "frequency_penalty": 0.25, "presence_penalty": -0.5, "seed": 3,
             "max_tokens": 10, "spec": "none", "draft": "d.mlb",
             "draft_tokenizer": "d.mlt", "mlock": True}
@@ -50,7 +50,7 @@ class OptionTableTests:
         assert from_run == options.values(twistd)
         assert from_run == {"tokenizer": None, "chat": None, "system": None, "threads": None, "ctx": None,
                             "kv": "f32", "batch": 64, "no_pack": False, "pack_cache": False, "eos": None,
-                            "temperature": 0.0, "top_p": 0.9, "top_k": 0, "repeat_penalty": 1.0,
+                            "temperature": 0.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
                             "repeat_last_n": 64, "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None,
                             "max_tokens": 0, "spec": "lookup", "draft": None,
                             "draft_tokenizer": None, "mlock": False}

@@ -28,6 +28,7 @@ class Params:
     seed: int = 0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 def draws(params, logits, n, history=()):
@@ -243,9 +244,11 @@ class StreamTests:
 # Distributions
 
 
-def reference_keep(logits, temperature, top_k, top_p, slack=0.0):
-    """numpy: ids kept by top-k then top-p (best first, ties to the lower id) and their weights.
-    `slack` widens (>0) or narrows (<0) the top-p goal to bracket rounding at the boundary."""
+def reference_keep(logits, temperature, top_k, top_p, slack=0.0, min_p=0.0):
+    """numpy: ids kept by top-k, top-p then min-p (best first, ties to the lower id) and their
+    weights. `slack` widens (>0) or narrows (<0) the top-p goal to bracket rounding at the boundary.
+    Min-p keeps the tokens at least min_p times as likely as the best (after temperature, as
+    Hugging Face's and vLLM's samplers apply it)."""
     weights = np.exp((logits.astype(np.float64) - logits.max()) / np.float64(np.float32(temperature)))
     order = sorted(range(len(logits)), key=lambda i: (-weights[i], i))
     order = [i for i in order if weights[i] > 0]
@@ -257,32 +260,38 @@ def reference_keep(logits, temperature, top_k, top_p, slack=0.0):
         cumulative = np.cumsum(kept)
         size = int(np.searchsorted(cumulative, min(goal, cumulative[-1]), side="left")) + 1
         order = order[:size]
+    if min_p > 0:
+        order = [i for i in order if weights[i] >= np.float64(np.float32(min_p))]
     return order, weights[order] / weights[order].sum()
 
 
 class DistributionTests:
     @settings(max_examples=60, deadline=None)
     @given(logits=logit_rows, temperature=st.floats(0.1, 3.0), top_k=st.integers(0, 70),
-           top_p=st.floats(0.05, 1.0), seed=st.integers(0, 2**32))
-    def test_only_kept_tokens_are_drawn(self, logits, temperature, top_k, top_p, seed):
-        """Every draw is among the tokens top-k and top-p keep (numpy reference, bracketed for
+           top_p=st.floats(0.05, 1.0), seed=st.integers(0, 2**32),
+           min_p=st.just(0.0) | st.floats(0.0, 1.0, width=32))
+    def test_only_kept_tokens_are_drawn(self, logits, temperature, top_k, top_p, seed, min_p):
+        """Every draw is among the tokens top-k, top-p and min-p keep (numpy reference, bracketed for
         rounding at the top-p boundary), and every kept token with a share above 1% shows up."""
-        samples = draws(Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), logits, 2000)
-        widest, _ = reference_keep(logits, temperature, top_k, top_p, slack=1e-9)
-        narrowest, shares = reference_keep(logits, temperature, top_k, top_p, slack=-1e-9)
+        params = Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
+        samples = draws(params, logits, 2000)
+        widest, _ = reference_keep(logits, temperature, top_k, top_p, slack=1e-9, min_p=min_p * (1 - 1e-9))
+        narrowest, shares = reference_keep(logits, temperature, top_k, top_p, slack=-1e-9, min_p=min_p * (1 + 1e-9))
         assert set(samples) <= set(widest)
         likely = {token for token, share in zip(narrowest, shares) if share > 0.01}
         assert likely <= set(samples)
 
-    @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0),
-                                                           (1.0, 0, 0.8), (2.0, 4, 0.9)])
-    def test_frequencies_follow_the_softmax(self, temperature, top_k, top_p):
+    @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+        (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (2.0, 4, 0.9, 0.0),
+        (1.0, 0, 1.0, 0.2), (2.0, 0, 0.95, 0.3)])
+    def test_frequencies_follow_the_softmax(self, temperature, top_k, top_p, min_p):
         """40000 draws with a fixed seed: each token's frequency is within 4.5 standard errors of
         its renormalised softmax probability (numpy)."""
         logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
         n = 40000
-        samples = np.array(draws(Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234), logits, n))
-        kept, probabilities = reference_keep(logits, temperature, top_k, top_p)
+        params = Params(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234, min_p=min_p)
+        samples = np.array(draws(params, logits, n))
+        kept, probabilities = reference_keep(logits, temperature, top_k, top_p, min_p=min_p)
         expected = np.zeros(len(logits))
         expected[kept] = probabilities
         observed = np.bincount(samples, minlength=len(logits)) / n
@@ -340,6 +349,8 @@ class ValidationTests:
         ("repeat_last_n", -2, "repeat_last_n"),
         ("frequency_penalty", math.nan, "frequency_penalty"),
         ("presence_penalty", math.inf, "presence_penalty"),
+        ("min_p", -0.1, "min_p"),
+        ("min_p", math.nan, "min_p"),
     ])
     def test_bad_parameters(self, field, value, fragment):
         """A bad parameter is refused at creation with a message naming it."""

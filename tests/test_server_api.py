@@ -158,16 +158,18 @@ class EndpointTests:
         assert first["usage"]["completion_tokens"] <= 5
         assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
 
-    def test_frequency_and_presence_penalties(self, server):
+    def test_penalties_and_min_p(self, server):
         """OpenAI's penalties reach the sampler (tests/test_sampler.py checks their arithmetic against
         llama.cpp's rule): a greedy reply that repeats itself changes under each, and Ollama's options
-        of the same names give the same reply as /v1."""
+        of the same names give the same reply as /v1. min_p 1 makes sampling greedy."""
         body = {"prompt": "Red, green, blue, red, green,", "max_tokens": 12, "temperature": 0}
         reply = lambda **extra: post(server, "/completions", dict(body, **extra))[2]["choices"][0]["text"]
         plain, frequency, presence = reply(), reply(frequency_penalty=1.5), reply(presence_penalty=2.0)
         assert plain.count(",") >= 4, plain   # SmolLM2 goes on listing the colours
         assert frequency != plain and presence != plain and frequency != presence
         assert reply(frequency_penalty=1.5) == frequency
+        # min_p 1 keeps only the best token at each step: sampling at any temperature is greedy
+        assert reply(temperature=1.5, seed=3, min_p=1.0) == plain != reply(temperature=1.5, seed=3)
         status, _, raw = call("POST", server.root_url("/api/generate"), {
             "model": "local", "prompt": body["prompt"], "raw": True, "stream": False,
             "options": {"temperature": 0, "num_predict": 12, "frequency_penalty": 1.5}})

@@ -336,7 +336,8 @@ int32_t kr_model_pooled_size(const kr_model *model, int32_t pooling);
 // OpenAI's frequency and presence penalties (count * frequency_penalty + presence_penalty is
 // subtracted, count being the id's occurrences in that window); then greedy when temperature is 0,
 // top_k is 1 or top_p is 0 (ties to the lowest id), else softmax(logits / temperature) -> top-k
-// -> top-p -> one draw from a xoshiro256** stream seeded with `seed`. Deterministic: the result
+// -> top-p -> min-p (drop what is less likely than min_p times the best token) -> one draw from a
+// xoshiro256** stream seeded with `seed`. Deterministic: the result
 // depends only on the arguments and on how many draws this sampler made before.
 
 typedef struct kr_sampler kr_sampler;
@@ -350,6 +351,7 @@ typedef struct {
     uint64_t seed;
     float frequency_penalty;  // finite; 0 = off (OpenAI's range is -2..2)
     float presence_penalty;   // finite; 0 = off
+    float min_p;              // 0..1; 0 = off
 } kr_sampler_params;
 
 // A sampler over n_vocab tokens; NULL and err filled for a bad parameter (named in the message).

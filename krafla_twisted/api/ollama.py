@@ -38,6 +38,7 @@ OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
     "seed": "seed",
     "num_predict": "max_tokens",
     "stop": "stop",
@@ -549,7 +550,8 @@ class Show(OllamaEndpoint):
         if sampling is not None:
             lines += [f"temperature {sampling.temperature:g}", f"top_p {sampling.top_p:g}", f"top_k {sampling.top_k}",
                       f"repeat_penalty {sampling.repeat_penalty:g}", f"repeat_last_n {sampling.repeat_last_n}"]
-            lines += [f"{name} {value:g}" for name, value in (("frequency_penalty", sampling.frequency_penalty),
+            lines += [f"{name} {value:g}" for name, value in (("min_p", sampling.min_p),
+                                                               ("frequency_penalty", sampling.frequency_penalty),
                                                                ("presence_penalty", sampling.presence_penalty)) if value]
             if sampling.seed is not None:
                 lines.append(f"seed {sampling.seed}")

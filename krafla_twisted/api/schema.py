@@ -34,6 +34,7 @@ class SamplingOverrides:
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ def _sampling(body):
         seed=None if seed is None else seed & UINT64_MAX,
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
+        min_p=_number(body, "min_p", 0.0, 1.0),
     )
 
 

@@ -122,6 +122,8 @@ ENGINE_OPTIONS = (
     Option("top_p", "top-p", "p", 0.9, "Top-p (nucleus) sampling; 1 is off.", float, "X", low=0.0, high=1.0,
            run_short=False),
     Option("top_k", "top-k", None, 0, "Top-k sampling; 0 is off.", int, "N", low=0, high=2**31 - 1),
+    Option("min_p", "min-p", None, 0.0, "Min-p sampling: drop tokens less likely than this times the best one; 0 is off.",
+           float, "X", low=0.0, high=1.0),
     Option("repeat_penalty", "repeat-penalty", None, 1.0,
            "Penalty for tokens among the last --repeat-last-n; 1 is off.", float, "X", low=1e-6),
     Option("repeat_last_n", "repeat-last-n", None, 64, "Tokens the repeat penalty looks back on (-1: all).",

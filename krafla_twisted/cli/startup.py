@@ -61,7 +61,8 @@ def load_runtime(opts, *, progress=False, parallel=1):
         sampling = generate.SamplingParams(
             temperature=config["temperature"], top_p=config["top_p"], top_k=config["top_k"],
             repeat_penalty=config["repeat_penalty"], repeat_last_n=config["repeat_last_n"], seed=config["seed"],
-            frequency_penalty=config["frequency_penalty"], presence_penalty=config["presence_penalty"])
+            frequency_penalty=config["frequency_penalty"], presence_penalty=config["presence_penalty"],
+            min_p=config["min_p"])
         check_kv_memory(model, config, parallel)
         runtime = generate.Runtime(model, tokenizer, template, ctx=config["ctx"], kv=config["kv"], parallel=parallel,
                                    batch=config["batch"], eos=eos, sampling=sampling, max_tokens=config["max_tokens"],

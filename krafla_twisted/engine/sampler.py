@@ -20,6 +20,7 @@ class kr_sampler_params(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("frequency_penalty", ctypes.c_float),
         ("presence_penalty", ctypes.c_float),
+        ("min_p", ctypes.c_float),
     ]
 
 
@@ -57,7 +58,7 @@ class Sampler(clib.OwnedHandle):
     """Chooses tokens from logits with one seeded random stream; see krafla.h for the rules.
 
     `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n and seed
-    attributes, and optionally frequency_penalty and presence_penalty (generate.SamplingParams); seed must be an int here (the caller picks one for None).
+    attributes, and optionally frequency_penalty, presence_penalty and min_p (generate.SamplingParams); seed must be an int here (the caller picks one for None).
     A bad value raises clib.KraflaError with the C library's message.
     """
 
@@ -72,6 +73,7 @@ class Sampler(clib.OwnedHandle):
             seed=int(params.seed) % SEED_MODULUS,
             frequency_penalty=float(getattr(params, "frequency_penalty", 0.0)),
             presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
+            min_p=float(getattr(params, "min_p", 0.0)),
         )
         err = clib.kr_error()
         handle = self._lib.kr_sampler_new(ctypes.byref(raw), _int32(n_vocab, "n_vocab"), ctypes.byref(err))

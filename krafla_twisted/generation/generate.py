@@ -60,6 +60,7 @@ class SamplingParams:
     seed: int = None  # None: a new random seed for each generation
     frequency_penalty: float = 0.0  # OpenAI's: count in the last repeat_last_n tokens times this is subtracted
     presence_penalty: float = 0.0   # subtracted once from every token among them
+    min_p: float = 0.0              # after top-p: drop tokens less likely than min_p times the best one
 
     @property
     def penalises(self):
@@ -84,6 +85,7 @@ class SamplingParams:
         integer("repeat_last_n", self.repeat_last_n, lambda v: -1 <= v < 2**31, "an integer >= -1")
         number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "a number from -2 to 2")
         number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "a number from -2 to 2")
+        number("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number from 0 to 1")
         if self.seed is not None:
             integer("seed", self.seed, lambda v: 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
         return self

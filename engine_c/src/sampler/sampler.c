@@ -78,6 +78,8 @@ static int check_params(const kr_sampler_params *p, kr_error *err) {
     if (!(p->top_p >= 0.0f && p->top_p <= 1.0f))
         return kr_fail(err, KR_ERR_ARGUMENT, "top_p must be between 0 and 1, got %g", (double)p->top_p);
     if (p->top_k < 0) return kr_fail(err, KR_ERR_ARGUMENT, "top_k must be >= 0 (0 = off), got %d", p->top_k);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        return kr_fail(err, KR_ERR_ARGUMENT, "min_p must be between 0 and 1 (0 = off), got %g", (double)p->min_p);
     if (!isfinite(p->repeat_penalty) || p->repeat_penalty <= 0.0f)
         return kr_fail(err, KR_ERR_ARGUMENT, "repeat_penalty must be a finite number > 0 (1 = off), got %g",
                        (double)p->repeat_penalty);
@@ -324,7 +326,8 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
 
     const int32_t top_k = (p->top_k > 0 && p->top_k < n) ? p->top_k : 0;
     const bool use_top_p = p->top_p < 1.0f;
-    if (!top_k && !use_top_p) {
+    const bool use_min_p = p->min_p > 0.0f;
+    if (!top_k && !use_top_p && !use_min_p) {
         for (int32_t i = 0; i < n; i++) s->candidates[i] = (kr_candidate){s->weights[i], i};
         *token_out = draw(s, s->candidates, n, total);
         kr_ok(err);
@@ -346,6 +349,19 @@ int kr_sampler_sample(kr_sampler *s, const float *logits, int32_t n_logits, cons
         n_candidates = select_best_mass(s->candidates, n_candidates, (double)p->top_p * kept);
         kept = 0.0;
         for (int32_t k = 0; k < n_candidates; k++) kept += s->candidates[k].weight;
+    }
+    if (use_min_p) {
+        // Weights are relative to the best token (1), so min-p is a threshold on the weight itself;
+        // the best token always stays. Compacting keeps the candidates' order (the draw walks it).
+        const double floor = (double)p->min_p;
+        int32_t kept_count = 0;
+        kept = 0.0;
+        for (int32_t k = 0; k < n_candidates; k++) {
+            if (s->candidates[k].weight < floor) continue;
+            s->candidates[kept_count++] = s->candidates[k];
+            kept += s->candidates[k].weight;
+        }
+        n_candidates = kept_count;
     }
     *token_out = draw(s, s->candidates, n_candidates, kept);
     kr_ok(err);
