@@ -103,6 +103,12 @@ class RefusalTests(unittest.TestCase):
                              ({"tool_choice": "required"}, "tool_choice"),
                              ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
                              ({"n": 129}, "n"), ({"n": 0}, "n"),
+                             ({"grammar": 5}, "grammar"), ({"json_schema": "x"}, "json_schema"),
+                             ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+                             ({"grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "grammar"),
+                             ({"json_schema": {}, "response_format": {"type": "json_object"}}, "json_schema"),
+                             ({"grammar": 'root ::= "a"', "tools": [{"type": "function", "function": {"name": "f"}}]},
+                              "grammar"),
                              ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
                              ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
                              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -110,7 +116,8 @@ class RefusalTests(unittest.TestCase):
             error = self.refused("/v1/chat/completions", dict(base, **extra), param)
             self.assertEqual(error["type"], "invalid_request_error")
         for harmless in ({"logprobs": False}, {"tools": []}, {"response_format": {"type": "text"}}, {"n": 1}, {"n": 3},
-                         {"top_logprobs": None}, {"tool_choice": "none"}):
+                         {"top_logprobs": None}, {"tool_choice": "none"}, {"grammar": 'root ::= "a"'}, {"grammar": ""},
+                         {"json_schema": {"type": "object"}}):
             response, _ = self.harness.fetch("POST", "/v1/chat/completions", dict(base, **harmless))
             self.assertEqual(response.code, 200, harmless)
 

@@ -9,6 +9,7 @@ openai npm package under node, and `krafla run`.
 """
 
 import json
+import re
 import os
 import signal
 import socket
@@ -174,6 +175,32 @@ class EndpointTests:
             "model": "local", "prompt": body["prompt"], "raw": True, "stream": False,
             "options": {"temperature": 0, "num_predict": 12, "frequency_penalty": 1.5}})
         assert status == 200 and json.loads(raw)["response"] == frequency
+
+    def test_gbnf_grammar_and_json_schema(self, server):
+        """llama-server's `grammar` (GBNF, here llama.cpp's own chess grammar) and `json_schema` fields
+        shape the reply, on both endpoints and through the openai library's extra_body; a grammar
+        that names an undefined rule is a 400 saying where."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        with open(os.path.join(REPO, "tests", "data", "gbnf", "chess.gbnf"), encoding="utf-8") as f:
+            chess = f.read()
+        reply = client.completions.create(model="local", prompt="A game of chess:\n", max_tokens=24, temperature=0,
+                                          extra_body={"grammar": chess})
+        move = r"([a-h]x)?[a-h][1-8](=[NBKQR])?|[NBKQR][a-h]?[1-8]?x?[a-h][1-8]|O-O(-O)?"
+        line = rf"[1-9][0-9]?\. ({move})[+#]? ({move})[+#]?\n"
+        text = reply.choices[0].text
+        assert text.startswith("1. ") and re.fullmatch(rf"({line})*" + r"[^\n]*", text), text
+        yes_no = client.chat.completions.create(model="local", messages=[{"role": "user", "content": QUESTION}],
+                                                max_tokens=8, extra_body={"grammar": 'root ::= ("yes" | "no") "."'})
+        assert yes_no.choices[0].message.content in ("yes.", "no.") and yes_no.choices[0].finish_reason == "stop"
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                  "additionalProperties": False}
+        shaped = client.chat.completions.create(model="local", messages=[{"role": "user", "content": QUESTION}],
+                                                max_tokens=30, extra_body={"json_schema": schema})
+        assert set(json.loads(shaped.choices[0].message.content)) == {"city"}
+        status, _, body = post(server, "/completions", {"prompt": "x", "grammar": 'root ::= "a" b'})
+        assert status == 400 and body["error"]["param"] == "grammar" and "line 1 column 14" in body["error"]["message"]
 
     def test_errors(self, server):
         """400 invalid field, 400 context_length_exceeded (stream or not, as plain JSON), 400 for

@@ -18,7 +18,7 @@ import os
 from krafla_twisted import __version__
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest, Unsupported
 from krafla_twisted.chat import templates
-from krafla_twisted.generation import generate, grammar, tools
+from krafla_twisted.generation import gbnf, generate, grammar, tools
 from krafla_twisted.generation.scheduler import Pending, Scheduler
 
 
@@ -104,6 +104,12 @@ class Backend:
             text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
                                             thinking=thinking)
             return self._constraint(grammar.lark_grammar(text), "tools"), not thinking
+        if getattr(completion, "grammar", None) is not None:
+            try:
+                source = grammar.lark_grammar(gbnf.to_lark(completion.grammar))
+            except (grammar.GrammarError, ValueError) as e:
+                raise InvalidRequest(f"'grammar' cannot be used: {e}", param="grammar") from None
+            return self._constraint(source, "grammar"), False
         if completion.response_format is not None:
             param = "response_format"
             if completion.response_format["type"] == "json_object":

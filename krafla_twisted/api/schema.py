@@ -55,6 +55,7 @@ class CompletionRequest:
     logit_bias: dict = field(default_factory=dict)   # {token id: -100..100}
     logprobs: int | None = None         # None: no log probabilities; else how many alternatives (0-20)
     response_format: dict | None = None  # None (text), {"type": "json_object"} or {"type": "json_schema", "schema": S}
+    grammar: str | None = None          # llama-server's: a GBNF grammar the reply follows
     tools: tuple = ()                   # OpenAI tool objects ({"type": "function", "function": {...}})
     tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
     parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
@@ -308,7 +309,7 @@ def parse_chat_request(body, n_vocab):
         stream=stream,
         include_usage=include_usage,
         logprobs=(top_logprobs or 0) if logprobs else None,
-        response_format=_response_format(body),
+        **_format_fields(body, tools and tool_choice != "none"),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel is True,
@@ -340,6 +341,30 @@ def _logit_bias(body, n_vocab):
         raise InvalidRequest(f"'logit_bias' names token {bad}, which is not a token id (0 to {n_vocab - 1})",
                              param="logit_bias")
     return out
+
+
+def _format_fields(body, has_tools):
+    """response_format and grammar: OpenAI's response_format, or llama-server's `json_schema` (a
+    schema, the same as response_format json_schema) or `grammar` (GBNF); one of them at most, and a
+    grammar not beside tools (both would decide the reply's shape)."""
+    response_format = _response_format(body)
+    schema = body.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"'json_schema' must be an object (a JSON schema), not {json_type(schema)}",
+                                 param="json_schema")
+        if response_format is not None:
+            raise InvalidRequest("'json_schema' and 'response_format' both shape the reply: send one", param="json_schema")
+        response_format = {"type": "json_schema", "schema": schema}
+    text = body.get("grammar")
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'grammar' must be a string (a GBNF grammar), not {json_type(text)}", param="grammar")
+        text = check_text(text, "grammar") if text.strip() else None
+    if text is not None and (response_format is not None or has_tools):
+        raise InvalidRequest("'grammar' cannot be used with " + ("'tools'" if has_tools else "a JSON schema or "
+                             "'response_format'") + ": each decides the reply's shape", param="grammar")
+    return {"response_format": response_format, "grammar": text}
 
 
 def _response_format(body):
@@ -567,6 +592,7 @@ def parse_completion_request(body, n_vocab):
         include_usage=include_usage,
         logprobs=None if logprobs is None or logprobs is False else int(logprobs),
         echo=echo,
+        **_format_fields(body, False),
     )
 
 
