@@ -404,7 +404,7 @@ class RoutesTests(unittest.TestCase):
                 self.assertEqual(harness.fetch("GET", prefix + path)[0].code, 200, prefix + path)
         for prefix in ("", "/v1"):
             response, body = harness.fetch("POST", prefix + "/tokenize", {"content": "ok"})
-            self.assertEqual(json.loads(body), {"tokens": [111, 107]})
+            self.assertEqual(json.loads(body), {"tokens": [111, 107], "count": 2, "max_model_len": 64})
             response, body = harness.fetch("POST", prefix + "/detokenize", {"tokens": [111, 107]})
             self.assertEqual(json.loads(body), {"content": "ok"})
             self.assertEqual(harness.fetch("GET", prefix + "/metrics")[0].code, 404)

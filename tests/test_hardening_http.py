@@ -415,7 +415,7 @@ class MaxQueueTests(unittest.TestCase):
         harness.pool.run_all()
         harness.stub.flush()
         self.assertEqual(fired(first).code, 200)
-        self.assertEqual(json.loads(fired(harness.stub.content(fired(tokenize)))), {"tokens": [104, 105]})
+        self.assertEqual(json.loads(fired(harness.stub.content(fired(tokenize)))), {"tokens": [104, 105], "count": 2, "max_model_len": 64})
         self.assertEqual([call if isinstance(call, tuple) else call.prompt_text for call in harness.backend.calls],
                          ["one", ("tokenize", "hi")])
 

@@ -492,6 +492,36 @@ class ClientTests:
                                          temperature=0)
         assert text.choices[0].text.startswith("The capital of France is ")
 
+    def test_vllm_tokenizer_endpoints_as_lm_eval_reads_them(self, server, model):
+        """lm-evaluation-harness's remote tokenizer (tokenizer_backend=remote, or auto): GET
+        /tokenizer_info gives the end token as spelled and the model's own Jinja template (the one its
+        tokenizer file keeps), POST /tokenize with vLLM's `prompt` and `add_special_tokens` gives the
+        ids the tokenizer gives, /detokenize answers with vLLM's `prompt` beside llama-server's
+        `content`; the eos spelling tokenizes to the end token's id."""
+        from krafla_twisted.chat import template_file
+        from krafla_twisted.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(str(model.mlt))
+        status, _, raw = call("GET", server.root_url("/tokenizer_info"))
+        info = json.loads(raw)
+        assert status == 200 and info["eos_token"] == tokenizer.token_bytes(tokenizer.eos_id).decode()
+        assert info["chat_template"] == template_file.jinja_of(str(model.mlt)) and "{%" in info["chat_template"]
+        assert info["model_max_length"] > 0 and info["add_bos_token"] == tokenizer.add_bos
+        text = "The capital of France is Paris."
+        status, _, raw = call("POST", server.root_url("/tokenize"), {"prompt": text, "add_special_tokens": False})
+        answer = json.loads(raw)
+        assert answer["tokens"] == tokenizer.encode(text, add_bos=False, special=True)
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == info["model_max_length"]
+        with_bos = json.loads(call("POST", server.root_url("/tokenize"), {"prompt": text})[2])["tokens"]
+        assert with_bos == tokenizer.encode(text, special=True)   # vLLM's default: as the tokenizer adds them
+        llama_server = json.loads(call("POST", server.root_url("/tokenize"), {"content": text})[2])["tokens"]
+        assert llama_server == answer["tokens"]                   # llama-server's default: no BOS
+        back = json.loads(call("POST", server.root_url("/detokenize"), {"tokens": answer["tokens"]})[2])
+        assert back == {"content": text, "prompt": text}
+        eos = json.loads(call("POST", server.root_url("/tokenize"), {"prompt": info["eos_token"],
+                                                                      "add_special_tokens": False})[2])["tokens"]
+        assert eos == [tokenizer.eos_id]
+
     def test_several_choices_and_prompts(self, server):
         """`n` and a batch of prompts through the openai library. Choice i of a seeded chat is the reply
         the same request gets with n 1 and seed + i (each choice is a generation of its own); a batch's

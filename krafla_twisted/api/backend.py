@@ -17,7 +17,7 @@ import os
 
 from krafla_twisted import __version__
 from krafla_twisted.api.errors import ContextTooLong, InvalidRequest, Unsupported
-from krafla_twisted.chat import templates
+from krafla_twisted.chat import template_file, templates
 from krafla_twisted.generation import gbnf, generate, grammar, tools
 from krafla_twisted.generation.scheduler import Pending, Scheduler
 
@@ -231,6 +231,21 @@ class Backend:
         """/detokenize's answer. This must be called in the worker thread."""
         return detokenize(self.tokenizer, tokens)
 
+    def tokenizer_info(self):
+        """GET /tokenizer_info's answer, as vLLM gives it (lm-evaluation-harness's remote tokenizer reads
+        it): the end and start tokens as spelled, whether a BOS is added, the context, and the model's
+        own Jinja chat template when its tokenizer file keeps one (the built-in template krafla
+        renders with was chosen at conversion to render the same). Worker thread only."""
+        tokenizer = self.tokenizer
+
+        def spelled(token):
+            return None if token is None else tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+        path = getattr(tokenizer, "path", None)
+        return {"tokenizer_class": "krafla", "eos_token": spelled(tokenizer.eos_id), "bos_token": spelled(tokenizer.bos_id),
+                "pad_token": None, "add_bos_token": bool(tokenizer.add_bos), "model_max_length": self.n_ctx,
+                "chat_template": template_file.jinja_of(path) if path else None}
+
 
 class Echo:
     """A text completion's `echo`: the reply comes after the prompt, and with `logprobs` each prompt
@@ -312,7 +327,8 @@ def tokenize(tokenizer, content, *, add_special, parse_special, with_pieces):
 
 def detokenize(tokenizer, tokens):
     """{"content": the text of `tokens`} (bytes that are not UTF-8 become U+FFFD)."""
-    return {"content": tokenizer.decode(tokens).decode("utf-8", "replace")}
+    text = tokenizer.decode(tokens).decode("utf-8", "replace")
+    return {"content": text, "prompt": text}   # llama-server's name, and vLLM's
 
 
 def file_stem(path):

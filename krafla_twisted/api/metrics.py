@@ -15,7 +15,7 @@ from krafla_twisted.api.resources import Endpoint
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 # Paths are folded onto these names so a client cannot grow the label set; anything else is "other".
-ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize",
+ENDPOINTS = ("chat/completions", "completions", "models", "health", "metrics", "tokenize", "detokenize", "tokenizer_info",
              "responses", "messages", "messages/count_tokens",  # the Responses and Anthropic Messages APIs
              "embeddings", "rerank", "reranking",  # an embedding model's
              "api/chat", "api/generate", "api/tags", "api/show", "api/ps", "api/version", "api/embed",

@@ -1,7 +1,7 @@
 """The route table: every endpoint of the server, in one place.
 
     /v1/chat/completions  /v1/completions  /v1/models[/ID]  /health
-    /v1/tokenize  /v1/detokenize  /v1/metrics (with --metrics)
+    /v1/tokenize  /v1/detokenize  /v1/tokenizer_info  /v1/metrics (with --metrics)
     /v1/messages  /v1/messages/count_tokens (Anthropic's Messages API)
     /v1/responses  /v1/responses/{id} (OpenAI's Responses API, api/responses.py)
     /v1/embeddings  /v1/rerank  /v1/reranking (api/embeddings.py; a server started with --embeddings)
@@ -17,7 +17,7 @@ from krafla_twisted.api.ollama import build_ollama
 from krafla_twisted.api.page import add_chat_page
 from krafla_twisted.api.resources import Completions, Group, Health, Models
 from krafla_twisted.api.responses import Responses, ResponseStore
-from krafla_twisted.api.tokenize import Detokenize, Tokenize
+from krafla_twisted.api.tokenize import Detokenize, TokenizerInfo, Tokenize
 
 
 def build_root(api, metrics=None, stored_responses=None):
@@ -32,6 +32,7 @@ def build_root(api, metrics=None, stored_responses=None):
         (b"health",): lambda: Health(api),
         (b"tokenize",): lambda: Tokenize(api),
         (b"detokenize",): lambda: Detokenize(api),
+        (b"tokenizer_info",): lambda: TokenizerInfo(api),   # vLLM's
         # Anthropic's Messages API (count_tokens is a child of messages: listed after it).
         (b"messages",): lambda: Messages(api),
         (b"messages", b"count_tokens"): lambda: CountTokens(api),
@@ -41,7 +42,8 @@ def build_root(api, metrics=None, stored_responses=None):
         (b"reranking",): lambda: Rerank(api),
     }
     if getattr(api.backend, "embeddings", None) is not None:  # --embeddings: no text generation
-        for path in ((b"chat", b"completions"), (b"completions",), (b"tokenize",), (b"detokenize",), (b"messages",),
+        for path in ((b"chat", b"completions"), (b"completions",), (b"tokenize",), (b"detokenize",),
+                     (b"tokenizer_info",), (b"messages",),
                      (b"messages", b"count_tokens"), (b"responses",)):
             routes[path] = lambda: EmbeddingsOnly(api)
     if metrics is not None:

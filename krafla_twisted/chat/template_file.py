@@ -168,6 +168,13 @@ def store(container, jinja_text):
     return message
 
 
+def jinja_of(mlt_path):
+    """The model's own Jinja chat template a .mlt keeps (chat_template_jinja), or None."""
+    with ContainerFile(mlt_path, magic=TOKENIZER_MAGIC) as file:
+        text = file.metadata.get("chat_template_jinja")
+    return text if isinstance(text, str) else None
+
+
 def template_of(mlt_path):
     """The chat template name a .mlt records, or None; clib.KraflaError for an unreadable file.
     A name this krafla does not know (a newer converter's) is an error naming --chat."""
