@@ -154,6 +154,7 @@ _sampling_invalid = {
     "frequency_penalty": _not("int", "number") | _number_outside(-2, 2),
     "presence_penalty": _not("int", "number") | _number_outside(-2, 2),
     "min_p": _not("int", "number") | _number_outside(0, 1),
+    "ignore_eos": _not("bool"),
     "seed": _not("int") | _integer_outside(-(2**63), 2**64 - 1),
     "max_tokens": _not("int") | _integer_outside(1),
     "max_completion_tokens": _not("int") | _integer_outside(1),

@@ -111,7 +111,7 @@ class EndpointTests(unittest.TestCase):
                              {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
                 "temperature": 0.7, "top_p": 0.5, "top_k": 40, "repetition_penalty": 1.1, "repeat_last_n": 32,
                 "seed": 42, "stop": "\n", "max_completion_tokens": 9, "max_tokens": 3,
-                "frequency_penalty": 0.5, "presence_penalty": -1.5, "min_p": 0.05, "user": "ignored"}
+                "frequency_penalty": 0.5, "presence_penalty": -1.5, "min_p": 0.05, "ignore_eos": True, "user": "ignored"}
         self.harness.fetch("POST", "/v1/chat/completions", body)
         call = self.harness.backend.calls[-1]
         self.assertEqual(call.messages, ({"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"}))
@@ -119,6 +119,7 @@ class EndpointTests(unittest.TestCase):
         self.assertEqual((call.sampling.repeat_penalty, call.sampling.repeat_last_n, call.sampling.seed), (1.1, 32, 42))
         self.assertEqual((call.sampling.frequency_penalty, call.sampling.presence_penalty, call.sampling.min_p),
                          (0.5, -1.5, 0.05))
+        self.assertTrue(call.ignore_eos)
         self.assertEqual((call.stop, call.max_tokens), (("\n",), 9))
         self.harness.fetch("POST", "/v1/completions", {"prompt": [[5, 6, 7]], "stop": ["a", "b"]})
         call = self.harness.backend.calls[-1]

@@ -150,6 +150,17 @@ class EndpointTests:
         assert by_text["choices"][0]["finish_reason"] == "length"
         assert by_text["usage"]["completion_tokens"] == 8
 
+    def test_ignore_eos(self, server):
+        """ignore_eos (llama-server's and vLLM's, which load generators send for replies of a fixed
+        length): a chat reply that ends by itself runs to max_tokens instead, and its first tokens are
+        the reply's own."""
+        body = chat_body(QUESTION, max_tokens=48, temperature=0)
+        short = post(server, "/chat/completions", body)[2]
+        assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 48
+        long = post(server, "/chat/completions", dict(body, ignore_eos=True))[2]
+        assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 48
+        assert long["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
+
     def test_max_completion_tokens_and_seeded_sampling(self, server):
         """max_completion_tokens limits the reply; a seed with temperature > 0 repeats its reply exactly."""
         body = chat_body("Write a word.", max_tokens=None, max_completion_tokens=5, temperature=1.0, top_p=0.95,

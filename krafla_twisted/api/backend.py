@@ -83,6 +83,13 @@ class Backend:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + choice) % 2**64)
         return sampling
 
+    def logit_bias(self, completion):
+        """The request's logit_bias, with the end-of-reply tokens banned when it asks to ignore them
+        (as llama-server does for ignore_eos: the reply runs to max_tokens, a stop string or the context)."""
+        if not getattr(completion, "ignore_eos", False):
+            return completion.logit_bias
+        return {**completion.logit_bias, **{int(token): -100 for token in self.runtime.stop_token_ids}}
+
     def token_pieces(self, tokens):
         """Each token's bytes, in order."""
         return [self.tokenizer.token_bytes(token) for token in tokens]
@@ -175,7 +182,7 @@ class Backend:
                 on_text=on_text,
                 cancelled=cancelled,
                 constraint=constraint,
-                logit_bias=completion.logit_bias,
+                logit_bias=self.logit_bias(completion),
                 logprobs=completion.logprobs,
                 on_logprobs=on_logprobs,
                 prompt_logprobs=completion.logprobs if echo is not None else None,

@@ -53,6 +53,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     logit_bias: dict = field(default_factory=dict)   # {token id: -100..100}
+    ignore_eos: bool = False            # llama-server's and vLLM's: the end-of-reply tokens are never sampled
     logprobs: int | None = None         # None: no log probabilities; else how many alternatives (0-20)
     response_format: dict | None = None  # None (text), {"type": "json_object"} or {"type": "json_schema", "schema": S}
     grammar: str | None = None          # llama-server's: a GBNF grammar the reply follows
@@ -223,7 +224,7 @@ def _sampling(body):
 def _generation_fields(body, n_vocab, fewest_tokens=1):
     """The fields both endpoints read the same way (in this order, after the messages or the prompt)."""
     return {"max_tokens": _max_tokens(body, fewest_tokens), "sampling": _sampling(body), "stop": _stop(body),
-            "logit_bias": _logit_bias(body, n_vocab)}
+            "logit_bias": _logit_bias(body, n_vocab), "ignore_eos": _boolean(body, "ignore_eos")}
 
 
 def _max_tokens(body, fewest=1):
