@@ -149,7 +149,7 @@ class TokenizeTests:
         assert raw == text.encode("utf-8")
         ids = post(server, "/tokenize", {"content": text}).json()["tokens"]
         assert ids == [p["id"] for p in reply["tokens"]]
-        assert post(server, "/detokenize", {"tokens": ids}).json() == {"content": text}
+        assert post(server, "/detokenize", {"tokens": ids}).json() == {"content": text, "prompt": text}
 
     def test_special_tokens(self, server):
         """parse_special (default true) makes `<|im_start|>` one token; false spells it as text; bad ids are 400s."""

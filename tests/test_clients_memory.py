@@ -105,7 +105,7 @@ class TokenizeMemoryTests(unittest.TestCase):
         code, with_bos = self.post("/tokenize", {"content": text, "add_special": True})
         self.assertEqual(with_bos["tokens"], tok.encode(text, add_bos=None, special=True))
         code, back = self.post("/detokenize", {"tokens": plain["tokens"]})
-        self.assertEqual(back, {"content": text})
+        self.assertEqual(back, {"content": text, "prompt": text})
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(TOKENIZE_BODIES)
