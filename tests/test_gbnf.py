@@ -8,38 +8,18 @@ vocabulary, so what is checked is the grammar's language, not a tokenizer's."""
 import json
 from pathlib import Path
 
-import llguidance
 import pytest
 
 from krafla_twisted.generation import gbnf, grammar
+from tests.support import byte_grammar
 
 DATA = Path(__file__).parent / "data" / "gbnf"
 VECTORS = json.loads((DATA / "vectors.json").read_text(encoding="utf-8"))["cases"]
 
 
-class _Bytes:
-    """A vocabulary of the 256 bytes and an end token (256)."""
-
-    eos_token_id = 256
-    bos_token_id = None
-    special_token_ids = [256]
-    tokens = [bytes([i]) for i in range(256)] + [b"\xff<end>"]
-
-    def __call__(self, text):
-        return list(bytes(text))
-
-
-BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-
-
 def accepts(gbnf_text, text):
     """Whether the translated grammar's language holds `text` (whole: the grammar may end after it)."""
-    matcher = llguidance.LLMatcher(BYTES, grammar.lark_grammar(gbnf.to_lark(gbnf_text)), log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    for byte in text.encode("utf-8"):
-        if not matcher.consume_token(byte):
-            return False
-    return matcher.is_accepting()
+    return byte_grammar.accepts(grammar.lark_grammar(gbnf.to_lark(gbnf_text)), text)
 
 
 @pytest.mark.parametrize("case", VECTORS, ids=[case["name"] for case in VECTORS])

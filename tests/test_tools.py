@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from krafla_twisted.chat import templates
 from krafla_twisted.generation import grammar, tools
 from tests.strategies import tool_arguments, tool_conversations, tool_lists
+from tests.support.byte_grammar import accepts
 from tests.test_chat import jinja_environment
 
 TEMPLATES = pathlib.Path(__file__).parent / "data" / "templates"
@@ -232,9 +233,9 @@ class Qwen35ParameterTests:
         fmt = tools.FORMATS["qwen3.5"]
         lark = grammar.lark_grammar(fmt.grammar([tool], thinking=True))
         call = fmt.text(templates.ToolCall("f", {"city": "Paris\nFrance", "n": 4, "unit": "C"}))
-        assert _accepts(lark, "Let me think.\n</think>\n\n" + call)
-        assert not _accepts(lark, call)
-        assert not _accepts(lark, "x</think>\n\n" + fmt.text(templates.ToolCall("f", {"n": 4})))
+        assert accepts(lark, "Let me think.\n</think>\n\n" + call)
+        assert not accepts(lark, call)
+        assert not accepts(lark, "x</think>\n\n" + fmt.text(templates.ToolCall("f", {"n": 4})))
 
 
 class GrammarTests:
@@ -267,26 +268,7 @@ class GrammarTests:
         if name == "harmony":  # a gpt-oss reply continues the generation prompt, `<|start|>assistant`
             call = call[len(templates.HARMONY_GENERATION_PROMPT):]
             other = other[len(templates.HARMONY_GENERATION_PROMPT):]
-        assert _accepts(matcher_grammar, call)
-        assert not _accepts(matcher_grammar, other)
+        assert accepts(matcher_grammar, call)
+        assert not accepts(matcher_grammar, other)
 
 
-def _accepts(lark_text, text):
-    """Whether llguidance's grammar accepts `text` whole, over a byte vocabulary."""
-    import llguidance
-
-    class Bytes:
-        eos_token_id = 256
-        bos_token_id = None
-        special_token_ids = [256]
-        tokens = [bytes([b]) for b in range(256)] + [b"\xff<end>"]
-
-        def __call__(self, data):
-            return list(bytes(data))
-
-    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()), n_vocab=257)
-    matcher = llguidance.LLMatcher(tokenizer, lark_text, log_level=0)
-    for byte in text.encode("utf-8"):
-        if not matcher.consume_token(byte):
-            return False
-    return matcher.is_accepting()
