@@ -79,7 +79,7 @@ class ParseErrorTests(unittest.TestCase):
 
 
 class RefusalTests(unittest.TestCase):
-    """What the original refuses and still does: legacy functions, images, best_of>1; and
+    """What the original refuses and still does: legacy functions, images; and
     the new fields' bad values (top_logprobs without logprobs, logit_bias out of range, unknown response_format)."""
 
     def setUp(self):
@@ -135,13 +135,14 @@ class RefusalTests(unittest.TestCase):
             self.assertEqual(response.code, 200, path)
 
     def test_completion_refusals(self):
-        """echo with a suffix, max_tokens 0 without echo, best_of above 1, logprobs above 5, more than 128
+        """echo with a suffix, max_tokens 0 without echo, best_of below n or streamed, logprobs above 5, more than 128
         choices (n times the prompts), an empty or nested prompt in a batch, and a suffix that is not text
         or follows token ids are refused for completions."""
         for extra, param in (({"echo": True, "suffix": "end"}, "echo"), ({"max_tokens": 0}, "max_tokens"),
                              ({"echo": True, "max_tokens": -1}, "max_tokens"), ({"echo": 1}, "echo"),
                              ({"suffix": 5}, "suffix"), ({"prompt": [1, 2], "suffix": "end"}, "suffix"),
-                             ({"best_of": 2}, "best_of"),
+                             ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 129}, "best_of"),
+                             ({"best_of": 2, "stream": True}, "best_of"), ({"best_of": 65, "prompt": ["a", "b"]}, "best_of"),
                              ({"logprobs": 6}, "logprobs"), ({"logit_bias": {"1": -101}}, "logit_bias"),
                              ({"n": 65, "prompt": ["a", "b"]}, "n"), ({"prompt": ["a"] * 129}, "prompt"),
                              ({"prompt": [[1, 2], []]}, "prompt"), ({"prompt": [[[1]]]}, "prompt"),

@@ -236,7 +236,7 @@ class EndpointTests:
             ("/completions", {"prompt": "x", "echo": True, "suffix": "y"}, "echo"),
             ("/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
             ("/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-            ("/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+            ("/completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
         ):
             status, _, reply = post(server, path, body)
             assert (status, reply["error"]["param"]) == (400, param)
@@ -572,6 +572,18 @@ class ClientTests:
         usages = [e["usage"] for e in events[:-1] if e.get("usage")]
         assert [u["completion_tokens"] for u in usages] == [reply.usage.completion_tokens]
         assert len({e["id"] for e in events[:-1]}) == 1
+
+        # best_of: of three seeded candidates (each the reply a lone request with seed + i gets), the
+        # one of highest mean logprob, without logprobs since none were asked for; usage bills all three
+        best = client.completions.create(model="local", prompt=prompts[0], max_tokens=6, temperature=1.0, seed=9,
+                                         best_of=3)
+        candidates = [client.completions.create(model="local", prompt=prompts[0], max_tokens=6, temperature=1.0,
+                                                seed=9 + i, logprobs=0) for i in range(3)]
+        means = [np.mean(c.choices[0].logprobs.token_logprobs) for c in candidates]
+        assert len({c.choices[0].text for c in candidates}) > 1
+        assert best.choices[0].text == candidates[int(np.argmax(means))].choices[0].text
+        assert best.choices[0].logprobs is None and len(best.choices) == 1
+        assert best.usage.completion_tokens == sum(c.usage.completion_tokens for c in candidates)
 
         with pytest.raises(BadRequestError) as raised:
             client.completions.create(model="local", prompt=["Hi", "hello " * 5000], max_tokens=4)

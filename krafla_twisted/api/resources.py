@@ -9,6 +9,7 @@ Every resource here runs in the I/O thread. The engine is reached only through t
 import dataclasses
 import hashlib
 import json
+import math
 import uuid
 from urllib.parse import unquote
 
@@ -224,7 +225,7 @@ class Completions(Endpoint):
         else:
             completion = parse_completion_request(body, backend.n_vocab)
         self.api.admit()
-        if completion.n == 1 and not completion.batch:
+        if completion.n == 1 and not completion.batch and completion.best_of <= 1:
             Reply(self.api, request, completion).start()
         else:
             Choices(self.api, request, completion).start()
@@ -577,11 +578,22 @@ class Reply(QueuedReply):
 
 
 def choice_requests(completion):
-    """The one-reply requests of `completion`'s choices, in the order of their index: for each prompt
-    of a batch (or the one prompt, or the chat), `n` replies."""
+    """The one-reply requests of `completion`'s candidates, prompt by prompt: `n` replies for each
+    prompt of a batch (or the one prompt, or the chat), or `best_of` to choose the n from (with
+    logprobs, which ranking needs)."""
     prompts = completion.batch or ((completion.prompt_text, completion.prompt_tokens),)
-    return [dataclasses.replace(completion, prompt_text=text, prompt_tokens=tokens, batch=(), n=1, choice=choice)
-            for text, tokens in prompts for choice in range(completion.n)]
+    made = max(completion.n, completion.best_of)
+    logprobs = completion.logprobs if made == completion.n or completion.logprobs is not None else 0
+    return [dataclasses.replace(completion, prompt_text=text, prompt_tokens=tokens, batch=(), n=1, best_of=1,
+                                choice=choice, logprobs=logprobs)
+            for text, tokens in prompts for choice in range(made)]
+
+
+def mean_logprob(choice):
+    """best_of's rank of a reply: its tokens' mean logprob (OpenAI's "highest log probability per
+    token"); a reply of no tokens ranks last."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return sum(values) / len(values) if values else -math.inf
 
 
 class Choices:
@@ -595,7 +607,9 @@ class Choices:
     def __init__(self, api, request, completion):
         self.api = api
         self.request = request
-        self.n = completion.n
+        self.n = max(completion.n, completion.best_of)   # candidates per prompt
+        self.keep = completion.n                          # of which the response gives the best `keep`
+        self.strip_logprobs = completion.logprobs is None  # asked for only to rank them
         completions = choice_requests(completion)
         first = completions[0]
         self.chat = first.kind == "chat"
@@ -678,9 +692,22 @@ class Choices:
             return
         self.over = True
         response = dict(self.replies[0])
-        response["choices"] = [dict(self.replies[i]["choices"][0], index=i) for i in range(len(self.members))]
+        response["choices"] = self._best_choices()
         response["usage"] = self._usage()
         write_whole(self.request, json_response(self.request, response))
+
+    def _best_choices(self):
+        """The response's choices: for each prompt, its candidates' best `keep` by mean logprob (ties to
+        the earlier), or all of them when there is no choosing; indexed in order."""
+        choices = []
+        for first in range(0, len(self.members), self.n):
+            candidates = [self.replies[i]["choices"][0] for i in range(first, first + self.n)]
+            if self.keep < self.n:
+                ranked = sorted(range(self.n), key=lambda i: (-mean_logprob(candidates[i]), i))
+                candidates = [candidates[i] for i in ranked[:self.keep]]
+            choices += candidates
+        return [dict(choice, index=index, **({"logprobs": None} if self.strip_logprobs and self.keep < self.n else {}))
+                for index, choice in enumerate(choices)]
 
     def send(self, index, chunk):
         """A choice's streamed chunk: its choice takes the choice's index; its usage chunk is held for the end."""

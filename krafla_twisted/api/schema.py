@@ -61,6 +61,7 @@ class CompletionRequest:
     tool_choice: str = "auto"           # "auto", "none", "required" or the name of a function to call
     parallel_tool_calls: bool = False    # several calls in one reply only when asked for (as llama-server)
     n: int = 1                          # replies to make (for each prompt of a batch); choice i's seed is seed + i
+    best_of: int = 1                    # text completions: make this many, return the n of highest mean logprob
     batch: tuple = ()                   # text completions: (prompt_text, prompt_tokens) of each prompt, when several
     choice: int = 0                     # which of the n replies this request is (resources.Choices splits them)
 
@@ -563,25 +564,31 @@ def parse_completion_request(body, n_vocab):
     if echo and suffix is not None:
         raise InvalidRequest("'echo' and 'suffix' cannot be used together: the reply of a fill in the middle "
                              "goes between two texts, not after the prompt", param="echo")
-    best_of = _integer(body, "best_of", 1)
-    if best_of is not None and best_of > 1:
-        raise Unsupported(f"'best_of' must be 1: this server makes one reply per request; got {best_of}", param="best_of")
+    best_of = _integer(body, "best_of", 1, MAX_CHOICES) or n
+    if best_of < n:
+        raise InvalidRequest(f"'best_of' ({best_of}) must be at least 'n' ({n}): the n best of best_of replies are "
+                             "returned", param="best_of")
     logprobs = body.get("logprobs")
     if logprobs is not None and not (is_int(logprobs) or isinstance(logprobs, bool)):
         raise InvalidRequest(f"'logprobs' must be an integer, not {json_type(logprobs)}", param="logprobs")
     if logprobs is not None and not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}; got {logprobs}", param="logprobs")
     batch = _prompts(body.get("prompt"), n_vocab)
-    if len(batch) * n > MAX_CHOICES:
-        raise InvalidRequest(f"'n' times the number of prompts is at most {MAX_CHOICES}; got {n} x {len(batch)}",
-                             param="n")
+    if len(batch) * best_of > MAX_CHOICES:
+        name = "best_of" if best_of > n else "n"
+        raise InvalidRequest(f"'{name}' times the number of prompts is at most {MAX_CHOICES}; got {best_of} x {len(batch)}",
+                             param=name)
     prompt_text, prompt_tokens = batch[0]
     if suffix is not None and any(tokens is not None for _, tokens in batch):
         raise InvalidRequest("'suffix' goes with a text prompt, not with token ids: the text before the insertion "
                              "and 'suffix' the text after it", param="suffix")
     stream, include_usage = _stream(body)
+    if best_of > n and stream:
+        raise InvalidRequest("'best_of' cannot be streamed: the best replies are known only once all are done",
+                             param="best_of")
     return CompletionRequest(
         n=n,
+        best_of=best_of,
         batch=batch if len(batch) > 1 else (),
         kind="text",
         prompt_text=prompt_text,
