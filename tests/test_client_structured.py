@@ -18,9 +18,9 @@ import pytest
 from pydantic import BaseModel
 
 from krafla_twisted.generation import grammar
+from tests.support.byte_grammar import accepts
 from tests.support.real_models import real_model
 from tests.support.server import REPO, ServerProcess
-from tests.test_tools import _accepts
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 QUESTION = "Name the capital of France and its country."
@@ -367,18 +367,18 @@ class BoundsTests:
         length, a number's digits and an integer's size get the documented ones (docs/api.md); an
         object with properties and no additionalProperties takes only those; a free value nests at
         most FREE_VALUE_DEPTH arrays or objects."""
-        assert _accepts(json_grammar(schema), fits)
-        assert not _accepts(json_grammar(schema), too_long)
+        assert accepts(json_grammar(schema), fits)
+        assert not accepts(json_grammar(schema), too_long)
 
     def test_own_bounds_and_minimums_are_kept(self):
         """A schema's own maxLength, maxItems and additionalProperties stay; a minimum above a default
         bound raises the bound, so no satisfiable schema becomes unsatisfiable."""
-        assert _accepts(json_grammar({"type": "string", "maxLength": 500}), json.dumps("x" * 500))
-        assert _accepts(json_grammar({"type": "string", "minLength": 300}), json.dumps("x" * 300))
-        assert _accepts(json_grammar({"type": "array", "minItems": 20}), json.dumps([0] * 20))
-        assert _accepts(json_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
+        assert accepts(json_grammar({"type": "string", "maxLength": 500}), json.dumps("x" * 500))
+        assert accepts(json_grammar({"type": "string", "minLength": 300}), json.dumps("x" * 300))
+        assert accepts(json_grammar({"type": "array", "minItems": 20}), json.dumps([0] * 20))
+        assert accepts(json_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
                                       "additionalProperties": True}), '{"a": 1, "b": "x"}')
-        assert _accepts(json_grammar({"type": "integer", "minimum": 10 ** 16}), str(10 ** 16 + 1))
+        assert accepts(json_grammar({"type": "integer", "minimum": 10 ** 16}), str(10 ** 16 + 1))
         assert grammar.bounded({"enum": ["a" * 300]}) == {"enum": ["a" * 300]}
 
     def test_instructor_json_mode_prompt(self):

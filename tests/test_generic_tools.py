@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from krafla_twisted.chat import templates
 from krafla_twisted.generation import grammar, tools
 from tests.strategies import tool_conversations, tool_lists
-from tests.test_tools import _accepts
+from tests.support.byte_grammar import accepts
 
 GENERIC = tuple(name for name, template in templates.TEMPLATES.items() if template.tool_format is None)
 FMT = tools.FORMATS["generic"]
@@ -162,22 +162,22 @@ class GrammarTests:
                                                  templates.ToolCall("get_time", {"zone": "UTC"})])
         single = grammar.lark_grammar(FMT.grammar(TOOLS, parallel=False))
         parallel = grammar.lark_grammar(FMT.grammar(TOOLS, parallel=True))
-        assert _accepts(single, one) and not _accepts(single, two)
-        assert _accepts(parallel, one) and _accepts(parallel, two)
+        assert accepts(single, one) and not accepts(single, two)
+        assert accepts(parallel, one) and accepts(parallel, two)
         for wrong in ("Hello", "", FMT.text(templates.ToolCall("get_weather", {"city": "Paris", "unit": "K"})),
                       FMT.text(templates.ToolCall("get_weather", {"city": "Paris"})),
                       FMT.text(templates.ToolCall("other", {}))):
-            assert not _accepts(single, wrong)
+            assert not accepts(single, wrong)
         only = grammar.lark_grammar(FMT.grammar(TOOLS, only="get_time"))
-        assert not _accepts(only, one) and _accepts(only, FMT.text(templates.ToolCall("get_time", {"zone": "UTC"})))
+        assert not accepts(only, one) and accepts(only, FMT.text(templates.ToolCall("get_time", {"zone": "UTC"})))
 
     @settings(max_examples=60, deadline=None)
     @given(text=st.text(max_size=30))
     def test_text_or_call(self, text):
         """With text, any reply that does not start with `{` is allowed, and so is a call."""
         lark = grammar.lark_grammar(FMT.grammar(TOOLS, parallel=False, text=True))
-        assert _accepts(lark, text) == (not text.startswith("{"))
-        assert _accepts(lark, FMT.text(templates.ToolCall("get_time", {"zone": "CET"})))
+        assert accepts(lark, text) == (not text.startswith("{"))
+        assert accepts(lark, FMT.text(templates.ToolCall("get_time", {"zone": "CET"})))
 
 
 # ---------------------------------------------------------------------------------------------
