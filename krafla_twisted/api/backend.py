@@ -37,6 +37,7 @@ class Backend:
         self.tool_format = tools.FORMATS[tool_format] if self.has_chat else None
         # whether the vocabulary has fill-in-the-middle tokens (a request's `suffix`)
         self.fills_in = generate.fim_token_ids(self.tokenizer) is not None
+        self._tokenizer_info = None   # GET /tokenizer_info's answer, made on its first request
 
     @classmethod
     def serving(cls, runtime, alias=None):
@@ -86,7 +87,7 @@ class Backend:
     def logit_bias(self, completion):
         """The request's logit_bias, with the end-of-reply tokens banned when it asks to ignore them
         (as llama-server does for ignore_eos: the reply runs to max_tokens, a stop string or the context)."""
-        if not getattr(completion, "ignore_eos", False):
+        if not completion.ignore_eos:
             return completion.logit_bias
         return {**completion.logit_bias, **{int(token): -100 for token in self.runtime.stop_token_ids}}
 
@@ -111,7 +112,7 @@ class Backend:
             text = self.tool_format.grammar(completion.tools, only=only, parallel=completion.parallel_tool_calls,
                                             thinking=thinking)
             return self._constraint(grammar.lark_grammar(text), "tools"), not thinking
-        if getattr(completion, "grammar", None) is not None:
+        if completion.grammar is not None:
             try:
                 source = grammar.lark_grammar(gbnf.to_lark(completion.grammar))
             except (grammar.GrammarError, ValueError) as e:
@@ -166,7 +167,7 @@ class Backend:
         except ValueError as e:  # an empty prompt, a token id the engine refuses
             raise InvalidRequest(str(e), param=param) from None
         constraint, closes = self.constraint(completion)
-        echo = Echo(self, completion, prompt.tokens) if getattr(completion, "echo", False) else None
+        echo = Echo(self, completion, prompt.tokens) if completion.echo else None
         if echo is not None and on_text is not None:
             on_text, on_logprobs = echo.streaming(on_text, on_logprobs)
         if on_logprobs is not None:
@@ -177,7 +178,7 @@ class Backend:
                 self.runtime,
                 prompt.tokens,
                 max_tokens=max_tokens,
-                sampling=self.sampling(completion.sampling, getattr(completion, "choice", 0)),
+                sampling=self.sampling(completion.sampling, completion.choice),
                 stop_strings=prompt.stop_strings,
                 on_text=on_text,
                 cancelled=cancelled,
@@ -242,16 +243,20 @@ class Backend:
         """GET /tokenizer_info's answer, as vLLM gives it (lm-evaluation-harness's remote tokenizer reads
         it): the end and start tokens as spelled, whether a BOS is added, the context, and the model's
         own Jinja chat template when its tokenizer file keeps one (the built-in template krafla
-        renders with was chosen at conversion to render the same). Worker thread only."""
-        tokenizer = self.tokenizer
+        renders with was chosen at conversion to render the same). Worker thread only; made on the
+        first call (the template is read from the file) and kept, as nothing in it changes."""
+        if self._tokenizer_info is None:
+            tokenizer = self.tokenizer
 
-        def spelled(token):
-            return None if token is None else tokenizer.token_bytes(token).decode("utf-8", "replace")
+            def spelled(token):
+                return None if token is None else tokenizer.token_bytes(token).decode("utf-8", "replace")
 
-        path = getattr(tokenizer, "path", None)
-        return {"tokenizer_class": "krafla", "eos_token": spelled(tokenizer.eos_id), "bos_token": spelled(tokenizer.bos_id),
+            path = getattr(tokenizer, "path", None)
+            self._tokenizer_info = {
+                "tokenizer_class": "krafla", "eos_token": spelled(tokenizer.eos_id), "bos_token": spelled(tokenizer.bos_id),
                 "pad_token": None, "add_bos_token": bool(tokenizer.add_bos), "model_max_length": self.n_ctx,
                 "chat_template": template_file.jinja_of(path) if path else None}
+        return self._tokenizer_info
 
 
 class Echo:
@@ -273,15 +278,13 @@ class Echo:
         self.text = tokenizer.decode(self.ids, special=True).decode("utf-8", "replace")
         self.generation = None   # set once made: its prompt entries are read when the prompt is in
         self.sent = False        # streamed: the echo went out before the reply's first text
+        self.on_text = self.on_logprobs = None   # streamed: where the echo goes (Echo.streaming)
 
     def entries(self):
         """(bytes, logprob, top) of each echoed token; the first token scored after nothing is
         (bytes, None, None)."""
-        scored = self.backend.logprob_pieces(self.generation.result.prompt_logprobs
-                                             if self.generation.result is not None
-                                             else self.generation.prompt_entries)
-        entries = list(scored)   # after the added BOS, the first echoed token's is its first
-        if not self.skip:
+        entries = list(self.backend.logprob_pieces(self.generation.prompt_entries))
+        if not self.skip:   # after an added BOS, the first echoed token's entry is the first scored
             entries.insert(0, (self.backend.tokenizer.token_bytes(self.ids[0]), None, None))
         return entries
 
@@ -304,7 +307,7 @@ class Echo:
 
     def conclude(self, result):
         """The result with the echo before the reply (streamed: sent now, if no piece took it)."""
-        if hasattr(self, "on_text"):
+        if self.on_text is not None:
             if not self.sent:
                 self.sent = True
                 if self.on_logprobs is not None:

@@ -354,7 +354,7 @@ class Reply(QueuedReply):
         self.chat = completion.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(api.clock.seconds())
-        self.stream = EventStream(request, on_stop=self._client_gone) if completion.stream else None
+        self.stream = self._event_stream() if completion.stream else None
         self.pending_logprobs = []   # streamed: entries of tokens whose text is not sent yet
         self.text_offset = 0         # completions' logprobs.text_offset of the next token
         tool_format = getattr(api.backend, "tool_format", None) if self.chat else None
@@ -368,6 +368,10 @@ class Reply(QueuedReply):
         self.thinking = getattr(template, "thinking", False)
         self.reasoning_stream = reasoning_stream(template) if self.thinking and completion.stream else None
         self.reasoning_tokens = 0   # how many of the reply's tokens were reasoning, once it is done
+
+    def _event_stream(self):
+        """What the streamed reply's chunks go through: the response's own event stream."""
+        return EventStream(self.request, on_stop=self._client_gone)
 
     def start(self):
         self.request.work_pending = True
@@ -640,7 +644,7 @@ class Choices:
     def _client_gone(self, _=None):
         self.over = True
         for member in self.members:
-            member.cancel()
+            member._client_gone()
 
     def shut_down(self):
         """SIGTERM: every choice stops; the client gets the 503 (or, streamed, the error event)."""
@@ -716,8 +720,7 @@ class Choices:
         if not chunk.get("choices") and chunk.get("usage"):
             self.usages[index] = chunk["usage"]
             return
-        chunk["id"], chunk["created"] = self.id, self.created
-        for choice in chunk["choices"]:
+        for choice in chunk["choices"]:   # the id and created time are the group's already (ChoiceReply._envelope)
             choice["index"] = index
         self.stream.send(chunk)
 
@@ -772,18 +775,15 @@ class ChoiceReply(Reply):
     """One choice of a Choices response: a Reply whose output goes to the group instead of the request."""
 
     def __init__(self, group, index, completion):
-        super().__init__(group.api, group.request, completion)
         self.group = group
         self.index = index
-        if self.stream is not None:
-            self.stream = ChoiceStream(group, index)
+        super().__init__(group.api, group.request, completion)
+
+    def _event_stream(self):
+        return ChoiceStream(self.group, self.index)
 
     def start(self):
         self.api.worker.submit(self.job).addCallbacks(self._finished, self._failed)
-
-    def cancel(self):
-        self.gone = True
-        self.job.cancel()
 
     def _envelope(self, kind):
         envelope = super()._envelope(kind)

@@ -20,6 +20,7 @@ file's size plus its KV cache (parallel x ctx slots), later from what its last l
 """
 
 import dataclasses
+import math
 import os
 
 from krafla_twisted.cli import options
@@ -100,15 +101,18 @@ def read_models_dir(folder, base):
         if not file_name.endswith((".mlb", ".gguf")):
             continue
         item = {"name": os.path.splitext(file_name)[0], "file": file_name}
-        if is_encoder(os.path.join(folder, file_name)):
+        header = read_header(os.path.join(folder, file_name))   # once: for the kind here, the estimate in _spec
+        if is_encoder(header):
             item["embeddings"] = True
-        specs.append(_spec(item, len(specs), os.path.abspath(folder), base, folder))
+        specs.append(_spec(item, len(specs), os.path.abspath(folder), base, folder, header))
     if not specs:
         raise ModelsFileError(f"--models-dir {folder}: no .mlb or .gguf file there")
     return _checked(specs, folder)
 
 
-def _spec(item, index, folder, base, where):
+def _spec(item, index, folder, base, where, header=False):
+    """The ModelSpec of one [[model]] table; `header` is the file's read_header when the caller read
+    it already (False: not read yet)."""
     label = f"{where}: model {index + 1}"
     if not isinstance(item, dict):
         raise ModelsFileError(f"{label} is not a table of name, file, ...")
@@ -155,7 +159,8 @@ def _spec(item, index, folder, base, where):
         options.validate(merged)
     except ValueError as e:
         raise ModelsFileError(f"{label}: {e}") from None
-    header = read_header(path)  # once, for the estimate and the listings
+    if header is False:
+        header = read_header(path)  # once, for the estimate and the listings
     estimate = memory_estimate(path, header, 0 if embeddings else parallel, merged["ctx"], merged["kv"])
     return ModelSpec(name=name, path=path, tokenizer=tokenizer, aliases=tuple(aliases), embeddings=embeddings,
                      settings=settings, estimate=estimate, header=_listing(header))
@@ -181,10 +186,9 @@ def converted_files(gguf_path):
     return str(mlb), str(mlt)
 
 
-def is_encoder(path):
-    """Whether the .mlb is an embedding model (a BERT-family encoder, which `krafla convert` writes
-    with its pooling); False for a file whose header cannot be read."""
-    header = read_header(path)
+def is_encoder(header):
+    """Whether a model file, by its read_header, is an embedding model (a BERT-family encoder, which
+    `krafla convert` writes with its pooling); False for a header that could not be read."""
     meta = header[0] if header is not None else {}
     return "pooling" in meta or str(meta.get("arch", "")).endswith("bert")
 
@@ -213,8 +217,6 @@ def file_header(path):
 
 
 def _listing(header):
-    import math
-
     if header is None:
         return {}
     meta, tensors = header

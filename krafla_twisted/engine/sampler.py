@@ -57,8 +57,8 @@ SEED_MODULUS = 2**64
 class Sampler(clib.OwnedHandle):
     """Chooses tokens from logits with one seeded random stream; see krafla.h for the rules.
 
-    `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n and seed
-    attributes, and optionally frequency_penalty, presence_penalty and min_p (generate.SamplingParams); seed must be an int here (the caller picks one for None).
+    `params` is anything with temperature, top_p, top_k, repeat_penalty, repeat_last_n, seed,
+    frequency_penalty, presence_penalty and min_p attributes (generate.SamplingParams); seed must be an int here (the caller picks one for None).
     A bad value raises clib.KraflaError with the C library's message.
     """
 
@@ -71,9 +71,9 @@ class Sampler(clib.OwnedHandle):
             repeat_penalty=float(params.repeat_penalty),
             repeat_last_n=_int32(params.repeat_last_n, "repeat_last_n"),
             seed=int(params.seed) % SEED_MODULUS,
-            frequency_penalty=float(getattr(params, "frequency_penalty", 0.0)),
-            presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
-            min_p=float(getattr(params, "min_p", 0.0)),
+            frequency_penalty=float(params.frequency_penalty),
+            presence_penalty=float(params.presence_penalty),
+            min_p=float(params.min_p),
         )
         err = clib.kr_error()
         handle = self._lib.kr_sampler_new(ctypes.byref(raw), _int32(n_vocab, "n_vocab"), ctypes.byref(err))

@@ -61,7 +61,7 @@ def _char(reader, closing):
     """One (possibly escaped) character of a literal or class; `closing` ends it and is not read here."""
     text = reader.text
     if reader.at_end():
-        raise reader.error(f"unterminated {'string' if closing == chr(34) else 'character class'}")
+        raise reader.error("unterminated " + ("string" if closing == '"' else "character class"))
     char = text[reader.pos]
     if char == "\n" and closing == '"':
         raise reader.error("a string literal cannot span lines")
@@ -106,7 +106,7 @@ def _class(reader):
     parts = []
     while reader.peek() != "]":
         low = _char(reader, "]")
-        if reader.peek() == "-" and reader.peek(2) != "-]" and reader.text[reader.pos + 1:reader.pos + 2] not in ("]", ""):
+        if reader.peek() == "-" and reader.peek(2)[1:] not in ("]", ""):   # a range, not a trailing "-"
             reader.pos += 1
             high = _char(reader, "]")
             if ord(high) < ord(low):

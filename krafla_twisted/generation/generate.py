@@ -605,13 +605,13 @@ class Generation:
             if self.cancelled():
                 self._end("cancelled")
                 return None
-            if self.prompt_logprobs is not None:
+            scoring = self.prompt_logprobs is not None
+            if scoring:
                 budget = min(budget, PROMPT_LOGPROBS_CHUNK)
-                chunk = self.prompt[self.position:self.position + max(0, budget)]
-                self.pending = chunk
-                return chunk, ("all" if len(chunk) > 1 else "last")  # a lone token's row is its last
             chunk = self.prompt[self.position:self.position + max(0, budget)]
             self.pending = chunk
+            if scoring:
+                return chunk, ("all" if len(chunk) > 1 else "last")  # a lone token's row is its last
             return chunk, ("last" if self.position + len(chunk) == len(self.prompt) else "none")
         proposal = self._proposal(budget - 1)
         self.pending = [self.reply[-1]] + proposal
@@ -668,7 +668,7 @@ class Generation:
             after = self.position + index + 1
             if after < len(prompt):
                 self.prompt_entries.append(token_logprob(row, prompt[after], self.prompt_logprobs))
-        return rows[len(self.pending) - 1]
+        return rows[-1]
 
     def _verify(self, rows):
         """Sample position by position from `rows` (row j after pending[j]) exactly as without

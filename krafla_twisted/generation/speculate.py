@@ -214,6 +214,9 @@ class _Greedy:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 0
     seed: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 class DraftProposer:
